@@ -1,0 +1,146 @@
+// The CPU backend: every op runs eagerly on the backend's own thread pool.
+#include <algorithm>
+#include <cstring>
+
+#include "backends/cpu/kernels.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "ops/backend.h"
+
+namespace turbospark {
+namespace {
+
+cpu::KvView to_kernel_view(const KvLayerView& kv) {
+  cpu::KvView v;
+  v.k_blocks = kv.k_blocks;
+  v.v_blocks = kv.v_blocks;
+  v.block_table = kv.block_table;
+  v.block_size = kv.block_size;
+  v.n_kv_heads = kv.n_kv_heads;
+  v.head_dim = kv.head_dim;
+  return v;
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int n_threads) : pool_(n_threads) {}
+
+  std::string name() const override { return "cpu"; }
+
+  std::shared_ptr<float> alloc(int64_t n_floats) override {
+    // 64-byte aligned so vector loads of a row start never split a cache line.
+    size_t bytes = (size_t(std::max<int64_t>(n_floats, 1)) * sizeof(float) + 63) / 64 * 64;
+    float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (!p) fail("out of memory allocating {} bytes of activations", bytes);
+    std::memset(p, 0, bytes);
+    return std::shared_ptr<float>(p, [](float* q) { std::free(q); });
+  }
+
+  void upload(const Mat& dst, const float* src) override {
+    for (int64_t r = 0; r < dst.rows; ++r) std::memcpy(dst.row(r), src + r * dst.cols, size_t(dst.cols) * 4);
+  }
+
+  void download(const Mat& src, float* dst) override {
+    for (int64_t r = 0; r < src.rows; ++r) std::memcpy(dst + r * src.cols, src.row(r), size_t(src.cols) * 4);
+  }
+
+  void matmul(const Weight& w, const Mat& x, const Mat& y) override { cpu::matmul(pool_, w.view, x, y); }
+
+  void add_bias(const Mat& y, const float* bias) override {
+    for (int64_t r = 0; r < y.rows; ++r) {
+      float* row = y.row(r);
+      for (int64_t c = 0; c < y.cols; ++c) row[c] += bias[c];
+    }
+  }
+
+  void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset) override {
+    cpu::rmsnorm(x, weight, eps, y, weight_offset);
+  }
+
+  void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t* positions,
+            const float* inv_freq, float attention_factor) override {
+    cpu::rope_neox(x, n_heads, head_dim, rotary_dim, positions, inv_freq, attention_factor);
+  }
+
+  void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions) override {
+    const int64_t width = int64_t(kv.n_kv_heads) * kv.head_dim;
+    for (int64_t t = 0; t < k.rows; ++t) {
+      int64_t p = positions[t];
+      int32_t block = kv.block_table[p / kv.block_size];
+      int64_t off = (p % kv.block_size) * width;
+      std::memcpy(kv.k_blocks[block] + off, k.row(t), size_t(width) * 4);
+      std::memcpy(kv.v_blocks[block] + off, v.row(t), size_t(width) * 4);
+    }
+  }
+
+  void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
+                 int window, const float* sinks, const Mat& out) override {
+    cpu::attention(pool_, q, positions, to_kernel_view(kv), n_heads, scale, window, sinks, out);
+  }
+
+  void swiglu(const Mat& gate, const Mat& up, const Mat& out) override { cpu::swiglu(gate, up, out); }
+
+  void embedding(const Weight& table, const int32_t* ids, int64_t n, float scale, const Mat& out) override {
+    cpu::embedding(table.view, ids, n, scale, out);
+  }
+
+  void add(const Mat& y, const Mat& x) override { cpu::add_scaled(y, x, 1.f); }
+
+  void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight) override {
+    cpu::router_softmax_topk(logits, k, renormalize, idx, weight);
+  }
+
+  void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
+                   const float* weight, int k, const Mat& out) override {
+    // Group the micro-batch's (token, slot) pairs by expert so each expert's weights are
+    // streamed once per micro-batch, as a GEMM over its tokens rather than a GEMV per token.
+    const int64_t T = x.rows, hidden = x.cols;
+    const int64_t n_experts = int64_t(experts.size());
+    std::vector<std::vector<std::pair<int32_t, float>>> by_expert(static_cast<size_t>(n_experts));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int j = 0; j < k; ++j) {
+        int32_t e = idx[t * k + j];
+        TS_CHECK(e >= 0 && e < n_experts, "router chose expert {} of {}", e, n_experts);
+        by_expert[size_t(e)].emplace_back(int32_t(t), weight[t * k + j]);
+      }
+    }
+    for (int64_t r = 0; r < T; ++r) std::memset(out.row(r), 0, size_t(out.cols) * 4);
+    const int64_t inter = experts.empty() ? 0 : experts[0].gate.rows();
+    ensure_scratch(T * (hidden + 3 * inter + hidden));
+    for (int64_t e = 0; e < n_experts; ++e) {
+      const auto& rows = by_expert[size_t(e)];
+      if (rows.empty()) continue;
+      const int64_t n = int64_t(rows.size());
+      const ExpertWeights& ew = experts[size_t(e)];
+      Mat xs(scratch_.data(), n, hidden);
+      Mat gate(xs.data + n * hidden, n, inter);
+      Mat up(gate.data + n * inter, n, inter);
+      Mat y(up.data + n * inter, n, hidden);
+      for (int64_t i = 0; i < n; ++i) std::memcpy(xs.row(i), x.row(rows[size_t(i)].first), size_t(hidden) * 4);
+      cpu::matmul(pool_, ew.gate.view, xs, gate);
+      cpu::matmul(pool_, ew.up.view, xs, up);
+      cpu::swiglu(gate, up, gate);
+      cpu::matmul(pool_, ew.down.view, gate, y);
+      for (int64_t i = 0; i < n; ++i) {
+        float* dst = out.row(rows[size_t(i)].first);
+        const float* src = y.row(i);
+        const float wgt = rows[size_t(i)].second;
+        for (int64_t c = 0; c < hidden; ++c) dst[c] += wgt * src[c];
+      }
+    }
+  }
+
+ private:
+  void ensure_scratch(int64_t n) {
+    if (int64_t(scratch_.size()) < n) scratch_.resize(size_t(n));
+  }
+
+  ThreadPool pool_;
+  std::vector<float> scratch_;  // gathered expert inputs and FFN intermediates, grown once
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_unique<CpuBackend>(n_threads); }
+
+}  // namespace turbospark

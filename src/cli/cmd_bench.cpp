@@ -1,0 +1,86 @@
+// turbospark bench: load time, prefill and decode throughput, and decode's achieved
+// weight-streaming bandwidth next to the machine's measured DRAM read bandwidth.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include "backends/cpu/membw.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "engine/sampler.h"
+#include "engine/session.h"
+
+namespace turbospark::cli {
+
+void add_bench_command(CLI::App& app) {
+  struct Opts {
+    std::string model, device = "cpu";
+    int64_t prompt = 128, decode = 32;
+    int threads = 0, repeat = 3;
+    bool no_membw = false;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand("bench", "Measure load, prefill and decode speed and decode bandwidth");
+  cmd->add_option("--model,-m", o->model, "Model directory")->required();
+  cmd->add_option("--prompt", o->prompt, "Prompt tokens for the prefill measurement")->capture_default_str();
+  cmd->add_option("--decode", o->decode, "Tokens to decode")->capture_default_str();
+  cmd->add_option("--repeat", o->repeat, "Repetitions (the median is reported)")->capture_default_str();
+  cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
+  cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
+  cmd->add_flag("--no-membw", o->no_membw, "Skip measuring DRAM bandwidth");
+  cmd->callback([o] {
+    using Clock = std::chrono::steady_clock;
+    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, false);
+    const Model& model = *rt.model.model;
+    const ModelInfo& info = model.info();
+    if (o->prompt < 1 || o->decode < 1) fail("bench: --prompt and --decode must be >= 1");
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int32_t> pick(0, int32_t(info.vocab_size - 1));
+    std::vector<int32_t> prompt(size_t(o->prompt));
+    for (auto& t : prompt) t = pick(rng);
+    SessionOptions so;
+    so.max_context = std::max<int64_t>(info.max_context, o->prompt + o->decode + 1);
+    Session session(model, *rt.backend, so);
+    std::vector<double> prefill_tps, decode_tps;
+    for (int r = 0; r < std::max(1, o->repeat); ++r) {
+      session.reset();
+      auto t0 = Clock::now();
+      std::vector<float> logits = session.feed(prompt);
+      double tp = std::chrono::duration<double>(Clock::now() - t0).count();
+      prefill_tps.push_back(double(o->prompt) / tp);
+      auto t1 = Clock::now();
+      for (int64_t i = 0; i < o->decode; ++i) {
+        int32_t next[1] = {argmax(logits.data(), info.vocab_size)};
+        logits = session.feed(next);
+      }
+      double td = std::chrono::duration<double>(Clock::now() - t1).count();
+      decode_tps.push_back(double(o->decode) / td);
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double pf = median(prefill_tps), dc = median(decode_tps);
+    const double gbs = dc * double(info.active_weight_bytes) / 1e9;
+    fmt::print("model        {} ({}), {:.1f}M params, {:.1f} MiB weights, {:.1f} MiB read per token\n", info.architecture,
+               o->model, double(info.n_params) / 1e6, double(info.weight_bytes) / (1 << 20),
+               double(info.active_weight_bytes) / (1 << 20));
+    fmt::print("load         {:.2f} s\n", rt.load_seconds);
+    fmt::print("prefill      {:.1f} tok/s  ({} tokens, median of {})\n", pf, o->prompt, prefill_tps.size());
+    fmt::print("decode       {:.2f} tok/s  ({} tokens after the prompt, median of {})\n", dc, o->decode, decode_tps.size());
+    fmt::print("decode bw    {:.2f} GB/s of weights\n", gbs);
+    if (!o->no_membw) {
+      rt.backend.reset();  // its workers stop spinning before the bandwidth probe
+      ThreadPool pool(o->threads);
+      const double peak = cpu::measure_read_bandwidth_gbs(pool);
+      fmt::print("dram read    {:.2f} GB/s measured ({} threads) -> decode at {:.0f}% of it\n", peak, pool.size(),
+                 100.0 * gbs / peak);
+    }
+  });
+}
+
+}  // namespace turbospark::cli

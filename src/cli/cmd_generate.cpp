@@ -1,0 +1,122 @@
+// turbospark generate / run: sample a continuation of a prompt.
+#include <fmt/format.h>
+
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "core/error.h"
+#include "engine/generate.h"
+
+namespace turbospark::cli {
+
+namespace {
+
+struct GenOpts {
+  std::string model, prompt, tokens, format = "text", device = "cpu";
+  int64_t max_tokens = 128, ctx = 0;
+  int threads = 0;
+  bool raw = false, quiet = false;
+  SamplingParams sampling;
+};
+
+void add_sampling_options(CLI::App* cmd, GenOpts& o) {
+  cmd->add_option("--max-tokens,-n", o.max_tokens, "Most tokens to generate")->capture_default_str();
+  cmd->add_option("--temperature,-t", o.sampling.temperature, "Sampling temperature; 0 = greedy")->capture_default_str();
+  cmd->add_option("--top-k", o.sampling.top_k, "Keep the k most likely tokens (0 = off)")->capture_default_str();
+  cmd->add_option("--top-p", o.sampling.top_p, "Nucleus sampling mass (1 = off)")->capture_default_str();
+  cmd->add_option("--min-p", o.sampling.min_p, "Drop tokens below min-p x the top probability (0 = off)")->capture_default_str();
+  cmd->add_option("--seed", o.sampling.seed, "Random seed")->capture_default_str();
+  cmd->add_option("--ctx", o.ctx, "Context length in tokens (default: the model's)");
+  cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)");
+  cmd->add_option("--device", o.device, "cpu (cuda when built with it)");
+}
+
+// Wraps a single user message in ChatML when the vocabulary has its markers (Qwen); the
+// full Jinja chat-template interpreter replaces this when it lands.
+std::string apply_chat_format(const Tokenizer& tok, const std::string& prompt) {
+  if (!tok.token_id("<|im_start|>") || !tok.token_id("<|im_end|>")) return prompt;
+  return "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n";
+}
+
+void run_generation(const GenOpts& o, const std::string& model_path, bool chat_format) {
+  LoadedRuntime rt = load_runtime(model_path, o.device, o.threads, o.quiet);
+  const Model& model = *rt.model.model;
+  std::vector<int32_t> prompt;
+  if (!o.tokens.empty()) {
+    prompt = parse_token_list(o.tokens);
+  } else {
+    if (!rt.tokenizer) fail("{}: no tokenizer.json beside the model; pass --tokens instead of a text prompt", model_path);
+    std::string text = chat_format ? apply_chat_format(*rt.tokenizer, o.prompt) : o.prompt;
+    prompt = rt.tokenizer->encode(text);
+  }
+  if (o.format != "text" && o.format != "ids") fail("--format {}: expected text or ids", o.format);
+  if (o.format == "text" && !rt.tokenizer) fail("{}: no tokenizer.json beside the model; use --format ids", model_path);
+  SessionOptions so;
+  so.max_context = o.ctx > 0 ? o.ctx : model.info().max_context;
+  Session session(model, *rt.backend, so);
+  Sampler sampler(o.sampling);
+  std::vector<int32_t> generated;
+  std::optional<Tokenizer::StreamDecoder> stream;
+  if (o.format == "text") stream.emplace(*rt.tokenizer);
+  GenerationStats stats = generate(session, sampler, prompt, o.max_tokens, rt.stop_ids, [&](int32_t token, bool stop) {
+    if (o.format == "ids") {
+      generated.push_back(token);
+    } else if (!stop) {
+      std::string piece = stream->push(token);
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    }
+    return true;
+  });
+  if (o.format == "ids") {
+    fmt::print("{}\n", join_ids(generated));
+  } else {
+    std::string rest = stream->flush();
+    std::fwrite(rest.data(), 1, rest.size(), stdout);
+    fmt::print("\n");
+  }
+  if (!o.quiet) {
+    const double decode_tps = stats.decode_seconds > 0 ? double(stats.generated_tokens - 1) / stats.decode_seconds : 0;
+    fmt::print(stderr, "prompt {} tokens in {:.2f}s ({:.1f} tok/s), generated {} tokens ({:.1f} tok/s)\n",
+               stats.prompt_tokens, stats.prefill_seconds, double(stats.prompt_tokens) / stats.prefill_seconds,
+               stats.generated_tokens, decode_tps);
+  }
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app) {
+  auto o = std::make_shared<GenOpts>();
+  o->sampling.temperature = 0.7f;
+  CLI::App* cmd = app.add_subcommand("generate", "Continue a prompt (raw text or token ids), no chat formatting");
+  cmd->add_option("--model,-m", o->model, "Model directory")->required();
+  auto* p = cmd->add_option("--prompt,-p", o->prompt, "Prompt text");
+  auto* t = cmd->add_option("--tokens", o->tokens, "Prompt as comma-separated token ids");
+  p->excludes(t);
+  cmd->add_option("--format", o->format, "Output: text, or ids (comma-separated generated ids)")->capture_default_str();
+  cmd->add_flag("--quiet,-q", o->quiet, "No progress or timing on stderr");
+  add_sampling_options(cmd, *o);
+  cmd->callback([o] {
+    if (o->prompt.empty() && o->tokens.empty()) fail("generate: give --prompt TEXT or --tokens IDS");
+    run_generation(*o, o->model, /*chat_format=*/false);
+  });
+}
+
+void add_run_command(CLI::App& app) {
+  auto o = std::make_shared<GenOpts>();
+  CLI::App* cmd = app.add_subcommand(
+      "run", "Answer a prompt with the given model, or the installed default model (chat formatting unless --raw)");
+  cmd->add_option("prompt", o->prompt, "The prompt")->required();
+  cmd->add_option("--model,-m", o->model, "Model directory (default: $TURBOSPARK_MODEL, then the installed default)");
+  cmd->add_flag("--raw", o->raw, "Feed the prompt as is, without chat formatting");
+  cmd->add_flag("--quiet,-q", o->quiet, "No progress or timing on stderr");
+  add_sampling_options(cmd, *o);
+  cmd->callback([o] {
+    if (o->prompt.empty()) fail("run: empty prompt");
+    std::string path = o->model.empty() ? default_model_path() : o->model;
+    run_generation(*o, path, !o->raw);
+  });
+}
+
+}  // namespace turbospark::cli

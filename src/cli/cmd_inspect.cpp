@@ -1,0 +1,57 @@
+// turbospark inspect: what a checkpoint holds, without running it.
+#include <fmt/format.h>
+
+#include <map>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "formats/hf_config.h"
+#include "formats/safetensors.h"
+#include "models/registry.h"
+
+namespace turbospark::cli {
+
+void add_inspect_command(CLI::App& app) {
+  struct Opts {
+    std::string model;
+    bool tensors = false;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand("inspect", "Show a checkpoint's config, tensor table and bytes by dtype");
+  cmd->add_option("--model,-m", o->model, "Model directory")->required();
+  cmd->add_flag("--tensors", o->tensors, "List every tensor (name, dtype, shape, bytes)");
+  cmd->callback([o] {
+    HfConfig config = HfConfig::load(o->model);
+    Checkpoint ckpt(o->model);
+    fmt::print("model      {}\n", o->model);
+    fmt::print("arch       {} (model_type {})\n", config.architecture(), config.model_type());
+    for (const char* f : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                          "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+                          "num_experts_per_tok", "max_position_embeddings"}) {
+      if (config.has(f)) fmt::print("{:<26} {}\n", f, config.text()[f].dump());
+    }
+    fmt::print("rope       {} theta {}\n", config.rope_type(), config.rope_theta(10000.0));
+    std::map<std::string, std::pair<int64_t, int64_t>> by_dtype;  // dtype -> (tensors, bytes)
+    int64_t total = 0, params = 0;
+    for (const auto& [name, t] : ckpt.all()) {
+      auto& e = by_dtype[std::string(dtype_name(t->dtype))];
+      e.first += 1;
+      e.second += int64_t(t->nbytes);
+      total += int64_t(t->nbytes);
+      params += t->numel();
+      if (o->tensors) fmt::print("  {:<64} {:<5} {:<18} {}\n", name, dtype_name(t->dtype), t->shape_str(), t->nbytes);
+    }
+    fmt::print("tensors    {} ({:.2f}M parameters, {:.2f} MiB)\n", ckpt.all().size(), double(params) / 1e6,
+               double(total) / (1 << 20));
+    for (const auto& [dt, e] : by_dtype) {
+      fmt::print("  {:<5} {:>6} tensors {:>12.2f} MiB\n", dt, e.first, double(e.second) / (1 << 20));
+    }
+    // Building the model validates every tensor's presence, dtype and shape.
+    LoadedModel loaded = load_model(o->model);
+    const ModelInfo& info = loaded.model->info();
+    fmt::print("family     {}: weights {:.2f} MiB, read per decode token {:.2f} MiB\n", info.family,
+               double(info.weight_bytes) / (1 << 20), double(info.active_weight_bytes) / (1 << 20));
+  });
+}
+
+}  // namespace turbospark::cli

@@ -1,0 +1,48 @@
+// turbospark logits: teacher-forced next-token logits for a token list, as .npy.
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "core/error.h"
+#include "core/npy.h"
+#include "engine/session.h"
+
+namespace turbospark::cli {
+
+void add_logits_command(CLI::App& app) {
+  struct Opts {
+    std::string model, tokens, out, router_out, device = "cpu";
+    int64_t chunk = 0;
+    int threads = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand("logits", "Write next-token logits for every prefix of a token list (float32 [T, vocab] .npy)");
+  cmd->add_option("--model", o->model, "Model directory (config.json + safetensors)")->required();
+  cmd->add_option("--tokens", o->tokens, "Comma-separated token ids, e.g. 5,17,9")->required();
+  cmd->add_option("--out", o->out, "Output .npy: row t = logits after tokens[0..t]")->required();
+  cmd->add_option("--chunk", o->chunk, "Feed the prompt as prefill chunks of N tokens (default: largest micro-batch)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--router-out", o->router_out, "Also write router probabilities [layers, T, n_experts] .npy (MoE models)");
+  cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
+  cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
+  cmd->callback([o] {
+    std::vector<int32_t> tokens = parse_token_list(o->tokens);
+    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true);
+    const Model& model = *rt.model.model;
+    if (!o->router_out.empty() && model.n_experts() == 0) {
+      fail("--router-out: {} has no routed experts", model.info().architecture);
+    }
+    SessionOptions so;
+    so.max_context = model.info().max_context;
+    Session session(model, *rt.backend, so);
+    std::vector<float> router;
+    std::vector<float> logits = session.feed(tokens, o->chunk, /*all_logits=*/true, o->router_out.empty() ? nullptr : &router);
+    const int64_t T = int64_t(tokens.size());
+    write_npy_f32(o->out, {T, model.info().vocab_size}, logits.data());
+    if (!o->router_out.empty()) {
+      write_npy_f32(o->router_out, {model.info().n_layers, T, model.n_experts()}, router.data());
+    }
+  });
+}
+
+}  // namespace turbospark::cli

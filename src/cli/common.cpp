@@ -1,0 +1,108 @@
+#include "cli/common.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/mapped_file.h"
+
+namespace turbospark::cli {
+
+namespace fs = std::filesystem;
+
+static void add_ids_from_json(const nlohmann::json& j, const char* field, std::vector<int32_t>* out) {
+  if (!j.contains(field)) return;
+  const auto& v = j[field];
+  if (v.is_number_integer()) out->push_back(v.get<int32_t>());
+  if (v.is_array()) {
+    for (const auto& e : v) {
+      if (e.is_number_integer()) out->push_back(e.get<int32_t>());
+    }
+  }
+}
+
+LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet) {
+  if (device != "cpu") fail("--device {}: not available in this build (only cpu)", device);
+  auto t0 = std::chrono::steady_clock::now();
+  if (!quiet) fmt::print(stderr, "loading {} ...\n", path);
+  LoadedRuntime rt;
+  rt.model = load_model(path);
+  rt.backend = make_cpu_backend(threads);
+  const ModelInfo& info = rt.model.model->info();
+  rt.stop_ids = info.eos_ids;
+  fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+  fs::path gen = dir / "generation_config.json";
+  if (fs::exists(gen)) {
+    try {
+      add_ids_from_json(nlohmann::json::parse(read_text_file(gen.string())), "eos_token_id", &rt.stop_ids);
+    } catch (const nlohmann::json::exception& e) {
+      fail("{}: malformed JSON: {}", gen.string(), e.what());
+    }
+  }
+  fs::path tok = dir / "tokenizer.json";
+  if (fs::exists(tok)) {
+    rt.tokenizer.emplace(Tokenizer::from_file(tok.string()));
+    for (const char* end : {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"}) {
+      if (auto id = rt.tokenizer->token_id(end)) rt.stop_ids.push_back(*id);
+    }
+    if (rt.tokenizer->vocab_size() > info.vocab_size) {
+      fail("{}: tokenizer has {} tokens but the model's vocab_size is {}", tok.string(), rt.tokenizer->vocab_size(),
+           info.vocab_size);
+    }
+  }
+  rt.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!quiet) {
+    fmt::print(stderr, "loaded {} ({}, {} layers, {:.1f}M params, {:.1f} MiB of weights) in {:.2f}s\n",
+               info.architecture, info.family, info.n_layers, double(info.n_params) / 1e6,
+               double(info.weight_bytes) / (1 << 20), rt.load_seconds);
+  }
+  return rt;
+}
+
+std::vector<int32_t> parse_token_list(const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t comma = text.find(',', pos);
+    std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    if (item.empty() && comma == std::string::npos && ids.empty()) break;
+    char* end = nullptr;
+    long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < INT32_MIN || v > INT32_MAX) fail("--tokens: {:?} is not a token id", item);
+    ids.push_back(int32_t(v));
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return ids;
+}
+
+std::string default_model_path() {
+  if (const char* env = std::getenv("TURBOSPARK_MODEL"); env && *env) {
+    if (!fs::exists(env)) fail("TURBOSPARK_MODEL={}: no such file or directory", env);
+    return env;
+  }
+  fs::path data;
+  if (const char* xdg = std::getenv("XDG_DATA_HOME"); xdg && *xdg) {
+    data = xdg;
+  } else if (const char* home = std::getenv("HOME"); home && *home) {
+    data = fs::path(home) / ".local" / "share";
+  }
+  fs::path candidate = data / "turbospark" / "default-model";
+  if (!data.empty() && fs::exists(candidate)) return candidate.string();
+  fail("no model given and no default model installed at {} (set TURBOSPARK_MODEL, pass --model, or run scripts/setup.sh)",
+       candidate.string());
+}
+
+std::string join_ids(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+}  // namespace turbospark::cli

@@ -1,0 +1,31 @@
+// turbospark: command-line front end. Every failure prints one line and exits non-zero.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <exception>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"turbospark: an inference engine for mixture-of-experts and dense language models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "turbospark 0.1.0");
+  turbospark::cli::add_run_command(app);
+  turbospark::cli::add_generate_command(app);
+  turbospark::cli::add_logits_command(app);
+  turbospark::cli::add_inspect_command(app);
+  turbospark::cli::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const turbospark::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

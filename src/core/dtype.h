@@ -1,0 +1,40 @@
+// Element types as stored in checkpoints, and the scalar conversions every backend's
+// reference path uses. Quantized formats get their own type with a scalar dequantizer
+// (see quant formats as they land); models never branch on a dtype.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+namespace turbospark {
+
+enum class DType : uint8_t { F32, F16, BF16, I64, I32, U8, U32, kCount };
+
+std::string_view dtype_name(DType t);
+// Bytes per element (all current dtypes are whole-byte elements).
+size_t dtype_size(DType t);
+// Parses a safetensors dtype string ("BF16", "F32", ...); returns false when unknown.
+bool dtype_from_safetensors(std::string_view s, DType* out);
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch does; NaN stays NaN.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+  uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t((bits + rounding) >> 16);
+}
+
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+
+}  // namespace turbospark

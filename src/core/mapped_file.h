@@ -1,0 +1,33 @@
+// Read-only memory-mapped files. Checkpoints are mapped, never copied: weights are read in
+// place, and a 90 GiB table costs only the pages a token touches.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace turbospark {
+
+class MappedFile {
+ public:
+  // Maps `path` read-only; throws Error naming the path when it cannot be opened or mapped.
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Whole-file read for small text files (configs, JSON); throws Error naming the path.
+std::string read_text_file(const std::string& path);
+bool file_exists(const std::string& path);
+
+}  // namespace turbospark

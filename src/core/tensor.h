@@ -1,0 +1,42 @@
+// Views over memory the engine does not own: weights (usually inside a memory-mapped
+// checkpoint) and activation matrices. Views are cheap to copy and never free anything.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace turbospark {
+
+// A 2-D weight matrix as stored: [rows, cols] row-major, each row `row_bytes` apart.
+// For a linear layer rows = out_features and cols = in_features (the checkpoint layout).
+struct WeightView {
+  DType dtype = DType::F32;
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_bytes = 0;
+
+  const uint8_t* row(int64_t r) const { return static_cast<const uint8_t*>(data) + r * row_bytes; }
+  int64_t bytes() const { return rows * row_bytes; }
+};
+
+// A 2-D float32 activation matrix [rows, cols] whose rows are `stride` floats apart.
+struct Mat {
+  float* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t stride = 0;
+
+  Mat() = default;
+  Mat(float* d, int64_t r, int64_t c) : data(d), rows(r), cols(c), stride(c) {}
+  Mat(float* d, int64_t r, int64_t c, int64_t s) : data(d), rows(r), cols(c), stride(s) {}
+  float* row(int64_t r) const { return data + r * stride; }
+  // Columns [c0, c0 + n) of every row, sharing storage.
+  Mat cols_slice(int64_t c0, int64_t n) const { return Mat(data + c0, rows, n, stride); }
+  // Rows [r0, r0 + n), sharing storage.
+  Mat rows_slice(int64_t r0, int64_t n) const { return Mat(data + r0 * stride, n, cols, stride); }
+};
+
+}  // namespace turbospark

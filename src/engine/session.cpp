@@ -1,0 +1,87 @@
+#include "engine/session.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace turbospark {
+
+static int64_t resolve_context(const Model& model, const SessionOptions& o) {
+  int64_t ctx = o.max_context > 0 ? o.max_context : model.info().max_context;
+  return ctx;
+}
+
+Session::Session(const Model& model, Backend& backend, SessionOptions options)
+    : model_(model),
+      backend_(backend),
+      options_(options),
+      max_context_(resolve_context(model, options)),
+      kv_(backend, model.kv_spec(), resolve_context(model, options)) {
+  TS_CHECK(options_.max_prefill_batch > 0, "max_prefill_batch must be positive");
+  workspace_ = model_.new_workspace(backend_, options_.max_prefill_batch);
+  positions_.resize(size_t(options_.max_prefill_batch));
+}
+
+std::vector<float> Session::feed(std::span<const int32_t> tokens, int64_t chunk, bool all_logits,
+                                 std::vector<float>* router_probs) {
+  const int64_t n = int64_t(tokens.size());
+  const ModelInfo& info = model_.info();
+  if (n == 0) fail("empty prompt: at least one token is needed");
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= info.vocab_size) {
+      fail("token id {} at index {} is outside the vocabulary (vocab_size {})", tokens[size_t(i)], i, info.vocab_size);
+    }
+  }
+  if (position_ + n > max_context_) {
+    fail("{} tokens at position {} exceed the context of {} tokens", n, position_, max_context_);
+  }
+  kv_.reserve(position_ + n);
+  int64_t step = options_.max_prefill_batch;
+  if (chunk > 0) step = std::min(step, chunk);
+
+  const int64_t V = info.vocab_size;
+  const int64_t E = model_.n_experts();
+  const int L = info.n_layers;
+  std::vector<float> logits(size_t(all_logits ? n * V : V));
+  std::vector<float> chunk_router;
+  if (router_probs) {
+    router_probs->assign(size_t(int64_t(L) * n * std::max<int64_t>(E, 1)), 0.f);
+    chunk_router.resize(size_t(int64_t(L) * step * std::max<int64_t>(E, 1)));
+  }
+  ForwardBatch batch;
+  batch.workspace = workspace_.get();
+  batch.trace = trace ? &trace : nullptr;
+  for (int i = 0; i < L; ++i) batch.kv.push_back(kv_.layer(i));
+  for (int64_t start = 0; start < n; start += step) {
+    const int64_t m = std::min(step, n - start);
+    for (int64_t t = 0; t < m; ++t) positions_[size_t(t)] = position_ + t;
+    batch.tokens = tokens.data() + start;
+    batch.positions = positions_.data();
+    batch.n = m;
+    batch.all_logits = all_logits;
+    batch.logits = all_logits ? logits.data() + start * V : logits.data();
+    if (router_probs) {
+      std::fill(chunk_router.begin(), chunk_router.end(), 0.f);
+      batch.router_probs = chunk_router.data();
+    }
+    model_.forward(backend_, batch);
+    if (router_probs && E > 0) {
+      for (int l = 0; l < L; ++l) {
+        std::memcpy(router_probs->data() + (int64_t(l) * n + start) * E, chunk_router.data() + int64_t(l) * m * E,
+                    size_t(m * E) * 4);
+      }
+    }
+    position_ += m;
+  }
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (!std::isfinite(logits[i])) {
+      const int64_t pos = all_logits ? position_ - n + int64_t(i) / V : position_ - 1;
+      fail("non-finite logit at position {} (NaN or Inf in the forward pass)", pos);
+    }
+  }
+  return logits;
+}
+
+}  // namespace turbospark

@@ -1,0 +1,54 @@
+// A session is one sequence being run: its KV cache, its position, and the model's
+// workspace. Prompts are fed in micro-batches of at most max_prefill_batch tokens
+// (chunked prefill); decode is a micro-batch of one. Chunk boundaries must not move the
+// logits (tested at many chunk sizes).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "engine/kv_cache.h"
+#include "models/model.h"
+
+namespace turbospark {
+
+constexpr int64_t kMaxPrefillBatch = 64;
+
+struct SessionOptions {
+  int64_t max_context = 0;  // 0: the model's max_position_embeddings
+  int64_t max_prefill_batch = kMaxPrefillBatch;
+};
+
+class Session {
+ public:
+  Session(const Model& model, Backend& backend, SessionOptions options = {});
+
+  // Runs `tokens` at the current position. `chunk` > 0 splits them into micro-batches of
+  // at most that many tokens (and never more than max_prefill_batch). With all_logits the
+  // result is [n, vocab], else [vocab] for the last token. router_probs, when non-null,
+  // receives [n_layers, n, n_experts] router probabilities.
+  std::vector<float> feed(std::span<const int32_t> tokens, int64_t chunk = 0, bool all_logits = false,
+                          std::vector<float>* router_probs = nullptr);
+
+  int64_t position() const { return position_; }
+  int64_t max_context() const { return max_context_; }
+  const Model& model() const { return model_; }
+  // Forgets the sequence (keeps the allocated blocks for reuse).
+  void reset() { position_ = 0; }
+
+  TraceHook trace;  // optional per-activation hook for dump-and-diff tools and tests
+
+ private:
+  const Model& model_;
+  Backend& backend_;
+  SessionOptions options_;
+  int64_t max_context_;
+  int64_t position_ = 0;
+  KvCache kv_;
+  std::unique_ptr<ModelWorkspace> workspace_;
+  std::vector<int64_t> positions_;
+};
+
+}  // namespace turbospark

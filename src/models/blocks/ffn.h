@@ -1,0 +1,34 @@
+// Feed-forward blocks: the dense SwiGLU MLP and the routed mixture of experts.
+#pragma once
+
+#include <vector>
+
+#include "ops/backend.h"
+
+namespace turbospark {
+
+struct DenseMlpWeights {
+  Weight gate, up;  // [inter, hidden]
+  Weight down;      // [hidden, inter]
+};
+
+struct MoeWeights {
+  Weight router;                      // [n_experts, hidden]
+  std::vector<ExpertWeights> experts; // n_experts routed experts
+  int top_k = 0;
+  bool renormalize = false;           // norm_topk_prob
+};
+
+struct FfnScratch {
+  Mat gate, up;          // [rows, inter] (dense)
+  Mat router_logits;     // [rows, n_experts]
+  std::vector<int32_t> topk_idx;   // [rows, top_k]
+  std::vector<float> topk_weight;  // [rows, top_k]
+};
+
+void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out);
+
+// When router_probs is non-null it receives softmax(router logits) [rows, n_experts].
+void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs);
+
+}  // namespace turbospark

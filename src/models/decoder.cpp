@@ -1,0 +1,248 @@
+#include "models/decoder.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "formats/hf_config.h"
+#include "formats/safetensors.h"
+#include "models/blocks/rope.h"
+
+namespace turbospark {
+
+DecoderHparams read_common_hparams(const HfConfig& c) {
+  DecoderHparams hp;
+  hp.vocab_size = c.get_int("vocab_size");
+  hp.hidden = c.get_int("hidden_size");
+  hp.intermediate = c.get_int("intermediate_size");
+  hp.n_layers = int(c.get_int("num_hidden_layers"));
+  hp.n_heads = int(c.get_int("num_attention_heads"));
+  hp.n_kv_heads = int(c.get_int("num_key_value_heads", hp.n_heads));
+  hp.head_dim = int(c.get_int("head_dim", hp.n_heads ? hp.hidden / hp.n_heads : 0));
+  hp.rotary_dim = hp.head_dim;
+  hp.rope_theta = c.rope_theta(10000.0);
+  hp.rms_eps = float(c.get_float("rms_norm_eps", 1e-6));
+  hp.tie_embeddings = c.get_bool("tie_word_embeddings", false);
+  hp.attention_bias = c.get_bool("attention_bias", false);
+  hp.max_context = c.get_int("max_position_embeddings", 4096);
+  auto positive = [&](const char* field, int64_t v) {
+    if (v <= 0) fail("{}: field {} must be positive, got {}", c.path(), field, v);
+  };
+  positive("vocab_size", hp.vocab_size);
+  positive("hidden_size", hp.hidden);
+  positive("num_hidden_layers", hp.n_layers);
+  positive("num_attention_heads", hp.n_heads);
+  positive("num_key_value_heads", hp.n_kv_heads);
+  positive("head_dim", hp.head_dim);
+  positive("max_position_embeddings", hp.max_context);
+  if (hp.n_heads % hp.n_kv_heads != 0) {
+    fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", c.path(), hp.n_heads, hp.n_kv_heads);
+  }
+  if (hp.head_dim % 2 != 0) fail("{}: head_dim {} must be even for RoPE", c.path(), hp.head_dim);
+  const std::string rope = c.rope_type();
+  if (rope != "default") fail("{}: rope_type {} is not supported for this family yet", c.path(), rope);
+  if (c.get_bool("use_sliding_window", false)) fail("{}: use_sliding_window=true is not supported for this family yet", c.path());
+  const std::string act = c.get_string("hidden_act", "silu");
+  if (act != "silu") fail("{}: hidden_act {} is not supported (only silu)", c.path(), act);
+  hp.layers.assign(size_t(hp.n_layers), LayerConfig{});
+  return hp;
+}
+
+static Weight make_weight(const Checkpoint& ck, const std::string& name, int64_t rows, int64_t cols, int layer) {
+  Weight w;
+  w.view = ck.matrix(name, rows, cols);
+  w.name = name;
+  w.layer = layer;
+  return w;
+}
+
+static std::string layer_prefix(const TensorNames& n, int i) { return fmt::format(fmt::runtime(n.layer), i); }
+
+DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames& names, const Checkpoint& ck)
+    : info_(std::move(info)), hp_(std::move(hp)) {
+  const int64_t H = hp_.hidden;
+  embed_ = make_weight(ck, names.embed, hp_.vocab_size, H, -1);
+  if (hp_.tie_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    lm_head_ = make_weight(ck, names.lm_head, hp_.vocab_size, H, -1);
+  }
+  final_norm_ = ck.floats(names.final_norm, {H});
+  const int64_t q_width = int64_t(hp_.n_heads) * hp_.head_dim, kv_width = int64_t(hp_.n_kv_heads) * hp_.head_dim;
+  auto inv_freq = rope_inv_freq_default(hp_.rope_theta, hp_.rotary_dim);
+  int64_t bytes = embed_.view.bytes() + (hp_.tie_embeddings ? 0 : lm_head_.view.bytes());
+  int64_t active = bytes;
+  layers_.resize(size_t(hp_.n_layers));
+  for (int i = 0; i < hp_.n_layers; ++i) {
+    Layer& L = layers_[size_t(i)];
+    const std::string p = layer_prefix(names, i);
+    L.attn_norm = ck.floats(p + names.attn_norm, {H});
+    L.ffn_norm = ck.floats(p + names.ffn_norm, {H});
+    AttentionParams& ap = L.attn_params;
+    ap.n_heads = hp_.n_heads;
+    ap.n_kv_heads = hp_.n_kv_heads;
+    ap.head_dim = hp_.head_dim;
+    ap.rotary_dim = hp_.rotary_dim;
+    ap.scale = 1.0f / std::sqrt(float(hp_.head_dim));
+    ap.window = hp_.layers[size_t(i)].window;
+    ap.norm_eps = hp_.rms_eps;
+    ap.inv_freq = inv_freq;
+    AttentionWeights& aw = L.attn;
+    aw.q = make_weight(ck, p + names.q + ".weight", q_width, H, i);
+    aw.k = make_weight(ck, p + names.k + ".weight", kv_width, H, i);
+    aw.v = make_weight(ck, p + names.v + ".weight", kv_width, H, i);
+    aw.o = make_weight(ck, p + names.o + ".weight", H, q_width, i);
+    if (hp_.attention_bias) {
+      aw.q_bias = ck.floats(p + names.q + ".bias", {q_width});
+      aw.k_bias = ck.floats(p + names.k + ".bias", {kv_width});
+      aw.v_bias = ck.floats(p + names.v + ".bias", {kv_width});
+      if (ck.has(p + names.o + ".bias")) aw.o_bias = ck.floats(p + names.o + ".bias", {H});
+    }
+    if (hp_.qk_norm) {
+      aw.q_norm = ck.floats(p + names.q_norm, {hp_.head_dim});
+      aw.k_norm = ck.floats(p + names.k_norm, {hp_.head_dim});
+    }
+    int64_t layer_bytes = aw.q.view.bytes() + aw.k.view.bytes() + aw.v.view.bytes() + aw.o.view.bytes();
+    int64_t layer_active = layer_bytes;
+    L.ffn = hp_.layers[size_t(i)].ffn;
+    if (L.ffn == FfnKind::kDense) {
+      const int64_t I = hp_.intermediate;
+      L.mlp.gate = make_weight(ck, p + names.gate, I, H, i);
+      L.mlp.up = make_weight(ck, p + names.up, I, H, i);
+      L.mlp.down = make_weight(ck, p + names.down, H, I, i);
+      layer_bytes += 3 * L.mlp.gate.view.bytes();
+      layer_active += 3 * L.mlp.gate.view.bytes();
+    } else {
+      const int64_t I = hp_.moe_intermediate, E = hp_.n_experts;
+      L.moe.router = make_weight(ck, p + names.router, E, H, i);
+      L.moe.top_k = hp_.top_k;
+      L.moe.renormalize = hp_.norm_topk_prob;
+      const bool fused = ck.has(p + names.fused_gate_up);
+      for (int e = 0; e < E; ++e) {
+        ExpertWeights ew;
+        if (fused) {
+          ew.gate.view = ck.matrix_in_stack(p + names.fused_gate_up, e, E, 2 * I, H);
+          ew.gate.view.rows = I;  // gate rows first, then up rows
+          ew.up.view = ew.gate.view;
+          ew.up.view.data = ew.gate.view.row(I);
+          ew.down.view = ck.matrix_in_stack(p + names.fused_down, e, E, H, I);
+          ew.gate.name = ew.up.name = p + names.fused_gate_up;
+          ew.down.name = p + names.fused_down;
+        } else {
+          const std::string ep = p + fmt::format(fmt::runtime(names.expert), e);
+          ew.gate = make_weight(ck, ep + "gate_proj.weight", I, H, i);
+          ew.up = make_weight(ck, ep + "up_proj.weight", I, H, i);
+          ew.down = make_weight(ck, ep + "down_proj.weight", H, I, i);
+        }
+        for (Weight* w : {&ew.gate, &ew.up, &ew.down}) {
+          w->layer = i;
+          w->expert = e;
+          w->residency = Residency::kStreamedExpert;
+        }
+        L.moe.experts.push_back(std::move(ew));
+      }
+      const int64_t expert_bytes = 3 * L.moe.experts[0].gate.view.bytes();
+      layer_bytes += L.moe.router.view.bytes() + E * expert_bytes;
+      layer_active += L.moe.router.view.bytes() + hp_.top_k * expert_bytes;
+    }
+    bytes += layer_bytes;
+    active += layer_active;
+  }
+  info_.vocab_size = hp_.vocab_size;
+  info_.hidden_size = H;
+  info_.n_layers = hp_.n_layers;
+  info_.max_context = hp_.max_context;
+  info_.weight_bytes = bytes;
+  info_.active_weight_bytes = active;
+  int64_t params = 0;
+  for (const auto& [name, t] : ck.all()) params += t->numel();
+  info_.n_params = params;
+}
+
+std::vector<KvLayerSpec> DecoderModel::kv_spec() const {
+  return std::vector<KvLayerSpec>(size_t(hp_.n_layers), KvLayerSpec{hp_.n_kv_heads, hp_.head_dim});
+}
+
+namespace {
+
+struct DecoderWorkspace : ModelWorkspace {
+  std::shared_ptr<float> storage;
+  int64_t capacity = 0;
+  Mat x, xn, branch, logits;  // [rows, hidden] x3, [rows, vocab]
+  AttentionScratch attn;
+  FfnScratch ffn;
+};
+
+}  // namespace
+
+std::unique_ptr<ModelWorkspace> DecoderModel::new_workspace(Backend& be, int64_t max_rows) const {
+  auto ws = std::make_unique<DecoderWorkspace>();
+  const int64_t H = hp_.hidden, R = max_rows;
+  const int64_t qw = int64_t(hp_.n_heads) * hp_.head_dim, kvw = int64_t(hp_.n_kv_heads) * hp_.head_dim;
+  const int64_t inter = std::max(hp_.intermediate, hp_.moe_intermediate);
+  const int64_t E = std::max(hp_.n_experts, 1);
+  const int64_t sizes[] = {R * H, R * H, R * H, R * hp_.vocab_size, R * qw, R * kvw, R * kvw, R * qw,
+                           R * inter, R * inter, R * E};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += (s + 15) / 16 * 16;
+  ws->storage = be.alloc(total);
+  ws->capacity = R;
+  float* p = ws->storage.get();
+  auto take = [&](int64_t cols) {
+    Mat m(p, R, cols);
+    p += (R * cols + 15) / 16 * 16;
+    return m;
+  };
+  ws->x = take(H);
+  ws->xn = take(H);
+  ws->branch = take(H);
+  ws->logits = take(hp_.vocab_size);
+  ws->attn.q = take(qw);
+  ws->attn.k = take(kvw);
+  ws->attn.v = take(kvw);
+  ws->attn.attn = take(qw);
+  ws->ffn.gate = take(inter);
+  ws->ffn.up = take(inter);
+  ws->ffn.router_logits = take(E);
+  return ws;
+}
+
+void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
+  auto& ws = *static_cast<DecoderWorkspace*>(b.workspace);
+  TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
+  TS_CHECK(int(b.kv.size()) == hp_.n_layers, "KV views for {} layers, model has {}", b.kv.size(), hp_.n_layers);
+  const int64_t n = b.n;
+  Mat x = ws.x.rows_slice(0, n), xn = ws.xn.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
+  auto trace = [&](const char* name, int layer, const Mat& m) {
+    if (b.trace && *b.trace) (*b.trace)(name, layer, m);
+  };
+  be.embedding(embed_, b.tokens, n, 1.0f, x);
+  for (int i = 0; i < hp_.n_layers; ++i) {
+    const Layer& L = layers_[size_t(i)];
+    trace("layer_in", i, x);
+    be.rmsnorm(x, L.attn_norm.data(), hp_.rms_eps, xn);
+    attention_block(be, L.attn_params, L.attn, xn, b.positions, b.kv[size_t(i)], ws.attn, branch);
+    trace("attn_out", i, branch);
+    be.add(x, branch);
+    be.rmsnorm(x, L.ffn_norm.data(), hp_.rms_eps, xn);
+    if (L.ffn == FfnKind::kDense) {
+      dense_mlp(be, L.mlp, xn, ws.ffn, branch);
+    } else {
+      float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
+      moe_ffn(be, L.moe, xn, ws.ffn, branch, probs);
+    }
+    trace("ffn_out", i, branch);
+    be.add(x, branch);
+  }
+  // Only the rows whose logits are wanted go through the final norm and the LM head.
+  Mat last = b.all_logits ? x : x.rows_slice(n - 1, 1);
+  Mat normed = xn.rows_slice(0, last.rows);
+  be.rmsnorm(last, final_norm_.data(), hp_.rms_eps, normed);
+  trace("final_norm", hp_.n_layers, normed);
+  Mat logits = ws.logits.rows_slice(0, last.rows);
+  be.matmul(lm_head_, normed, logits);
+  be.download(logits, b.logits);
+}
+
+}  // namespace turbospark

@@ -1,0 +1,83 @@
+// The pre-norm decoder stack shared by the dense and MoE families: embedding, layers of
+// [norm -> attention -> residual, norm -> FFN -> residual], final norm, LM head. What
+// differs between families and between layers is data (DecoderHparams, LayerConfig,
+// TensorNames), not branches in the forward pass.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "models/blocks/attention.h"
+#include "models/blocks/ffn.h"
+#include "models/model.h"
+
+namespace turbospark {
+
+enum class FfnKind : uint8_t { kDense, kMoe };
+
+struct LayerConfig {
+  FfnKind ffn = FfnKind::kDense;
+  int window = 0;  // sliding-window size, 0 = full attention
+};
+
+struct DecoderHparams {
+  int64_t vocab_size = 0, hidden = 0, intermediate = 0, moe_intermediate = 0;
+  int n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  int n_experts = 0, top_k = 0;
+  bool norm_topk_prob = false, qk_norm = false, attention_bias = false, tie_embeddings = false;
+  double rope_theta = 10000.0;
+  float rms_eps = 1e-6f;
+  int64_t max_context = 0;
+  std::vector<LayerConfig> layers;
+};
+
+// Checkpoint tensor names; "{}" is replaced by the layer index and then, for per-expert
+// names, by the expert index.
+struct TensorNames {
+  std::string embed = "model.embed_tokens.weight";
+  std::string final_norm = "model.norm.weight";
+  std::string lm_head = "lm_head.weight";
+  std::string layer = "model.layers.{}.";
+  // relative to layer
+  std::string attn_norm = "input_layernorm.weight", ffn_norm = "post_attention_layernorm.weight";
+  std::string q = "self_attn.q_proj", k = "self_attn.k_proj", v = "self_attn.v_proj", o = "self_attn.o_proj";
+  std::string q_norm = "self_attn.q_norm.weight", k_norm = "self_attn.k_norm.weight";
+  std::string gate = "mlp.gate_proj.weight", up = "mlp.up_proj.weight", down = "mlp.down_proj.weight";
+  std::string router = "mlp.gate.weight";
+  std::string expert = "mlp.experts.{}.";  // per-expert prefix, + gate_proj/up_proj/down_proj
+  std::string fused_gate_up = "mlp.experts.gate_up_proj";  // [E, 2*inter, hidden], gate rows first
+  std::string fused_down = "mlp.experts.down_proj";        // [E, hidden, inter]
+};
+
+class DecoderModel : public Model {
+ public:
+  DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames& names, const Checkpoint& ckpt);
+
+  const ModelInfo& info() const override { return info_; }
+  std::vector<KvLayerSpec> kv_spec() const override;
+  int64_t n_experts() const override { return hp_.n_experts; }
+  std::unique_ptr<ModelWorkspace> new_workspace(Backend& backend, int64_t max_rows) const override;
+  void forward(Backend& backend, const ForwardBatch& batch) const override;
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, ffn_norm;  // [hidden] f32
+    AttentionParams attn_params;
+    AttentionWeights attn;
+    DenseMlpWeights mlp;
+    MoeWeights moe;
+    FfnKind ffn = FfnKind::kDense;
+  };
+
+  ModelInfo info_;
+  DecoderHparams hp_;
+  Weight embed_;     // [vocab, hidden]
+  Weight lm_head_;   // [vocab, hidden] (the embedding when tied)
+  std::vector<float> final_norm_;
+  std::vector<Layer> layers_;
+};
+
+// Reads the fields every Qwen/Llama-style config shares (sizes, heads, rope, eps, tying).
+DecoderHparams read_common_hparams(const HfConfig& config);
+
+}  // namespace turbospark

@@ -1,0 +1,81 @@
+// What every model family provides to the engine: its facts (ModelInfo), the per-layer KV
+// geometry the engine allocates (KvSpec), and a forward pass over a micro-batch of tokens
+// recorded against a Backend. Families are built from the shared blocks in blocks/ and
+// registered in registry.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "ops/backend.h"
+
+namespace turbospark {
+
+class Checkpoint;
+class HfConfig;
+
+struct ModelInfo {
+  std::string architecture;  // e.g. "Qwen3ForCausalLM"
+  std::string family;        // registry key, e.g. "qwen3"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int n_layers = 0;
+  int64_t max_context = 0;  // max_position_embeddings
+  std::vector<int32_t> eos_ids;
+  int64_t n_params = 0;
+  int64_t weight_bytes = 0;          // every weight the model reads
+  int64_t active_weight_bytes = 0;   // bytes one decode token reads (top-k experts only)
+};
+
+// KV geometry per layer (n_kv_heads, head_dim); 0 heads for a layer without a KV cache.
+struct KvLayerSpec {
+  int n_kv_heads = 0;
+  int head_dim = 0;
+};
+
+// Per-forward scratch a family allocates once (sized for the largest micro-batch) and the
+// engine keeps per session, so a decode step allocates nothing.
+class ModelWorkspace {
+ public:
+  virtual ~ModelWorkspace() = default;
+};
+
+// Names an intermediate activation for dump-and-diff against the reference (llama.cpp's
+// cb(cur, name, il)). Called with the backend's view; a null hook costs nothing.
+using TraceHook = std::function<void(const char* name, int layer, const Mat& value)>;
+
+struct ForwardBatch {
+  const int32_t* tokens = nullptr;      // [n] token ids (validated < vocab by the engine)
+  const int64_t* positions = nullptr;   // [n] absolute positions
+  int64_t n = 0;                        // micro-batch rows, <= workspace capacity
+  std::vector<KvLayerView> kv;          // per layer
+  bool all_logits = false;              // logits for every row, else only the last
+  float* logits = nullptr;              // host [n or 1, vocab] f32
+  // Router probabilities, when non-null: host [n_layers][n][n_experts] (rows of non-MoE
+  // layers left untouched).
+  float* router_probs = nullptr;
+  ModelWorkspace* workspace = nullptr;
+  const TraceHook* trace = nullptr;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelInfo& info() const = 0;
+  virtual std::vector<KvLayerSpec> kv_spec() const = 0;
+  virtual int64_t n_experts() const { return 0; }
+  virtual std::unique_ptr<ModelWorkspace> new_workspace(Backend& backend, int64_t max_rows) const = 0;
+  virtual void forward(Backend& backend, const ForwardBatch& batch) const = 0;
+};
+
+// Keeps the checkpoint mapped for as long as the model's weight views live.
+struct LoadedModel {
+  std::shared_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<Model> model;
+};
+
+}  // namespace turbospark

@@ -1,0 +1,40 @@
+#include "models/registry.h"
+
+#include "core/error.h"
+#include "formats/hf_config.h"
+#include "formats/safetensors.h"
+
+namespace turbospark {
+
+std::unique_ptr<Model> make_qwen3(const HfConfig&, const Checkpoint&);
+std::unique_ptr<Model> make_qwen3_moe(const HfConfig&, const Checkpoint&);
+
+const std::vector<FamilyEntry>& families() {
+  static const std::vector<FamilyEntry> kFamilies = {
+      {"qwen3", "Qwen3ForCausalLM", make_qwen3},
+      {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe},
+  };
+  return kFamilies;
+}
+
+LoadedModel load_model(const std::string& model_dir) {
+  HfConfig config = HfConfig::load(model_dir);
+  const std::string type = config.model_type();
+  const std::string arch = config.architecture();
+  const FamilyEntry* entry = nullptr;
+  for (const auto& f : families()) {
+    if (type == f.model_type && (arch.empty() || arch == f.architecture)) entry = &f;
+  }
+  if (!entry) {
+    std::string known;
+    for (const auto& f : families()) known += (known.empty() ? "" : ", ") + std::string(f.architecture);
+    fail("{}: unsupported architecture {} (model_type {}); supported: {}", config.path(),
+         arch.empty() ? "<none>" : arch, type.empty() ? "<none>" : type, known);
+  }
+  LoadedModel loaded;
+  loaded.checkpoint = std::make_shared<Checkpoint>(model_dir);
+  loaded.model = entry->make(config, *loaded.checkpoint);
+  return loaded;
+}
+
+}  // namespace turbospark

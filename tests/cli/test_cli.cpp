@@ -1,0 +1,213 @@
+// The CLI contracts of DESIGN.md and the bad-input rule: every failure is one clear line
+// naming the culprit and a non-zero exit, never a crash.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/npy.h"
+#include "test_util.h"
+
+namespace turbospark {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::copy_fixture;
+using testing::fixture;
+using testing::run_cli;
+using testing::TempDir;
+
+// A failing command: non-zero exit, exactly one line of output, containing `needle`.
+void expect_one_line_error(const testing::CliResult& r, const std::string& needle) {
+  EXPECT_NE(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.out;
+  std::string trimmed = r.out;
+  while (!trimmed.empty() && trimmed.back() == '\n') trimmed.pop_back();
+  EXPECT_EQ(trimmed.find('\n'), std::string::npos) << "more than one line: " << r.out;
+  EXPECT_EQ(trimmed.rfind("error: ", 0), 0u) << r.out;
+}
+
+std::string tokens_csv(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+std::vector<int32_t> golden_tokens(const std::string& name) {
+  return testing::read_json(fixture(name) + "/golden.json")["tokens"].get<std::vector<int32_t>>();
+}
+
+void write_file(const fs::path& p, const std::string& bytes) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+std::string read_file(const fs::path& p) { return read_text_file(p.string()); }
+
+TEST(Cli, LogitsWritesFloat32TByVocabMatchingGolden) {
+  TempDir tmp;
+  auto tokens = golden_tokens("qwen3_moe_tiny");
+  std::string out = tmp.str() + "/l.npy";
+  auto r = run_cli("logits --model " + fixture("qwen3_moe_tiny") + " --tokens " + tokens_csv(tokens) + " --chunk 3 --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  NpyArray ours = read_npy_f32(out);
+  NpyArray ref = read_npy_f32(fixture("qwen3_moe_tiny") + "/logits.npy");
+  ASSERT_EQ(ours.shape, ref.shape);
+  EXPECT_LT(testing::max_rel_error(ours.data.data(), ref.data.data(), ref.data.size()), 2e-4);
+}
+
+TEST(Cli, LogitsRouterOutHasLayersTokensExperts) {
+  TempDir tmp;
+  auto r = run_cli("logits --model " + fixture("qwen3_moe_tiny") + " --tokens 1,2,3,4 --out " + tmp.str() +
+                   "/l.npy --router-out " + tmp.str() + "/r.npy");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  NpyArray router = read_npy_f32(tmp.str() + "/r.npy");
+  ASSERT_EQ(router.shape, (std::vector<int64_t>{3, 4, 8}));
+  for (int64_t l : {0, 2}) {  // MoE layers: each row is a distribution
+    for (int64_t t = 0; t < 4; ++t) {
+      double sum = 0;
+      for (int e = 0; e < 8; ++e) sum += router.data[size_t((l * 4 + t) * 8 + e)];
+      EXPECT_NEAR(sum, 1.0, 1e-5);
+    }
+  }
+  for (int e = 0; e < 8 * 4; ++e) EXPECT_EQ(router.data[size_t(8 * 4 + e)], 0.f);  // layer 1 is dense
+}
+
+TEST(Cli, GenerateIdsMatchesTransformersGreedy) {
+  auto g = testing::read_json(fixture("qwen3_moe_tiny") + "/golden.json");
+  auto tokens = g["tokens"].get<std::vector<int32_t>>();
+  auto greedy = g["greedy"].get<std::vector<int32_t>>();
+  tokens.resize(g["greedy_prompt_len"].get<size_t>());
+  auto r = run_cli("generate --quiet --model " + fixture("qwen3_moe_tiny") + " --tokens " + tokens_csv(tokens) +
+                   " --max-tokens " + std::to_string(greedy.size()) + " --temperature 0 --format ids");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(r.out, tokens_csv(greedy) + "\n");
+}
+
+TEST(Cli, HelpExplainsEverySubcommand) {
+  auto r = run_cli("--help");
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* sub : {"run", "generate", "logits", "inspect", "bench"}) EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
+  auto l = run_cli("logits --help");
+  EXPECT_NE(l.out.find("--chunk"), std::string::npos);
+}
+
+TEST(Cli, InspectShowsBytesByDtype) {
+  auto r = run_cli("inspect --model " + fixture("qwen3_moe_tiny"));
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("Qwen3MoeForCausalLM"), std::string::npos);
+  EXPECT_NE(r.out.find("BF16"), std::string::npos);
+}
+
+TEST(BadInput, MissingModelPath) {
+  expect_one_line_error(run_cli("logits --model /nonexistent/model --tokens 1 --out /tmp/x.npy"), "/nonexistent/model");
+}
+
+TEST(BadInput, TruncatedSafetensors) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  fs::path st = tmp.path / "m" / "model.safetensors";
+  std::string bytes = read_file(st);
+  write_file(st, bytes.substr(0, bytes.size() / 2));
+  expect_one_line_error(run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 1 --out " + tmp.str() + "/x.npy"),
+                        "past the end");
+}
+
+TEST(BadInput, HeaderLengthPastEndOfFile) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  fs::path st = tmp.path / "m" / "model.safetensors";
+  std::string bytes = read_file(st);
+  bytes[7] = char(0x7f);  // header length far beyond the file
+  write_file(st, bytes);
+  expect_one_line_error(run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 1 --out " + tmp.str() + "/x.npy"),
+                        "truncated safetensors");
+}
+
+// Rewrites one header entry of the fixture's single safetensors file.
+void edit_header(const fs::path& st, const std::function<void(nlohmann::json&)>& edit) {
+  std::string bytes = read_file(st);
+  uint64_t hlen = 0;
+  for (int i = 0; i < 8; ++i) hlen |= uint64_t(uint8_t(bytes[size_t(i)])) << (8 * i);
+  auto header = nlohmann::json::parse(bytes.substr(8, hlen));
+  edit(header);
+  std::string text = header.dump();
+  text.append(hlen > text.size() ? hlen - text.size() : 0, ' ');
+  ASSERT_EQ(text.size(), hlen) << "edited header must keep its length";
+  write_file(st, bytes.substr(0, 8) + text + bytes.substr(8 + hlen));
+}
+
+TEST(BadInput, WrongDtype) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  // Same byte size, integer dtype: must be refused as a dtype, not read as floats.
+  edit_header(tmp.path / "m" / "model.safetensors", [](nlohmann::json& h) {
+    auto& e = h["model.layers.0.self_attn.o_proj.weight"];
+    e["dtype"] = "U8";
+    e["shape"] = {64, 128};
+  });
+  expect_one_line_error(run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 1 --out " + tmp.str() + "/x.npy"),
+                        "model.layers.0.self_attn.o_proj.weight");
+}
+
+TEST(BadInput, WrongShape) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  edit_header(tmp.path / "m" / "model.safetensors", [](nlohmann::json& h) {
+    h["model.layers.1.mlp.up_proj.weight"]["shape"] = {64, 160};  // transposed
+  });
+  auto r = run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 1 --out " + tmp.str() + "/x.npy");
+  expect_one_line_error(r, "model.layers.1.mlp.up_proj.weight");
+  EXPECT_NE(r.out.find("[160, 64]"), std::string::npos) << r.out;
+}
+
+TEST(BadInput, MissingTensor) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  edit_header(tmp.path / "m" / "model.safetensors", [](nlohmann::json& h) {
+    h["model.layers.2.self_attn.k_norm.wieght"] = h["model.layers.2.self_attn.k_norm.weight"];
+    h.erase("model.layers.2.self_attn.k_norm.weight");
+  });
+  expect_one_line_error(run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 1 --out " + tmp.str() + "/x.npy"),
+                        "missing tensor model.layers.2.self_attn.k_norm.weight");
+}
+
+TEST(BadInput, UnknownArchitecture) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  auto cfg = testing::read_json((tmp.path / "m" / "config.json").string());
+  cfg["architectures"] = {"MambaForCausalLM"};
+  cfg["model_type"] = "mamba";
+  write_file(tmp.path / "m" / "config.json", cfg.dump());
+  expect_one_line_error(run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 1 --out " + tmp.str() + "/x.npy"),
+                        "unsupported architecture MambaForCausalLM");
+}
+
+TEST(BadInput, TokenIdOutsideVocabulary) {
+  expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens 1,512,3 --out /tmp/x.npy"),
+                        "token id 512 at index 1 is outside the vocabulary (vocab_size 512)");
+  expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens 1,-4 --out /tmp/x.npy"), "token id -4");
+}
+
+TEST(BadInput, MalformedTokenList) {
+  expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens 1,x2 --out /tmp/x.npy"), "x2");
+}
+
+TEST(BadInput, EmptyPrompt) {
+  expect_one_line_error(run_cli("generate --model " + fixture("qwen3_tiny") + " --tokens '' --format ids"), "give --prompt");
+  expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens '' --out /tmp/x.npy"), "empty prompt");
+}
+
+TEST(BadInput, PromptLongerThanContext) {
+  std::vector<int32_t> ids(300, 7);  // fixture max_position_embeddings = 256
+  expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens " + tokens_csv(ids) + " --out /tmp/x.npy"),
+                        "exceed the context of 256 tokens");
+  expect_one_line_error(run_cli("generate --model " + fixture("qwen3_tiny") + " --tokens 1,2,3,4 --ctx 3 --format ids -q"),
+                        "exceeds the context of 3 tokens");
+}
+
+TEST(BadInput, UnsupportedDeviceRefusedByName) {
+  expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens 1 --device tpu --out /tmp/x.npy"), "tpu");
+}
+
+}  // namespace
+}  // namespace turbospark
