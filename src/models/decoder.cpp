@@ -72,7 +72,8 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
   const int64_t q_width = int64_t(hp_.n_heads) * hp_.head_dim, kv_width = int64_t(hp_.n_kv_heads) * hp_.head_dim;
   auto inv_freq = rope_inv_freq_default(hp_.rope_theta, hp_.rotary_dim);
   int64_t bytes = embed_.view.bytes() + (hp_.tie_embeddings ? 0 : lm_head_.view.bytes());
-  int64_t active = bytes;
+  // A decode token reads one embedding row but the whole LM head.
+  int64_t active = lm_head_.view.bytes();
   layers_.resize(size_t(hp_.n_layers));
   for (int i = 0; i < hp_.n_layers; ++i) {
     Layer& L = layers_[size_t(i)];

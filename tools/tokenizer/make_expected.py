@@ -66,7 +66,7 @@ HANDWRITTEN = [
     "    ",
     "\t",
     "x\u00a0nbsp\u3000ideographic\u2003em\u2009thin\u202fnarrow\u205fmath\u1680ogham",
-    "NEL\u0085line, LS\u2028line, PS\u2029para, mongolian\u180evowel sep \u180e end",
+    "NEL\u0085line, LS\u2028line, PS\u2029para, mongolian\u180evowel sep \u180e end a\u180e's b\u180e'll",
     "zero\u200bwidth\u200cnon\u200djoiner\ufeffbom",
     "end with newline\n",
     "  \n  \n",

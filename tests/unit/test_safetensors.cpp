@@ -1,0 +1,152 @@
+// safetensors reader/writer: dtypes, sharding, validation; and the fused-expert layout
+// (transformers' in-memory [E, 2*inter, hidden] stacks) giving the same logits as the
+// per-expert layout transformers saves.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/npy.h"
+#include "engine/session.h"
+#include "formats/safetensors.h"
+#include "models/registry.h"
+#include "test_util.h"
+
+namespace turbospark {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+TensorWriteSpec pattern(const std::string& name, DType dt, std::vector<int64_t> shape, uint8_t seed) {
+  return {name, dt, shape, [seed](uint8_t* d, size_t n) {
+            for (size_t i = 0; i < n; ++i) d[i] = uint8_t(seed + i * 7);
+          }};
+}
+
+TEST(Safetensors, RoundTripsEveryDtype) {
+  TempDir tmp;
+  std::string path = tmp.str() + "/t.safetensors";
+  write_safetensors(path, {pattern("a", DType::BF16, {3, 5}, 1), pattern("b", DType::F16, {7}, 2),
+                           pattern("c", DType::F32, {2, 2}, 3), pattern("d", DType::I64, {3}, 4),
+                           pattern("e", DType::U8, {11}, 5), pattern("empty", DType::F32, {0, 4}, 6)});
+  SafetensorsFile f(path);
+  ASSERT_EQ(f.tensors().size(), 6u);
+  const TensorInfo& a = f.tensors().at("a");
+  EXPECT_EQ(a.dtype, DType::BF16);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(a.nbytes, 30u);
+  for (size_t i = 0; i < a.nbytes; ++i) EXPECT_EQ(a.data[i], uint8_t(1 + i * 7));
+  EXPECT_EQ(f.tensors().at("d").nbytes, 24u);
+  EXPECT_EQ(f.tensors().at("e").dtype, DType::U8);
+  EXPECT_EQ(f.tensors().at("empty").nbytes, 0u);
+}
+
+std::string slurp(const std::string& p) { return read_text_file(p); }
+void spit(const std::string& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+
+// Replaces the header of a one-tensor file with `header` (padded to the same length).
+void set_header(const std::string& path, std::string header) {
+  std::string bytes = slurp(path);
+  uint64_t hlen = 0;
+  for (int i = 0; i < 8; ++i) hlen |= uint64_t(uint8_t(bytes[size_t(i)])) << (8 * i);
+  ASSERT_LE(header.size(), hlen);
+  header.append(hlen - header.size(), ' ');
+  spit(path, bytes.substr(0, 8) + header + bytes.substr(8 + hlen));
+}
+
+void expect_error(const std::string& path, const std::string& needle) {
+  try {
+    SafetensorsFile f(path);
+    FAIL() << "no error for " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}
+
+TEST(Safetensors, RejectsCorruptHeaders) {
+  TempDir tmp;
+  std::string path = tmp.str() + "/t.safetensors";
+  auto fresh = [&] {
+    write_safetensors(path, {pattern("w", DType::BF16, {4, 4}, 0), pattern("x", DType::BF16, {4, 4}, 0)},
+                      {{"padding", std::string(200, 'p')}});
+  };
+  fresh();
+  set_header(path, R"({"w":{"dtype":"BF16","shape":[4,4],"data_offsets":[0,32]},"x":{"dtype":"Q9","shape":[4,4],"data_offsets":[32,64]}})");
+  expect_error(path, "unsupported dtype");
+  fresh();
+  set_header(path, R"({"w":{"dtype":"BF16","shape":[4,4],"data_offsets":[0,32]},"x":{"dtype":"BF16","shape":[4,5],"data_offsets":[32,64]}})");
+  expect_error(path, "expected 40");
+  fresh();
+  set_header(path, R"({"w":{"dtype":"BF16","shape":[4,4],"data_offsets":[0,32]},"x":{"dtype":"BF16","shape":[4,4],"data_offsets":[16,48]}})");
+  expect_error(path, "overlap");
+  fresh();
+  set_header(path, R"({"w":{"dtype":"BF16","shape":[4,4],"data_offsets":[0,32]},"x":{"dtype":"BF16","shape":[4,4],"data_offsets":[32,64]})");
+  expect_error(path, "malformed safetensors header JSON");
+  fresh();
+  set_header(path, R"({"w":{"dtype":"BF16","shape":[4,-4],"data_offsets":[0,32]}})");
+  expect_error(path, "bad shape");
+  spit(path, "abc");
+  expect_error(path, "truncated");
+}
+
+TEST(Safetensors, ShardedIndexResolvesEveryTensor) {
+  Checkpoint ck(testing::fixture("qwen3_moe_tiny"));
+  auto index = testing::read_json(testing::fixture("qwen3_moe_tiny") + "/model.safetensors.index.json");
+  EXPECT_EQ(ck.all().size(), index["weight_map"].size());
+  for (auto& [name, file] : index["weight_map"].items()) {
+    const TensorInfo& t = ck.get(name);
+    EXPECT_NE(t.file->find(file.get<std::string>()), std::string::npos) << name;
+  }
+}
+
+// Rewrites the MoE fixture with experts stacked into [E, 2*inter, hidden] / [E, hidden,
+// inter] tensors and checks the logits stay those of transformers.
+TEST(Safetensors, FusedExpertStacksMatchPerExpertLayout) {
+  const std::string src = testing::fixture("qwen3_moe_norenorm_tiny");
+  Checkpoint ck(src);
+  auto cfg = testing::read_json(src + "/config.json");
+  const int64_t E = cfg["num_local_experts"], I = cfg["moe_intermediate_size"], H = cfg["hidden_size"];
+  std::vector<TensorWriteSpec> out;
+  auto copy = [&](const TensorInfo* t) {
+    out.push_back({t->name, t->dtype, t->shape, [t](uint8_t* d, size_t n) { std::memcpy(d, t->data, n); }});
+  };
+  for (const auto& [name, t] : ck.all()) {
+    if (name.find(".mlp.experts.") == std::string::npos) copy(t);
+  }
+  for (int layer = 0; layer < int(cfg["num_hidden_layers"]); ++layer) {
+    std::string p = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+    out.push_back({p + "gate_up_proj", DType::BF16, {E, 2 * I, H}, [&ck, p, E](uint8_t* d, size_t) {
+                     for (int64_t e = 0; e < E; ++e) {
+                       for (const char* part : {"gate_proj", "up_proj"}) {
+                         const TensorInfo& t = ck.get(p + std::to_string(e) + "." + part + ".weight");
+                         std::memcpy(d, t.data, t.nbytes);
+                         d += t.nbytes;
+                       }
+                     }
+                   }});
+    out.push_back({p + "down_proj", DType::BF16, {E, H, I}, [&ck, p, E](uint8_t* d, size_t) {
+                     for (int64_t e = 0; e < E; ++e) {
+                       const TensorInfo& t = ck.get(p + std::to_string(e) + ".down_proj.weight");
+                       std::memcpy(d, t.data, t.nbytes);
+                       d += t.nbytes;
+                     }
+                   }});
+  }
+  TempDir tmp;
+  write_safetensors(tmp.str() + "/model.safetensors", out);
+  fs::copy_file(src + "/config.json", tmp.str() + "/config.json");
+  LoadedModel fused = load_model(tmp.str());
+  auto backend = make_cpu_backend(2);
+  Session s(*fused.model, *backend);
+  auto tokens = testing::read_json(src + "/golden.json")["tokens"].get<std::vector<int32_t>>();
+  std::vector<float> logits = s.feed(tokens, 0, true);
+  NpyArray ref = read_npy_f32(src + "/logits.npy");
+  EXPECT_LT(testing::max_rel_error(logits.data(), ref.data.data(), ref.data.size()), 2e-4);
+}
+
+}  // namespace
+}  // namespace turbospark
