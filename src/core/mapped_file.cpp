@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -37,6 +38,26 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
 
 MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+void MappedFile::prefault(size_t offset, size_t bytes, const std::function<void(size_t)>& progress) const {
+  constexpr size_t kPiece = size_t(64) << 20;
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const size_t begin = offset / size_t(page) * size_t(page);
+  const size_t end = std::min(size_, offset + bytes);
+  for (size_t at = begin; at < end; at += kPiece) {
+    const size_t len = std::min(kPiece, end - at);
+    uint8_t* p = const_cast<uint8_t*>(data_) + at;
+#ifdef MADV_POPULATE_READ
+    if (::madvise(p, len, MADV_POPULATE_READ) != 0)
+#endif
+    {
+      // Older kernels: touch one byte per page.
+      volatile uint8_t sink = 0;
+      for (size_t i = 0; i < len; i += size_t(page)) sink = sink + p[i];
+    }
+    if (progress) progress(std::min(end, at + len) - begin);
+  }
 }
 
 std::string read_text_file(const std::string& path) {

@@ -69,19 +69,22 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
                               const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
-  int64_t chunks = (n + grain - 1) / grain;
-  int used = int(std::min<int64_t>(n_threads_, chunks));
-  if (used <= 1) {
+  // Chunks are handed out dynamically (about 8 per thread): on a shared or virtual machine
+  // one core is often slower, and a static split leaves the other spinning at the barrier.
+  int64_t chunk = std::max<int64_t>(grain, (n / (int64_t(n_threads_) * 8)) / grain * grain);
+  int64_t n_chunks = (n + chunk - 1) / chunk;
+  if (n_threads_ == 1 || n_chunks <= 1) {
     fn(0, n);
     return;
   }
-  run([&](int t, int) {
-    if (t >= used) return;
-    int64_t per = chunks / used, extra = chunks % used;
-    int64_t c0 = t * per + std::min<int64_t>(t, extra);
-    int64_t c1 = c0 + per + (t < extra ? 1 : 0);
-    int64_t b = c0 * grain, e = std::min(n, c1 * grain);
-    if (b < e) fn(b, e);
+  std::atomic<int64_t> next{0};
+  run([&](int, int) {
+    for (;;) {
+      int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= n_chunks) break;
+      int64_t b = c * chunk, e = std::min(n, b + chunk);
+      fn(b, e);
+    }
   });
 }
 

@@ -28,8 +28,8 @@ class ThreadPool {
   // returns when all have finished.
   void run(const std::function<void(int, int)>& fn);
 
-  // Splits [0, n) into contiguous ranges, one per thread, each a multiple of `grain`
-  // (except the last), and calls fn(begin, end) for each non-empty range.
+  // Splits [0, n) into contiguous ranges whose sizes are multiples of `grain` (except the
+  // last) and calls fn(begin, end) for each, from any thread; a thread may get several.
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
  private:

@@ -132,6 +132,23 @@ Checkpoint::Checkpoint(const std::string& path) {
   }
 }
 
+int64_t Checkpoint::total_bytes() const {
+  int64_t total = 0;
+  for (const auto& f : files_) total += int64_t(f->file().size());
+  return total;
+}
+
+void Checkpoint::prefault(const std::function<void(int64_t, int64_t)>& progress) const {
+  const int64_t total = total_bytes();
+  int64_t before = 0;
+  for (const auto& f : files_) {
+    f->file().prefault(0, f->file().size(), [&](size_t done) {
+      if (progress) progress(before + int64_t(done), total);
+    });
+    before += int64_t(f->file().size());
+  }
+}
+
 const TensorInfo* Checkpoint::find(const std::string& name) const {
   auto it = index_.find(name);
   return it == index_.end() ? nullptr : it->second;

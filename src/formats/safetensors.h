@@ -35,6 +35,7 @@ class SafetensorsFile {
   explicit SafetensorsFile(const std::string& path);
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
   const std::string& path() const { return file_.path(); }
+  const MappedFile& file() const { return file_; }
 
  private:
   MappedFile file_;
@@ -54,6 +55,9 @@ class Checkpoint {
   // Throws "missing tensor NAME in DIR" when absent.
   const TensorInfo& get(const std::string& name) const;
   const std::map<std::string, const TensorInfo*>& all() const { return index_; }
+  int64_t total_bytes() const;
+  // Faults every shard's pages in (see MappedFile::prefault), reporting bytes done.
+  void prefault(const std::function<void(int64_t done, int64_t total)>& progress) const;
 
   // A matrix weight [rows, cols] of a float dtype (BF16, F16, F32); a wrong dtype or shape
   // is refused naming the tensor, the expected and the found value.

@@ -318,25 +318,63 @@ MatchScratch& match_scratch() {
   return scratch;
 }
 
-// Oniguruma (which the library uses) and PCRE2 with UCP differ on `\s`: PCRE2 also counts
-// U+180E (MONGOLIAN VOWEL SEPARATOR). Spelling it as the White_Space property makes both agree.
-std::string rewrite_whitespace_escapes(std::string_view pattern) {
+// The library compiles patterns with Oniguruma; PCRE2 (with UTF + UCP) reads a few escapes
+// differently, so they are rewritten into what Oniguruma means:
+//   \s \S  Oniguruma: the White_Space property. PCRE2 also counts U+180E.
+//   \w \W  Oniguruma: Alphabetic | Mark | Decimal_Number | Connector_Punctuation, plus (outside
+//         a class only) the Latin-1 digits-like ¹ ² ³ ¼ ½ ¾. PCRE2 10.42: L | N | '_'.
+//   \h \H  Oniguruma: a hex digit. PCRE2: horizontal whitespace.
+//   \v     Oniguruma: the VT character. PCRE2: vertical whitespace.
+// \W and \H inside a class, and nested classes (Oniguruma's set operations), cannot be
+// rewritten and are refused; `where` names the file and field. (\b and \B keep PCRE2's idea of
+// a word; no tokenizer pattern seen uses them.)
+std::string rewrite_oniguruma_escapes(std::string_view pattern, const std::string& where) {
+  static constexpr std::string_view kWordItems = R"(\p{Alphabetic}\p{M}\p{Nd}\p{Pc})";
+  static constexpr std::string_view kLatin1WordItems = R"(\x{B2}\x{B3}\x{B9}\x{BC}-\x{BE})";
   std::string out;
   out.reserve(pattern.size() + 32);
+  bool in_class = false;
   for (size_t i = 0; i < pattern.size(); ++i) {
-    if (pattern[i] == '\\' && i + 1 < pattern.size()) {
-      const char c = pattern[++i];
-      if (c == 's') {
-        out += "\\p{White_Space}";
-      } else if (c == 'S') {
-        out += "\\P{White_Space}";
-      } else {
-        out += '\\';
-        out += c;
+    const char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      const char e = pattern[++i];
+      const auto refuse_in_class = [&] {
+        if (in_class) fail("{}: \\{} inside a character class is not supported in {}", where, e, Json(std::string(pattern)).dump());
+      };
+      switch (e) {
+        case 's': out += R"(\p{White_Space})"; break;
+        case 'S': out += R"(\P{White_Space})"; break;
+        case 'w': out += in_class ? std::string(kWordItems) : fmt::format("[{}{}]", kWordItems, kLatin1WordItems); break;
+        case 'W': refuse_in_class(); out += fmt::format("[^{}{}]", kWordItems, kLatin1WordItems); break;
+        case 'h': out += in_class ? "0-9a-fA-F" : "[0-9a-fA-F]"; break;
+        case 'H': refuse_in_class(); out += "[^0-9a-fA-F]"; break;
+        case 'v': out += R"(\x{0B})"; break;
+        default:
+          out += '\\';
+          out += e;
       }
-    } else {
-      out += pattern[i];
+      continue;
     }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      // A ']' first in the class (after an optional '^') is a literal, as in both engines.
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];
+      continue;
+    }
+    if (c == '[' && in_class) {
+      const size_t close = pattern.find(":]", i);
+      if (i + 1 < pattern.size() && pattern[i + 1] == ':' && close != std::string_view::npos) {
+        out += pattern.substr(i, close + 2 - i);  // POSIX class such as [:alpha:]
+        i = close + 1;
+        continue;
+      }
+      fail("{}: nested character classes (Oniguruma set operations) are not supported in {}", where,
+           Json(std::string(pattern)).dump());
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
   }
   return out;
 }
@@ -345,11 +383,16 @@ class Regex {
  public:
   // `where` names the file and field in errors.
   Regex(std::string_view pattern, const std::string& where) {
-    const std::string translated = rewrite_whitespace_escapes(pattern);
+    const std::string translated = rewrite_oniguruma_escapes(pattern, where);
+    // Oniguruma's ^ and $ are line anchors and its lines end at LF only: MULTILINE with LF.
+    pcre2_compile_context* context = pcre2_compile_context_create(nullptr);
+    if (!context) fail("tokenizer: out of memory compiling a regex");
+    pcre2_set_newline(context, PCRE2_NEWLINE_LF);
     int error = 0;
     PCRE2_SIZE offset = 0;
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(),
-                          PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+                          PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE, &error, &offset, context);
+    pcre2_compile_context_free(context);
     if (!code_) {
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(error, message, sizeof(message));
@@ -446,12 +489,6 @@ struct ByteAlphabet {
   static const ByteAlphabet& get() {
     static const ByteAlphabet instance;
     return instance;
-  }
-
-  std::string encode(std::string_view bytes) const {
-    std::string out;
-    for (const char c : bytes) append_utf8(out, char_of_byte[static_cast<unsigned char>(c)]);
-    return out;
   }
 
   // The bytes a token stands for, as the ByteLevel decoder computes them: if any character is
@@ -651,15 +688,13 @@ constexpr size_t kWordCacheCapacity = 65536;
 // ---------------------------------------------------------------------------------------------
 
 struct Tokenizer::Impl {
-  std::string source;  // tokenizer.json path, for messages
-
   // Model vocab: byte-level text -> id. Added tokens are separate, as in the library.
   StringMap<int32_t> vocab;
   StringMap<int32_t> vocab_by_bytes;  // raw bytes -> id; filled only when ignore_merges
   std::vector<std::string> token_texts;  // [vocab_size] raw token text, empty where none
   std::vector<std::string> token_bytes;  // [vocab_size] what the ByteLevel decoder emits per id
-  std::vector<uint8_t> token_flags;      // [vocab_size] kHasToken | kSpecial
-  static constexpr uint8_t kHasToken = 1, kSpecial = 2;
+  std::vector<uint8_t> token_flags;      // [vocab_size] kHasToken | kAdded | kSpecial
+  static constexpr uint8_t kHasToken = 1, kAdded = 2, kSpecial = 4;
 
   struct MergeRule {
     int32_t rank;
@@ -790,7 +825,10 @@ void Tokenizer::Impl::load_model(const Json& model, const JsonReader& reader) {
   vocab.reserve(vocab_json.size());
   int32_t max_id = -1;
   for (const auto& [text, id_json] : vocab_json.items()) {
-    const int32_t id = reader.id(id_json, fmt::format("model.vocab[{}]", Json(text).dump()));
+    // The path is formatted only for a bad entry: this loop runs 150k times for Qwen.
+    const int32_t id = id_json.is_number_unsigned() && id_json.get<uint64_t>() <= INT32_MAX
+                           ? static_cast<int32_t>(id_json.get<uint64_t>())
+                           : reader.id(id_json, fmt::format("model.vocab[{}]", Json(text).dump()));
     if (!vocab.emplace(text, id).second) fail("{}: \"model.vocab\": token {} appears twice", reader.source(), Json(text).dump());
     max_id = std::max(max_id, id);
   }
@@ -1016,18 +1054,15 @@ void Tokenizer::Impl::add_token(AddedToken token, const std::string& where) {
     return;  // the same token twice
   }
   ensure_id(token.id);
-  if ((token_flags[token.id] & kHasToken) && token_texts[token.id] != token.content) {
-    // A vocab token under the same id is shadowed (the library looks added tokens up first);
-    // two added tokens with one id are a broken file.
-    for (const AddedToken& other : added) {
-      if (other.id == token.id) {
-        fail("{}: added tokens {} and {} share id {}", where, Json(other.content).dump(), Json(token.content).dump(), token.id);
-      }
-    }
+  // A vocab token under the same id is shadowed (the library looks added tokens up first), but
+  // two added tokens with one id are a broken file.
+  if (token_flags[token.id] & kAdded) {
+    fail("{}: added tokens {} and {} share id {}", where, Json(token_texts[token.id]).dump(),
+         Json(token.content).dump(), token.id);
   }
   token_texts[token.id] = token.content;
   token_bytes[token.id] = ByteAlphabet::get().decode(token.content);
-  token_flags[token.id] = kHasToken | (token.special ? kSpecial : 0);
+  token_flags[token.id] = kHasToken | kAdded | (token.special ? kSpecial : 0);
   added_by_content.emplace(token.content, added.size());
   added.push_back(std::move(token));
 }
@@ -1055,13 +1090,12 @@ void Tokenizer::Impl::load_config(const Json& config, const JsonReader& reader) 
       token.rstrip = reader.boolean(t, "rstrip", path + ".rstrip", false);
       token.single_word = reader.boolean(t, "single_word", path + ".single_word", false);
       // tokenizer.json is authoritative; the config may only add ids it lacks.
-      if (static_cast<size_t>(id) < token_texts.size() && (token_flags[id] & kHasToken)) {
-        const bool is_added = std::any_of(added.begin(), added.end(), [&](const AddedToken& a) { return a.id == id; });
-        if (is_added && token_texts[id] != token.content) {
+      if (static_cast<size_t>(id) < token_flags.size() && (token_flags[id] & kAdded)) {
+        if (token_texts[id] != token.content) {
           fail("{}: \"{}\" = {} disagrees with tokenizer.json's added token {} for that id", reader.source(), path,
                Json(token.content).dump(), Json(token_texts[id]).dump());
         }
-        if (is_added) continue;
+        continue;
       }
       add_token(std::move(token), fmt::format("{}: {}", reader.source(), path));
     }
@@ -1381,7 +1415,6 @@ Tokenizer Tokenizer::from_file(const std::string& tokenizer_json_path) {
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view source, std::string_view config_json,
                                std::string_view config_source) {
   auto impl = std::make_shared<Impl>();
-  impl->source = std::string(source);
   {
     const JsonReader reader{std::string(source)};
     const Json root = parse_json(tokenizer_json, source);

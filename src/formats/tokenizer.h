@@ -12,11 +12,15 @@
 // Added tokens are split out before anything else, leftmost-longest, honouring special,
 // normalized, lstrip, rstrip and single_word, as the library's AddedVocabulary does.
 //
-// Regexes run on PCRE2 (UTF + UCP, JIT when available). `tokenizers` uses Oniguruma; `\s` and
-// `\S` are rewritten to the White_Space property so both engines agree on what whitespace is.
-// NFC uses tables generated from Python's unicodedata (src/formats/tokenizer_nfc.inc); the
-// library uses its own Unicode tables, so the two can disagree only on characters assigned in
-// one Unicode version and not the other.
+// Regexes run on PCRE2 (UTF + UCP, JIT when available). `tokenizers` uses Oniguruma, so the
+// escapes the two engines read differently (\s \S \w \W \h \H \v) are rewritten to what
+// Oniguruma means, and ^ $ are line anchors as in Oniguruma; what cannot be rewritten is refused.
+// (?i) lacks Oniguruma's multi-character folds (ß matching "ss"); the models' patterns need none.
+// Character properties come from the PCRE2 build (Debian 12: 10.42, Unicode 14) and NFC from
+// tables generated from Python 3.11's unicodedata (Unicode 14, src/formats/tokenizer_nfc.inc);
+// tokenizers 0.23 knows Unicode 16, so characters first assigned in Unicode 15 or 16 (CJK
+// Extension H and I, a few new scripts) can be split differently. For every character assigned
+// in Unicode 14, \s \S \w \W \d \p{L} \p{N} \p{M} \p{P} \p{S} were checked to agree with the library.
 #pragma once
 
 #include <cstdint>

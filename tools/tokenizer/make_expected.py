@@ -9,6 +9,8 @@ The fixtures under tests/data/tokenizer/ come from this script:
   expected_tiny.txt      ids from tests/data/tiny_tokenizer/tokenizer.json (made by train_tiny.py).
   expected_gpt2_style.txt  ids from tests/data/tokenizer/gpt2_style/tokenizer.json (train_tiny.py).
   expected_decode_tiny.txt  random id sequences and the library's decode of them (tiny tokenizer).
+  variants.json          ids from patched copies of the tiny tokenizer (Split behaviors, ByteLevel
+                         options, ignore_merges, ...).
 
 Expected-ids files: lines starting with '#' are a header (library version, tokenizer file and its
 sha256, the add_special/skip_special options used); then one line per text: the corpus line
@@ -307,6 +309,7 @@ def expected() -> None:
     write_expected(DATA / "gpt2_style/tokenizer.json", DATA / "expected_gpt2_style.txt", texts, subset,
                    "tests/data/tokenizer/gpt2_style/tokenizer.json", add_special=True, skip_special=True)
     write_expected_decode(ROOT / "tests/data/tiny_tokenizer/tokenizer.json", DATA / "expected_decode_tiny.txt", 300)
+    write_variants(ROOT / "tests/data/tiny_tokenizer/tokenizer.json", DATA / "variants.json")
 
 
 def write_expected_decode(tokenizer_path: Path, out_path: Path, count: int) -> None:
@@ -327,6 +330,73 @@ def write_expected_decode(tokenizer_path: Path, out_path: Path, count: int) -> N
             f.write(",".join(map(str, ids)) + "\t" + json.dumps(tok.decode(ids, skip_special_tokens=False), ensure_ascii=False)
                     + "\t" + json.dumps(tok.decode(ids, skip_special_tokens=True), ensure_ascii=False) + "\n")
     print(f"wrote {out_path.relative_to(ROOT)} ({count} id sequences)")
+
+
+VARIANT_TEXTS = [
+    "ab12cd 34  ef", "x xx xxx axb", "a,b,,c, d ,", "  leading and trailing  ", "one\ntwo\n\nthree",
+    "don't stop 'til 2024", "tabs\tand\t\tmore", "", " ", "123", "hello, world! 42 times",
+    "Cafe\u0301 and caf\u00e9", "\u4e2d\u6587 and \u0440\u0443\u0441", "<|im_start|>x 1<|im_end|> y",
+    "\u0915\u093f\u0924\u093e\u092c a\u203fb x\u00b2 \u2164\u2165 _u_ \u0661\u0662", "line one\nline two\n",
+    "first\nsecond line\r\nthird",
+]
+
+
+def variant_cases() -> list:
+    """Variations of the tiny tokenizer.json: every Split behavior with and without invert, a
+    String pattern, a pattern that matches empty strings, ByteLevel with and without its regex
+    and prefix space, and ignore_merges. The tests apply each patch and compare ids."""
+    def split_then_byte_level(pattern, behavior, invert, prefix=True):
+        return {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": pattern, "behavior": behavior, "invert": invert},
+            {"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": False, "use_regex": False}]}
+    cases = []
+    for behavior in ["Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"]:
+        for invert in (False, True):
+            cases.append({"name": f"split {behavior} invert={invert}",
+                          "patch": {"pre_tokenizer": split_then_byte_level({"Regex": r"\d+| "}, behavior, invert)}})
+    cases.append({"name": "split String pattern",
+                  "patch": {"pre_tokenizer": split_then_byte_level({"String": ","}, "Removed", False, False)}})
+    cases.append({"name": "split empty matches",
+                  "patch": {"pre_tokenizer": split_then_byte_level({"Regex": "x*"}, "Isolated", False, False)}})
+    cases.append({"name": "split lookahead, no prefix space",
+                  "patch": {"pre_tokenizer": split_then_byte_level({"Regex": r"\s+(?!\S)|\w+"}, "Isolated", False, False)}})
+    cases.append({"name": "split line anchors and dot",
+                  "patch": {"pre_tokenizer": split_then_byte_level({"Regex": r"^\w+|\w+$|e.l"}, "Isolated", False, False)}})
+    cases.append({"name": "split \\w \\d \\W",
+                  "patch": {"pre_tokenizer": split_then_byte_level({"Regex": r"\d+|\w+|\W"}, "Isolated", False, False)}})
+    cases.append({"name": "split \\W Removed",
+                  "patch": {"pre_tokenizer": split_then_byte_level({"Regex": r"\W"}, "Removed", False, False)}})
+    cases.append({"name": "split [\\w'\\h]+ Removed",
+                  "patch": {"pre_tokenizer": split_then_byte_level({"Regex": r"[\w'\h]+"}, "Removed", False, False)}})
+    for prefix in (False, True):
+        for use_regex in (False, True):
+            cases.append({"name": f"ByteLevel add_prefix_space={prefix} use_regex={use_regex}",
+                          "patch": {"normalizer": None, "pre_tokenizer": {
+                              "type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": True,
+                              "use_regex": use_regex}}})
+    cases.append({"name": "ignore_merges", "model_patch": {"ignore_merges": True}})
+    cases.append({"name": "normalizer Sequence[NFC]",
+                  "patch": {"normalizer": {"type": "Sequence", "normalizers": [{"type": "NFC"}]}}})
+    return cases
+
+
+def write_variants(base_path: Path, out_path: Path) -> None:
+    import tokenizers
+    from tokenizers import Tokenizer
+    base = json.loads(base_path.read_text(encoding="utf-8"))
+    cases = variant_cases()
+    for case in cases:
+        data = json.loads(json.dumps(base))
+        data.update(case.get("patch", {}))
+        data["model"].update(case.get("model_patch", {}))
+        tok = Tokenizer.from_str(json.dumps(data))
+        case["ids"] = [tok.encode(t, add_special_tokens=False).ids for t in VARIANT_TEXTS]
+    out = {"comment": f"made by tools/tokenizer/make_expected.py with tokenizers=={tokenizers.__version__}: "
+                      "each case patches tests/data/tiny_tokenizer/tokenizer.json (top-level keys from "
+                      "'patch', model keys from 'model_patch'); ids[i] = encode(texts[i])",
+           "texts": VARIANT_TEXTS, "cases": cases}
+    out_path.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n", encoding="utf-8")
+    print(f"wrote {out_path.relative_to(ROOT)} ({len(cases)} cases)")
 
 
 def main() -> None:

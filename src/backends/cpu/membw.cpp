@@ -24,33 +24,42 @@ struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
 
-// Reads [p, p + n) (n a multiple of 128) and folds it into one word, so the loads cannot be
-// optimised away. Four independent accumulators keep the loop load-bound.
+// Reads [p, p + n) and folds it into one word, so the loads cannot be optimised away. The
+// slice is read as kStreams concurrent sequential streams (its quarters), the access pattern
+// the matmul kernels use: on Zen 3 one stream per core leaves ~10% of the bandwidth unused.
+constexpr int kStreams = 4;
+
 uint64_t read_slice(const uint8_t* p, size_t n) {
+  // Slices are whole pages, so the quarters are whole cache lines and cover all of it.
+  const size_t q = n / kStreams / 64 * 64;
+  uint64_t folded = 0;
 #if defined(__AVX2__)
-  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-  __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
-  for (size_t i = 0; i < n; i += 128) {
-    a0 = _mm256_xor_si256(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
-    a1 = _mm256_xor_si256(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
-    a2 = _mm256_xor_si256(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
-    a3 = _mm256_xor_si256(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
-  }
-  __m256i a = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a);
-  return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
-#else
-  uint64_t a[4] = {0, 0, 0, 0};
-  for (size_t i = 0; i < n; i += 32) {
-    for (int j = 0; j < 4; ++j) {
-      uint64_t v;
-      std::memcpy(&v, p + i + 8 * j, 8);
-      a[j] ^= v;
+  __m256i a[kStreams][2];
+  for (int s = 0; s < kStreams; ++s) a[s][0] = a[s][1] = _mm256_setzero_si256();
+  for (size_t i = 0; i < q; i += 64) {
+    for (int s = 0; s < kStreams; ++s) {
+      const uint8_t* line = p + s * q + i;
+      a[s][0] = _mm256_xor_si256(a[s][0], _mm256_load_si256(reinterpret_cast<const __m256i*>(line)));
+      a[s][1] = _mm256_xor_si256(a[s][1], _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 32)));
     }
   }
-  return a[0] ^ a[1] ^ a[2] ^ a[3];
+  for (int s = 0; s < kStreams; ++s) {
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(a[s][0], a[s][1]));
+    folded ^= lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+  }
+#else
+  uint64_t a[kStreams] = {};
+  for (size_t i = 0; i < q; i += 8) {
+    for (int s = 0; s < kStreams; ++s) {
+      uint64_t v;
+      std::memcpy(&v, p + s * q + i, 8);
+      a[s] ^= v;
+    }
+  }
+  for (int s = 0; s < kStreams; ++s) folded ^= a[s];
 #endif
+  return folded;
 }
 
 }  // namespace
