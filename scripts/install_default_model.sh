@@ -11,4 +11,5 @@ data="${XDG_DATA_HOME:-$HOME/.local/share}/turbospark"
 mkdir -p "$data"
 rm -rf "$data/default-model"
 cp -r tests/data/fixtures/qwen3_tiny "$data/default-model"
+cp tests/data/tiny_tokenizer/tokenizer.json tests/data/tiny_tokenizer/tokenizer_config.json "$data/default-model/"
 echo "setup: default model installed at $data/default-model (tiny random Qwen3 test checkpoint)" >&2

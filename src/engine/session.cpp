@@ -21,7 +21,13 @@ Session::Session(const Model& model, Backend& backend, SessionOptions options)
       kv_(backend, model.kv_spec(), resolve_context(model, options)) {
   TS_CHECK(options_.max_prefill_batch > 0, "max_prefill_batch must be positive");
   workspace_ = model_.new_workspace(backend_, options_.max_prefill_batch);
+  state_ = model_.new_sequence_state(backend_, max_context_);
   positions_.resize(size_t(options_.max_prefill_batch));
+}
+
+void Session::reset() {
+  position_ = 0;
+  if (state_) state_->reset();
 }
 
 std::vector<float> Session::feed(std::span<const int32_t> tokens, int64_t chunk, bool all_logits,
@@ -52,6 +58,7 @@ std::vector<float> Session::feed(std::span<const int32_t> tokens, int64_t chunk,
   }
   ForwardBatch batch;
   batch.workspace = workspace_.get();
+  batch.state = state_.get();
   batch.trace = trace ? &trace : nullptr;
   for (int i = 0; i < L; ++i) batch.kv.push_back(kv_.layer(i));
   for (int64_t start = 0; start < n; start += step) {

@@ -36,7 +36,7 @@ class Session {
   int64_t max_context() const { return max_context_; }
   const Model& model() const { return model_; }
   // Forgets the sequence (keeps the allocated blocks for reuse).
-  void reset() { position_ = 0; }
+  void reset();
 
   TraceHook trace;  // optional per-activation hook for dump-and-diff tools and tests
 
@@ -48,6 +48,7 @@ class Session {
   int64_t position_ = 0;
   KvCache kv_;
   std::unique_ptr<ModelWorkspace> workspace_;
+  std::unique_ptr<SequenceState> state_;
   std::vector<int64_t> positions_;
 };
 

@@ -1279,8 +1279,11 @@ void Tokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>& o
       std::string_view p = piece;
       // The library prepends the space to every piece reaching ByteLevel, not just the first.
       if (step.add_prefix_space && p[0] != ' ') {
-        prefixed.push_back(" " + std::string(p));
-        p = prefixed.back();
+        std::string& with_space = prefixed.emplace_back();
+        with_space.reserve(p.size() + 1);
+        with_space += ' ';
+        with_space += p;
+        p = with_space;
       }
       if (step.use_regex) {
         // Isolated split: gaps between matches stay pieces too (GPT-2's pattern leaves none).

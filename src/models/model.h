@@ -44,6 +44,15 @@ class ModelWorkspace {
   virtual ~ModelWorkspace() = default;
 };
 
+// Per-sequence recurrent state a family needs beyond the paged KV cache (GatedDeltaNet conv
+// and delta-rule states, PLE conv state and n-gram token context, QSA index keys). Created
+// by the model, owned by the engine's Session, passed to every forward of that sequence.
+class SequenceState {
+ public:
+  virtual ~SequenceState() = default;
+  virtual void reset() = 0;  // back to an empty sequence
+};
+
 // Names an intermediate activation for dump-and-diff against the reference (llama.cpp's
 // cb(cur, name, il)). Called with the backend's view; a null hook costs nothing.
 using TraceHook = std::function<void(const char* name, int layer, const Mat& value)>;
@@ -59,6 +68,7 @@ struct ForwardBatch {
   // layers left untouched).
   float* router_probs = nullptr;
   ModelWorkspace* workspace = nullptr;
+  SequenceState* state = nullptr;       // null for families without recurrent state
   const TraceHook* trace = nullptr;
 };
 
@@ -69,6 +79,9 @@ class Model {
   virtual std::vector<KvLayerSpec> kv_spec() const = 0;
   virtual int64_t n_experts() const { return 0; }
   virtual std::unique_ptr<ModelWorkspace> new_workspace(Backend& backend, int64_t max_rows) const = 0;
+  virtual std::unique_ptr<SequenceState> new_sequence_state(Backend& backend, int64_t max_context) const {
+    return nullptr;
+  }
   virtual void forward(Backend& backend, const ForwardBatch& batch) const = 0;
 };
 

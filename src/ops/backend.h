@@ -50,6 +50,23 @@ struct KvLayerView {
   int head_dim = 0;
 };
 
+// Elementwise activations for Backend::unary and Backend::mul_act.
+enum class Act : uint8_t { kIdentity, kSilu, kSigmoid };
+
+// One layer's QSA indexer state as the backend sees it (see models/blocks/qsa.h).
+struct QsaView {
+  Mat raw_keys;      // [max_context, head_dim] un-normalized index keys, one row per position
+  Mat block_keys;    // [max_context / ratio, head_dim] pooled, normed, rotated complete blocks
+  const float* k_norm = nullptr;  // [head_dim], applied as (1 + w)
+  const float* inv_freq = nullptr;
+  int rotary_dim = 0;
+  int ratio = 0;       // indexer_compress_ratio
+  int block_topk = 0;  // indexer_budget / ratio
+  int n_heads = 0;
+  int head_dim = 0;
+  float eps = 1e-6f;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -82,6 +99,42 @@ class Backend {
   virtual void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight) = 0;
   // out[t] = sum_j weight[t, j] * expert_{idx[t, j]}(x[t]). Routing stays on the backend:
   // resident experts need no host round trip (the streaming path syncs here, by design).
+  // y = post * act(pre * x), elementwise; y may alias x.
+  virtual void unary(const Mat& x, Act act, float pre, float post, const Mat& y) = 0;
+  // x *= act(gate); gate has x.cols columns, or 1 column broadcast over the row.
+  virtual void mul_act(const Mat& x, const Mat& gate, Act act) = 0;
+  // Splits rows of [heads, 2 * head_dim] (per head: first half a, second half b) into a and b.
+  virtual void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const Mat& b) = 0;
+  virtual void copy(const Mat& src, const Mat& dst) = 0;
+
+  // Depthwise causal conv over time for each channel: out[t, c] = act(sum_k w[c, k] *
+  // in[t - (K-1-k) * dilation, c]), where inputs before the micro-batch come from `state`
+  // ([(K-1) * dilation, channels], oldest first), which is then advanced. w is [channels, K].
+  virtual void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act,
+                             const Mat& out) = 0;
+  // GatedDeltaNet recurrence over the micro-batch (rows in order). qkv [rows, 2*nk*dk + nv*dv]
+  // after the conv; a, b [rows, nv] projections; state [nv, dk*dv] (S[i][j] at i*dv+j) is
+  // advanced in place. out [rows, nv*dv].
+  virtual void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
+                                const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv,
+                                const Mat& state, const Mat& out) = 0;
+  // Hyper-connections: mixed[t] = mean_c(weight[t, c] * normed[t, c]) over C streams of
+  // `hidden` each, and streams[t, c] += inject[t, c] * branch[t].
+  virtual void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) = 0;
+  virtual void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams) = 0;
+  // PLE gate: g_c = sum(key_c * query_c) / sqrt(hidden), s = sign(g) sqrt(max(|g|, 1e-6)),
+  // out_c = sigmoid(s) * value, for each of the C streams.
+  virtual void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out) = 0;
+  // QSA: stores the micro-batch's raw index keys, completes any newly full blocks, and for
+  // each query row picks its visible positions (top blocks by sum_h relu(q_h . k_b) /
+  // sqrt(d) plus the incomplete tail). selected is [rows, max_selected], counts [rows].
+  virtual void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
+                          int32_t* selected, int32_t* counts, int max_selected) = 0;
+  // Attention restricted to each row's selected positions (all <= its own position).
+  virtual void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale,
+                                  const int32_t* selected, const int32_t* counts, int max_selected,
+                                  const Mat& out) = 0;
+
   virtual void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
                            const float* weight, int k, const Mat& out) = 0;
 };

@@ -1,6 +1,6 @@
 // Per-kernel tests: every fast CPU kernel against its scalar reference on ragged shapes
-// (remainders of the 8-wide vectors, the 4-row and 3-token tiles, the K chunk and the token
-// block), every weight dtype, strided rows. The references themselves are checked against
+// (remainders of the 8-wide vectors, the 4-row and 3-token tiles, the per-thread row
+// quarters and the 128-token block), every weight dtype, strided rows. The references themselves are checked against
 // computations written independently here (dense attention in double, a sorted router), so
 // a shared mistake cannot hide.
 #include <gtest/gtest.h>
@@ -140,9 +140,9 @@ TEST(Kernels, RefMatmulIsAPlainProduct) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(y[i], want[i]) << i;
 }
 
-// Shapes chosen to hit every remainder: cols around the 8-lane vector and across the
-// 512-wide K chunk; rows around the 4-row tile; tokens around the 3-token tile and across
-// the 64-token block; one row (GEMV) through many (GEMM).
+// Shapes chosen to hit every remainder: cols around the 8-lane vector; rows around the
+// 4-row tile and its quarters; tokens around the 3-token tile; one activation row (GEMV)
+// through many (GEMM).
 TEST(Kernels, MatmulMatchesRef) {
   std::mt19937 rng(2);
   ThreadPool pool(2);
@@ -161,6 +161,21 @@ TEST(Kernels, MatmulMatchesRef) {
           for (float p : y.padding()) ASSERT_EQ(p, 42.f) << "matmul wrote outside y";
         }
       }
+    }
+  }
+}
+
+TEST(Kernels, MatmulCrossesTheTokenBlock) {
+  std::mt19937 rng(21);
+  ThreadPool pool(2);
+  for (DType dt : kWeightTypes) {
+    WeightStore w(dt, 37, 45, rng);
+    for (int64_t t : {128, 131, 260}) {
+      MatStore x(t, 45, 1), y(t, 37, 2), y_ref(t, 37);
+      fill_uniform(x.view, rng);
+      matmul(pool, w.view, x.view, y.view);
+      ref::matmul(w.view, x.view, y_ref.view);
+      EXPECT_LE(normalized_error(y.values(), y_ref.values()), kTol) << dtype_name(dt) << " T " << t;
     }
   }
 }

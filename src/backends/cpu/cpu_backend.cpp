@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "backends/cpu/hybrid_ops.h"
 #include "backends/cpu/kernels.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -88,6 +89,40 @@ class CpuBackend final : public Backend {
 
   void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight) override {
     cpu::router_softmax_topk(logits, k, renormalize, idx, weight);
+  }
+
+  void unary(const Mat& x, Act act, float pre, float post, const Mat& y) override { cpu::unary(x, act, pre, post, y); }
+  void mul_act(const Mat& x, const Mat& gate, Act act) override { cpu::mul_act(x, gate, act); }
+  void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const Mat& b) override {
+    cpu::split_heads(ab, n_heads, head_dim, a, b);
+  }
+  void copy(const Mat& src, const Mat& dst) override {
+    for (int64_t r = 0; r < src.rows; ++r) std::memcpy(dst.row(r), src.row(r), size_t(src.cols) * 4);
+  }
+  void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act,
+                     const Mat& out) override {
+    cpu::causal_conv1d(in, w, kernel, dilation, state, act, out);
+  }
+  void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
+                        int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out) override {
+    cpu::gated_delta_rule(pool_, qkv, a, b, a_log, dt_bias, n_k_heads, n_v_heads, dk, dv, state, out);
+  }
+  void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) override {
+    cpu::hc_mix(weight, normed, n_streams, mixed);
+  }
+  void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams) override {
+    cpu::hc_inject(streams, branch, inject, n_streams);
+  }
+  void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out) override {
+    cpu::ple_gate(key, query, value, n_streams, out);
+  }
+  void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
+                  int32_t* selected, int32_t* counts, int max_selected) override {
+    cpu::qsa_select(qsa, index_q, raw_keys, positions, selected, counts, max_selected);
+  }
+  void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
+                          const int32_t* counts, int max_selected, const Mat& out) override {
+    cpu::attention_selected(pool_, q, kv, n_heads, scale, selected, counts, max_selected, out);
   }
 
   void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,

@@ -75,7 +75,7 @@ inline float hsum(__m256 v) {
 
 // Keeps v in a register. Without it GCC folds every use of a loaded vector into its FMA as
 // a memory operand, turning a 4x3 tile's 7 loads per step into 16, which made the tile
-// load-port bound (measured: 2-core GEMM rose from ~55 to ~X GFLOP/s with it).
+// load-port bound (measured: 2-core GEMM at T = 64 rose from ~60 to ~115 GFLOP/s).
 inline void pin_register(__m256& v) {
 #if defined(__GNUC__)
   __asm__("" : "+x"(v));
@@ -137,47 +137,39 @@ float dot_row_impl(const WeightView& w, int64_t row, const float* x) {
 
 // ---------------------------------------------------------------------------------------
 // matmul. The unit of work is a tile: up to kRowTile weight rows times up to kTokenTile
-// activation rows, 12 vector accumulators, reduced along K. Decode (one activation row) and
-// short batches read the weights straight from the checkpoint, so each weight byte is read
-// from DRAM once and widened once. Long batches (prefill) widen a tile's rows once into an
-// L1-resident f32 buffer and reuse it across every token, keeping the FMA ports free of
-// conversion work.
+// activation rows, 12 vector accumulators, reduced along K, reading the weights in place
+// (widened to f32 in registers). Decode reads each weight byte from DRAM exactly once; for
+// longer batches a 4-row tile (8 KiB at K = 1024) stays in L1 while every token block
+// passes over it. Widening a tile once into an f32 buffer and reusing it was measured slower
+// for T = 4..64 (2.5x at T = 4, where the K-chunked buffer broke the weight stream) and no
+// faster at T = 256: the conversion hides beside the FMAs.
 
 constexpr int kRowTile = 4;    // weight rows per tile
 constexpr int kTokenTile = 3;  // activation rows per tile (4 x 3 = 12 accumulators)
-// Up to this many activation rows the weights are read directly (memory bound: widening into
-// a buffer would only add traffic); above it they are widened once and reused.
-#ifndef TS_DIRECT_MAX
-constexpr int64_t kDirectMaxTokens = 3;
-#else
-constexpr int64_t kDirectMaxTokens = TS_DIRECT_MAX;
-#endif
-// Widened path blocking: the x chunk of a token block ([kTokenBlock, kKChunk] f32 = 128 KiB)
-// stays in L2 across all of a thread's weight rows, and a widened 4-row tile
-// ([4, kKChunk] f32 = 8 KiB) stays in L1 across all its tokens. Partial sums over K chunks
-// accumulate in y itself: 12 scalars per tile per chunk against 4 * 3 * kKChunk FMAs.
-constexpr int64_t kKChunk = 512;
-constexpr int64_t kTokenBlock = 64;
+// Activation rows per pass over a thread's weight rows. It bounds the x working set
+// ([128, K] f32: 1.5 MiB at K = 3072, L3-resident) for long prefill chunks; measured no
+// different from unblocked at T <= 256.
+constexpr int64_t kTokenBlock = 128;
 
-// y[t * ldy + out[j]] (+)= sum_{i < nk} w_j[i] * x[t * ldx + i] for j < MR, t < NT, where
-// w_j is weight row `rows[j]` (dtype D) starting at element k0.
+// y[t * ldy + out[j]] = sum_{i < n} w_j[i] * x[t * ldx + i] for j < MR, t < NT, where w_j
+// is the weight row at rows[j] (dtype D).
 template <DType D, int MR, int NT>
-void tile_kernel(const uint8_t* const* rows, int64_t k0, int64_t nk, const float* x, int64_t ldx,
-                 float* y, int64_t ldy, const int64_t* out, bool accumulate) {
+void tile_kernel(const uint8_t* const* rows, int64_t n, const float* x, int64_t ldx, float* y,
+                 int64_t ldy, const int64_t* out) {
   float sums[NT][MR];
   int64_t i = 0;
 #if TS_CPU_AVX2
   __m256 acc[NT][MR];
   for (int t = 0; t < NT; ++t)
     for (int j = 0; j < MR; ++j) acc[t][j] = _mm256_setzero_ps();
-  for (; i + 8 <= nk; i += 8) {
+  for (; i + 8 <= n; i += 8) {
     __m256 xv[NT];
     for (int t = 0; t < NT; ++t) {
       xv[t] = _mm256_loadu_ps(x + t * ldx + i);
       pin_register(xv[t]);
     }
     for (int j = 0; j < MR; ++j) {
-      __m256 wv = load8<D>(rows[j], k0 + i);
+      __m256 wv = load8<D>(rows[j], i);
       pin_register(wv);
       for (int t = 0; t < NT; ++t) acc[t][j] = _mm256_fmadd_ps(wv, xv[t], acc[t][j]);
     }
@@ -193,41 +185,24 @@ void tile_kernel(const uint8_t* const* rows, int64_t k0, int64_t nk, const float
   for (int t = 0; t < NT; ++t)
     for (int j = 0; j < MR; ++j) sums[t][j] = 0.f;
 #endif
-  for (; i < nk; ++i)
+  for (; i < n; ++i)
     for (int j = 0; j < MR; ++j) {
-      const float wv = load1<D>(rows[j], k0 + i);
+      const float wv = load1<D>(rows[j], i);
       for (int t = 0; t < NT; ++t) sums[t][j] += wv * x[t * ldx + i];
     }
   for (int t = 0; t < NT; ++t)
-    for (int j = 0; j < MR; ++j) {
-      if (accumulate) y[t * ldy + out[j]] += sums[t][j];
-      else y[t * ldy + out[j]] = sums[t][j];
-    }
+    for (int j = 0; j < MR; ++j) y[t * ldy + out[j]] = sums[t][j];
 }
 
-// Runs one row tile (nr rows) over activation rows [t0, t1), kTokenTile at a time.
+// One row tile (MR rows) over activation rows [t0, t1), kTokenTile at a time.
 template <DType D, int MR>
-void tile_over_tokens(const uint8_t* const* rows, const int64_t* out, int64_t k0, int64_t nk,
-                      const Mat& x, const Mat& y, int64_t t0, int64_t t1, bool accumulate) {
+void tile_over_tokens(const uint8_t* const* rows, const int64_t* out, const Mat& x, const Mat& y,
+                      int64_t t0, int64_t t1) {
   int64_t t = t0;
   for (; t + kTokenTile <= t1; t += kTokenTile)
-    tile_kernel<D, MR, kTokenTile>(rows, k0, nk, x.row(t) + k0, x.stride, y.row(t), y.stride, out,
-                                   accumulate);
-  if (t1 - t == 2)
-    tile_kernel<D, MR, 2>(rows, k0, nk, x.row(t) + k0, x.stride, y.row(t), y.stride, out, accumulate);
-  else if (t1 - t == 1)
-    tile_kernel<D, MR, 1>(rows, k0, nk, x.row(t) + k0, x.stride, y.row(t), y.stride, out, accumulate);
-}
-
-template <DType D>
-void tile_dispatch(int nr, const uint8_t* const* rows, const int64_t* out, int64_t k0, int64_t nk,
-                   const Mat& x, const Mat& y, int64_t t0, int64_t t1, bool accumulate) {
-  switch (nr) {
-    case 4: tile_over_tokens<D, 4>(rows, out, k0, nk, x, y, t0, t1, accumulate); break;
-    case 3: tile_over_tokens<D, 3>(rows, out, k0, nk, x, y, t0, t1, accumulate); break;
-    case 2: tile_over_tokens<D, 2>(rows, out, k0, nk, x, y, t0, t1, accumulate); break;
-    default: tile_over_tokens<D, 1>(rows, out, k0, nk, x, y, t0, t1, accumulate); break;
-  }
+    tile_kernel<D, MR, kTokenTile>(rows, x.cols, x.row(t), x.stride, y.row(t), y.stride, out);
+  if (t1 - t == 2) tile_kernel<D, MR, 2>(rows, x.cols, x.row(t), x.stride, y.row(t), y.stride, out);
+  if (t1 - t == 1) tile_kernel<D, MR, 1>(rows, x.cols, x.row(t), x.stride, y.row(t), y.stride, out);
 }
 
 // Visits the weight rows [b, e) as tiles of up to kRowTile rows: fn(const int64_t* rows, nr).
@@ -248,48 +223,20 @@ void for_each_row_tile(int64_t b, int64_t e, Fn&& fn) {
   if (rest > 0) fn(rows, int(rest));
 }
 
-// Activation rows <= kDirectMaxTokens: weights read in place, whole K at once.
 template <DType D>
-void matmul_direct(const WeightView& w, const Mat& x, const Mat& y, int64_t b, int64_t e) {
-  for_each_row_tile(b, e, [&](const int64_t* out, int nr) {
-    const uint8_t* rows[kRowTile];
-    for (int j = 0; j < nr; ++j) rows[j] = w.row(out[j]);
-    tile_dispatch<D>(nr, rows, out, 0, w.cols, x, y, 0, x.rows, false);
-  });
-}
-
-// Widens rows[0..nr) x cols [k0, k0 + nk) of w into buf, one row every kKChunk floats.
-template <DType D>
-void widen_rows(const WeightView& w, const int64_t* rows, int nr, int64_t k0, int64_t nk, float* buf) {
-  for (int j = 0; j < nr; ++j) {
-    const uint8_t* p = w.row(rows[j]);
-    float* dst = buf + j * kKChunk;
-    int64_t i = 0;
-#if TS_CPU_AVX2
-    for (; i + 8 <= nk; i += 8) _mm256_storeu_ps(dst + i, load8<D>(p, k0 + i));
-#endif
-    for (; i < nk; ++i) dst[i] = load1<D>(p, k0 + i);
-  }
-}
-
-// Many activation rows: token block > K chunk > row tile (widened once) > token tiles.
-template <DType D>
-void matmul_widened(const WeightView& w, const Mat& x, const Mat& y, int64_t b, int64_t e) {
-  // A fixed 8 KiB per thread, reused across calls.
-  thread_local std::vector<float> widened(size_t(kRowTile * kKChunk));
-  float* buf = widened.data();
-  const uint8_t* rows[kRowTile];
-  for (int j = 0; j < kRowTile; ++j) rows[j] = reinterpret_cast<const uint8_t*>(buf + j * kKChunk);
+void matmul_rows(const WeightView& w, const Mat& x, const Mat& y, int64_t b, int64_t e) {
   for (int64_t t0 = 0; t0 < x.rows; t0 += kTokenBlock) {
     const int64_t t1 = std::min(x.rows, t0 + kTokenBlock);
-    for (int64_t k0 = 0; k0 < w.cols; k0 += kKChunk) {
-      const int64_t nk = std::min(kKChunk, w.cols - k0);
-      for_each_row_tile(b, e, [&](const int64_t* out, int nr) {
-        widen_rows<D>(w, out, nr, k0, nk, buf);
-        // The buffer holds columns [k0, k0 + nk) at offset 0; x is offset by k0 below.
-        tile_dispatch<DType::F32>(nr, rows, out, 0, nk, x.cols_slice(k0, nk), y, t0, t1, k0 > 0);
-      });
-    }
+    for_each_row_tile(b, e, [&](const int64_t* out, int nr) {
+      const uint8_t* rows[kRowTile];
+      for (int j = 0; j < nr; ++j) rows[j] = w.row(out[j]);
+      switch (nr) {
+        case 4: tile_over_tokens<D, 4>(rows, out, x, y, t0, t1); break;
+        case 3: tile_over_tokens<D, 3>(rows, out, x, y, t0, t1); break;
+        case 2: tile_over_tokens<D, 2>(rows, out, x, y, t0, t1); break;
+        default: tile_over_tokens<D, 1>(rows, out, x, y, t0, t1); break;
+      }
+    });
   }
 }
 
@@ -297,10 +244,7 @@ template <DType D>
 void matmul_typed(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat& y) {
   // Contiguous row ranges per thread keep each thread's weight streams sequential; the grain
   // keeps the per-thread quarters long and the tiles full.
-  if (x.rows <= kDirectMaxTokens)
-    pool.parallel_for(w.rows, 32, [&](int64_t b, int64_t e) { matmul_direct<D>(w, x, y, b, e); });
-  else
-    pool.parallel_for(w.rows, 32, [&](int64_t b, int64_t e) { matmul_widened<D>(w, x, y, b, e); });
+  pool.parallel_for(w.rows, 32, [&](int64_t b, int64_t e) { matmul_rows<D>(w, x, y, b, e); });
 }
 
 // ---------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ TEST_P(GoldenFamily, LogitsMatchTransformersAtEveryChunkSize) {
   // 0 = whole prompt in one micro-batch; max_prefill_batch 16 forces several full
   // micro-batches plus a ragged one.
   for (int64_t max_batch : {kMaxPrefillBatch, int64_t(16)}) {
-    for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(2), int64_t(3), int64_t(5), int64_t(7)}) {
+    for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(2), int64_t(3), int64_t(5), int64_t(7), kMaxPrefillBatch}) {
       SessionOptions so;
       so.max_prefill_batch = max_batch;
       Session s(model(), *backend_, so);
@@ -76,13 +76,15 @@ TEST_P(GoldenFamily, LogitsMatchTransformersAtEveryChunkSize) {
 
 TEST_P(GoldenFamily, HiddenStatesMatchTransformersPerLayer) {
   const int64_t T = int64_t(golden_.tokens.size());
-  const int64_t H = model().info().hidden_size;
   const int L = model().info().n_layers;
+  ASSERT_EQ(golden_.hidden.shape.size(), 3u);
+  const int64_t H = golden_.hidden.shape[2];  // hidden, or hc_count * hidden for hyper-connection streams
   ASSERT_EQ(golden_.hidden.shape, (std::vector<int64_t>{L, T, H}));
   std::vector<float> ours(size_t(L * T * H), std::nanf(""));
   Session s(model(), *backend_);
   s.trace = [&](const char* name, int layer, const Mat& m) {
     if (std::strcmp(name, "layer_in") != 0) return;
+    ASSERT_EQ(m.cols, H);
     for (int64_t r = 0; r < m.rows; ++r) std::memcpy(&ours[size_t((layer * T + r) * H)], m.row(r), size_t(H) * 4);
   };
   s.feed(golden_.tokens, 0, true);
@@ -121,6 +123,8 @@ TEST_P(GoldenFamily, GreedyContinuationMatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Qwen, GoldenFamily,
                          ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen3_moe_norenorm_tiny"));
+INSTANTIATE_TEST_SUITE_P(Qwen4Exp, GoldenFamily,
+                         ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny"));
 
 }  // namespace
 }  // namespace turbospark

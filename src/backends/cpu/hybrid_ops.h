@@ -1,0 +1,26 @@
+// CPU implementations of the hybrid-model ops (GatedDeltaNet, causal convs, hyper-connection
+// mixing, PLE gate, QSA selection and selected attention). Straightforward float32 loops,
+// parallel over rows or heads where it pays; the math follows transformers' reference.
+#pragma once
+
+#include "core/thread_pool.h"
+#include "ops/backend.h"
+
+namespace turbospark::cpu {
+
+void unary(const Mat& x, Act act, float pre, float post, const Mat& y);
+void mul_act(const Mat& x, const Mat& gate, Act act);
+void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const Mat& b);
+void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act, const Mat& out);
+void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
+                      const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state,
+                      const Mat& out);
+void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed);
+void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams);
+void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out);
+void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
+                int32_t* selected, int32_t* counts, int max_selected);
+void attention_selected(ThreadPool& pool, const Mat& q, const KvLayerView& kv, int n_heads, float scale,
+                        const int32_t* selected, const int32_t* counts, int max_selected, const Mat& out);
+
+}  // namespace turbospark::cpu

@@ -1,0 +1,49 @@
+#include "models/blocks/gated_delta_net.h"
+
+#include "formats/safetensors.h"
+
+namespace turbospark {
+
+GatedDeltaNetWeights GatedDeltaNetWeights::load(const Checkpoint& ck, const std::string& prefix,
+                                                const GatedDeltaNetParams& p, int64_t hidden, int layer) {
+  GatedDeltaNetWeights w;
+  auto weight = [&](const std::string& name, int64_t rows, int64_t cols) {
+    Weight x;
+    x.view = ck.matrix(prefix + name, rows, cols);
+    x.name = prefix + name;
+    x.layer = layer;
+    return x;
+  };
+  w.in_qkv = weight("in_proj_qkv.weight", p.conv_dim(), hidden);
+  w.in_z = weight("in_proj_z.weight", p.value_dim(), hidden);
+  w.in_b = weight("in_proj_b.weight", p.n_v_heads, hidden);
+  w.in_a = weight("in_proj_a.weight", p.n_v_heads, hidden);
+  w.out = weight("out_proj.weight", hidden, p.value_dim());
+  w.conv = ck.floats(prefix + "conv1d.weight", {p.conv_dim(), 1, p.conv_kernel});
+  w.a_log = ck.floats(prefix + "A_log", {p.n_v_heads});
+  w.dt_bias = ck.floats(prefix + "dt_bias", {p.n_v_heads});
+  w.norm = ck.floats(prefix + "norm.weight", {p.dv});
+  return w;
+}
+
+void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDeltaNetWeights& w, const Mat& x,
+                     const GatedDeltaNetState& state, GatedDeltaNetScratch& s, const Mat& out) {
+  const int64_t rows = x.rows;
+  Mat qkv = s.qkv.rows_slice(0, rows), conv = s.qkv_conv.rows_slice(0, rows);
+  Mat z = s.z.rows_slice(0, rows), core = s.core.rows_slice(0, rows);
+  Mat a = s.a.rows_slice(0, rows), b = s.b.rows_slice(0, rows);
+  be.matmul(w.in_qkv, x, qkv);
+  be.matmul(w.in_z, x, z);
+  be.matmul(w.in_b, x, b);
+  be.matmul(w.in_a, x, a);
+  be.causal_conv1d(qkv, w.conv.data(), p.conv_kernel, 1, state.conv, Act::kSilu, conv);
+  be.gated_delta_rule(conv, a, b, w.a_log.data(), w.dt_bias.data(), p.n_k_heads, p.n_v_heads, p.dk, p.dv,
+                      state.recurrent, core);
+  // Gated norm per value head: view [rows, nv*dv] as [rows*nv, dv] (rows are contiguous).
+  Mat heads(core.data, rows * p.n_v_heads, p.dv);
+  be.rmsnorm(heads, w.norm.data(), p.eps, heads);
+  be.mul_act(core, z, p.gate_act);
+  be.matmul(w.out, core, out);
+}
+
+}  // namespace turbospark

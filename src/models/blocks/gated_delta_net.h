@@ -1,0 +1,53 @@
+// GatedDeltaNet linear attention (Qwen3.5 / Qwen4-Exp): fused qkv projection, causal
+// depthwise conv (carried state), L2-normalized q/k, beta = sigmoid(b),
+// g = -exp(A_log) * softplus(a + dt_bias), the delta-rule recurrence per value head, a
+// gated RMSNorm (weight * norm(o) * act(z)) and the out projection. Prefill runs the
+// recurrent form token by token, which is the chunked reference's exact math.
+#pragma once
+
+#include <vector>
+
+#include "ops/backend.h"
+
+namespace turbospark {
+
+class Checkpoint;
+
+struct GatedDeltaNetParams {
+  int n_k_heads = 0, n_v_heads = 0, dk = 0, dv = 0, conv_kernel = 0;
+  Act gate_act = Act::kSilu;
+  float eps = 1e-6f;
+  int64_t conv_dim() const { return 2 * int64_t(n_k_heads) * dk + int64_t(n_v_heads) * dv; }
+  int64_t value_dim() const { return int64_t(n_v_heads) * dv; }
+};
+
+struct GatedDeltaNetWeights {
+  Weight in_qkv;   // [2*nk*dk + nv*dv, hidden]
+  Weight in_z;     // [nv*dv, hidden]
+  Weight in_b;     // [nv, hidden]
+  Weight in_a;     // [nv, hidden]
+  Weight out;      // [hidden, nv*dv]
+  std::vector<float> conv;     // [conv_dim, K] f32
+  std::vector<float> a_log;    // [nv]
+  std::vector<float> dt_bias;  // [nv]
+  std::vector<float> norm;     // [dv], plain scale
+
+  static GatedDeltaNetWeights load(const Checkpoint& ck, const std::string& prefix, const GatedDeltaNetParams& p,
+                                   int64_t hidden, int layer);
+};
+
+struct GatedDeltaNetState {
+  Mat conv;        // [K-1, conv_dim]
+  Mat recurrent;   // [nv, dk*dv]
+};
+
+struct GatedDeltaNetScratch {
+  Mat qkv, qkv_conv;  // [rows, conv_dim]
+  Mat z, core;        // [rows, nv*dv]
+  Mat a, b;           // [rows, nv]
+};
+
+void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDeltaNetWeights& w, const Mat& x,
+                     const GatedDeltaNetState& state, GatedDeltaNetScratch& s, const Mat& out);
+
+}  // namespace turbospark

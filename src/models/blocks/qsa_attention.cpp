@@ -1,0 +1,56 @@
+#include "models/blocks/qsa_attention.h"
+
+namespace turbospark {
+
+void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w,
+                   const Mat& x, const int64_t* positions, const KvLayerView& kv, const QsaState& state,
+                   QsaScratch& s, const Mat& out) {
+  const int64_t rows = x.rows;
+  const int hd = p.head_dim, id = qp.head_dim;
+  Mat qg = s.q_gate.rows_slice(0, rows), q = s.q.rows_slice(0, rows), gate = s.gate.rows_slice(0, rows);
+  Mat k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows), attn = s.attn.rows_slice(0, rows);
+  be.matmul(w.q_gate, x, qg);
+  be.split_heads(qg, p.n_heads, hd, q, gate);
+  be.matmul(w.k, x, k);
+  be.matmul(w.v, x, v);
+  be.rmsnorm(Mat(q.data, rows * p.n_heads, hd), w.q_norm.data(), p.norm_eps, Mat(q.data, rows * p.n_heads, hd), 1.f);
+  be.rmsnorm(Mat(k.data, rows * p.n_kv_heads, hd), w.k_norm.data(), p.norm_eps, Mat(k.data, rows * p.n_kv_heads, hd), 1.f);
+  be.rope(q, p.n_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
+  be.rope(k, p.n_kv_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
+  be.kv_write(kv, k, v, positions);
+
+  // Indexer: queries normed and rotated at their positions; keys stored raw (pooled,
+  // normed and rotated per complete block inside qsa_select).
+  Mat iqk = s.index_qk.rows_slice(0, rows);
+  be.matmul(w.index_qk, x, iqk);
+  Mat iq = iqk.cols_slice(0, int64_t(qp.n_heads) * id);
+  Mat ik = iqk.cols_slice(int64_t(qp.n_heads) * id, id);
+  Mat iq_rows = s.index_q.rows_slice(0, rows);
+  be.copy(iq, iq_rows);
+  be.rmsnorm(Mat(iq_rows.data, rows * qp.n_heads, id), w.index_q_norm.data(), p.norm_eps,
+             Mat(iq_rows.data, rows * qp.n_heads, id), 1.f);
+  be.rope(iq_rows, qp.n_heads, id, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
+  Mat ik_rows = s.index_k.rows_slice(0, rows);
+  be.copy(ik, ik_rows);
+
+  QsaView view;
+  view.raw_keys = state.raw_keys;
+  view.block_keys = state.block_keys;
+  view.k_norm = w.index_k_norm.data();
+  view.inv_freq = p.inv_freq.data();
+  view.rotary_dim = p.rotary_dim;
+  view.ratio = qp.ratio;
+  view.block_topk = qp.budget / qp.ratio;
+  view.n_heads = qp.n_heads;
+  view.head_dim = id;
+  view.eps = p.norm_eps;
+  const int max_sel = qp.max_selected();
+  s.selected.resize(size_t(rows * max_sel));
+  s.counts.resize(size_t(rows));
+  be.qsa_select(view, iq_rows, ik_rows, positions, s.selected.data(), s.counts.data(), max_sel);
+  be.attention_selected(q, kv, p.n_heads, p.scale, s.selected.data(), s.counts.data(), max_sel, attn);
+  be.mul_act(attn, gate, Act::kSigmoid);
+  be.matmul(w.o, attn, out);
+}
+
+}  // namespace turbospark

@@ -1,0 +1,593 @@
+// Qwen4-Exp text model (Qwen4ExpForCausalLM, and the text part of
+// Qwen4ExpForConditionalGeneration): hyper-connection residual streams, GatedDeltaNet
+// linear-attention layers, gated full attention with QSA sparse selection, n-gram PLE on
+// some linear layers, and a top-k MoE with a gated shared expert in every layer.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "formats/hf_config.h"
+#include "formats/safetensors.h"
+#include "models/blocks/ffn.h"
+#include "models/blocks/gated_delta_net.h"
+#include "models/blocks/hyper_connection.h"
+#include "models/blocks/ple.h"
+#include "models/blocks/qsa_attention.h"
+#include "models/blocks/rope.h"
+#include "models/model.h"
+
+namespace turbospark {
+namespace {
+
+enum class MixerKind : uint8_t { kLinear, kSparseAttention };
+
+struct LayerSpec {
+  MixerKind mixer = MixerKind::kLinear;
+  int ple_index = -1;  // index among PLE layers, -1 when the layer has none
+};
+
+struct Hparams {
+  int64_t vocab = 0, hidden = 0, max_context = 0;
+  int n_layers = 0, n_streams = 0;
+  int64_t hc_rank = 0;
+  float eps = 1e-6f;
+  AttentionParams attn;
+  QsaParams qsa;
+  GatedDeltaNetParams gdn;
+  int n_experts = 0, top_k = 0;
+  int64_t moe_inter = 0, shared_inter = 0;
+  bool norm_topk = true;
+  int32_t eos = -1;
+  std::vector<LayerSpec> layers;
+  // PLE
+  int64_t ple_dim = 0;
+  int ple_kernel = 0;
+  NgramHashSpec ngram;  // ple_index filled per layer
+};
+
+Hparams read_hparams(const HfConfig& c) {
+  Hparams hp;
+  const std::string& path = c.path();
+  hp.vocab = c.get_int("vocab_size");
+  hp.hidden = c.get_int("hidden_size");
+  hp.n_layers = int(c.get_int("num_hidden_layers"));
+  hp.max_context = c.get_int("max_position_embeddings", 32768);
+  hp.eps = float(c.get_float("rms_norm_eps", 1e-6));
+  hp.n_streams = int(c.get_int("hc_count", 4));
+  hp.hc_rank = c.get_int("hc_lowrank", 320);
+  if (hp.n_streams <= 1) fail("{}: field hc_count must be > 1, got {}", path, hp.n_streams);
+  if (hp.hc_rank <= 0) fail("{}: field hc_lowrank must be positive, got {}", path, hp.hc_rank);
+  const std::string act = c.get_string("hidden_act", "silu");
+  if (act != "silu") fail("{}: field hidden_act {} is not supported (only silu)", path, act);
+  const std::string gate = c.get_string("output_gate_type", act);
+  if (gate == "silu") {
+    hp.gdn.gate_act = Act::kSilu;
+  } else if (gate == "sigmoid") {
+    hp.gdn.gate_act = Act::kSigmoid;
+  } else {
+    fail("{}: field output_gate_type {} is not supported (sigmoid or silu)", path, gate);
+  }
+  if (c.get_bool("attention_bias", false)) fail("{}: field attention_bias=true is not supported", path);
+  if (c.get_bool("tie_word_embeddings", false)) fail("{}: field tie_word_embeddings=true is not supported", path);
+
+  // Attention geometry and RoPE (text positions: the three mRoPE sections coincide).
+  AttentionParams& a = hp.attn;
+  a.n_heads = int(c.get_int("num_attention_heads"));
+  a.n_kv_heads = int(c.get_int("num_key_value_heads"));
+  a.head_dim = int(c.get_int("head_dim", 256));
+  if (a.n_heads <= 0 || a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads) {
+    fail("{}: num_attention_heads {} must be a positive multiple of num_key_value_heads {}", path, a.n_heads, a.n_kv_heads);
+  }
+  double partial = 1.0;
+  const auto& text = c.text();
+  if (text.contains("rope_parameters") && text["rope_parameters"].is_object() &&
+      text["rope_parameters"].contains("partial_rotary_factor")) {
+    partial = text["rope_parameters"]["partial_rotary_factor"].get<double>();
+  } else if (c.has("partial_rotary_factor")) {
+    partial = c.get_float("partial_rotary_factor");
+  }
+  a.rotary_dim = int(a.head_dim * partial);
+  if (a.rotary_dim <= 0 || a.rotary_dim % 2 || a.rotary_dim > a.head_dim) {
+    fail("{}: partial_rotary_factor {} gives rotary dim {} for head_dim {}", path, partial, a.rotary_dim, a.head_dim);
+  }
+  if (c.rope_type() != "default") fail("{}: rope_type {} is not supported for qwen4_exp", path, c.rope_type());
+  a.scale = 1.f / std::sqrt(float(a.head_dim));
+  a.norm_eps = hp.eps;
+  a.inv_freq = rope_inv_freq_default(c.rope_theta(10000.0), a.rotary_dim);
+
+  // Layer types ("full_attention" is the real checkpoint's name for QSA layers).
+  std::vector<std::string> types;
+  if (text.contains("layer_types") && text["layer_types"].is_array()) {
+    for (const auto& t : text["layer_types"]) types.push_back(t.get<std::string>());
+  } else {
+    const int64_t interval = c.get_int("full_attention_interval", 4);
+    for (int i = 0; i < hp.n_layers; ++i) types.push_back((i + 1) % interval ? "linear_attention" : "qwen_sparse_attention");
+  }
+  if (int(types.size()) != hp.n_layers) {
+    fail("{}: field layer_types has {} entries for {} layers", path, types.size(), hp.n_layers);
+  }
+  hp.layers.resize(size_t(hp.n_layers));
+  bool any_sparse = false;
+  for (int i = 0; i < hp.n_layers; ++i) {
+    const std::string& t = types[size_t(i)];
+    if (t == "linear_attention") {
+      hp.layers[size_t(i)].mixer = MixerKind::kLinear;
+    } else if (t == "qwen_sparse_attention" || t == "full_attention") {
+      hp.layers[size_t(i)].mixer = MixerKind::kSparseAttention;
+      any_sparse = true;
+    } else {
+      fail("{}: field layer_types[{}] = {} is not supported", path, i, t);
+    }
+  }
+
+  // QSA: all five fields or none.
+  const char* qsa_fields[] = {"indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+                              "indexer_compress_ratio"};
+  int n_present = 0;
+  for (const char* f : qsa_fields) n_present += c.has(f);
+  if (n_present != 0 && n_present != 5) {
+    std::string names;
+    for (const char* f : qsa_fields) {
+      if (!c.has(f)) names += (names.empty() ? "" : ", ") + std::string(f);
+    }
+    fail("{}: QSA config is partly set: missing {}", path, names);
+  }
+  if (any_sparse && n_present == 0) fail("{}: qwen_sparse_attention layers need the indexer_* (QSA) fields", path);
+  if (n_present == 5) {
+    hp.qsa.n_heads = int(c.get_int("indexer_n_heads"));
+    hp.qsa.head_dim = int(c.get_int("indexer_head_dim"));
+    hp.qsa.budget = int(c.get_int("indexer_budget"));
+    hp.qsa.ratio = int(c.get_int("indexer_compress_ratio"));
+    const int64_t kv_heads = c.get_int("indexer_kv_heads");
+    for (const char* f : qsa_fields) {
+      if (c.get_int(f) <= 0) fail("{}: field {} must be positive, got {}", path, f, c.get_int(f));
+    }
+    if (kv_heads != 1) fail("{}: field indexer_kv_heads must be 1, got {}", path, kv_heads);
+    if (hp.qsa.budget % hp.qsa.ratio) {
+      fail("{}: field indexer_budget {} must be divisible by indexer_compress_ratio {}", path, hp.qsa.budget, hp.qsa.ratio);
+    }
+    if (a.rotary_dim > hp.qsa.head_dim) {
+      fail("{}: field indexer_head_dim {} is smaller than the rotary dim {}", path, hp.qsa.head_dim, a.rotary_dim);
+    }
+  }
+
+  // GatedDeltaNet.
+  GatedDeltaNetParams& g = hp.gdn;
+  g.n_k_heads = int(c.get_int("linear_num_key_heads", 16));
+  g.n_v_heads = int(c.get_int("linear_num_value_heads", 32));
+  g.dk = int(c.get_int("linear_key_head_dim", 128));
+  g.dv = int(c.get_int("linear_value_head_dim", 128));
+  g.conv_kernel = int(c.get_int("linear_conv_kernel_dim", 4));
+  g.eps = hp.eps;
+  if (g.n_k_heads <= 0 || g.n_v_heads % g.n_k_heads) {
+    fail("{}: linear_num_value_heads {} must be a multiple of linear_num_key_heads {}", path, g.n_v_heads, g.n_k_heads);
+  }
+
+  // MoE.
+  hp.n_experts = int(c.has("num_local_experts") ? c.get_int("num_local_experts") : c.get_int("num_experts"));
+  hp.top_k = int(c.get_int("num_experts_per_tok"));
+  hp.moe_inter = c.get_int("moe_intermediate_size");
+  hp.shared_inter = c.get_int("shared_expert_intermediate_size");
+  hp.norm_topk = c.get_bool("norm_topk_prob", true);
+  if (hp.n_experts <= 0) fail("{}: field num_experts must be positive", path);
+  if (hp.top_k <= 0 || hp.top_k > hp.n_experts) {
+    fail("{}: field num_experts_per_tok {} must be in [1, {}]", path, hp.top_k, hp.n_experts);
+  }
+
+  // PLE.
+  const auto eos = c.get_id_list("eos_token_id");
+  if (!eos.empty()) hp.eos = int32_t(eos[0]);
+  const auto ple_ids = c.get_int_list("ple_layer_ids");
+  std::vector<int64_t> sorted_ids(ple_ids);
+  std::sort(sorted_ids.begin(), sorted_ids.end());
+  sorted_ids.erase(std::unique(sorted_ids.begin(), sorted_ids.end()), sorted_ids.end());
+  if (!sorted_ids.empty()) {
+    hp.ple_dim = c.get_int("ple_embed_dim", hp.hidden);
+    hp.ple_kernel = int(c.get_int("ple_conv_kernel_size", 4));
+    NgramHashSpec& s = hp.ngram;
+    s.ngram_size = int(c.get_int("ngram_size", 3));
+    s.heads_per_ngram = int(c.get_int("heads_per_ngram", 8));
+    s.vocab_size = hp.vocab;
+    s.base = c.get_int("ngram_vocab_size_base", 20000000);
+    s.divisor = c.get_int("make_ngram_vocab_size_divisible_by", 128);
+    s.seed = c.get_int("seed", 1234);
+    if (s.n_heads() <= 0 || hp.ple_dim <= 0 || hp.ple_dim % s.n_heads()) {
+      fail("{}: field ple_embed_dim {} must be a positive multiple of the {} n-gram heads", path, hp.ple_dim, s.n_heads());
+    }
+    if (eos.empty()) fail("{}: field eos_token_id must be set when ple_layer_ids is", path);
+    s.eos = hp.eos;
+    for (size_t k = 0; k < sorted_ids.size(); ++k) {
+      const int64_t id = sorted_ids[k];
+      if (id < 1 || id > hp.n_layers) fail("{}: field ple_layer_ids has {} outside [1, {}]", path, id, hp.n_layers);
+      if (hp.layers[size_t(id - 1)].mixer != MixerKind::kLinear) {
+        fail("{}: field ple_layer_ids names layer {}, which is not a linear_attention layer", path, id);
+      }
+      hp.layers[size_t(id - 1)].ple_index = int(k);
+    }
+  }
+  return hp;
+}
+
+struct Layer {
+  LayerSpec spec;
+  HyperConnectionWeights attn_hc, mlp_hc;
+  GatedDeltaNetWeights gdn;
+  QsaAttentionWeights attn;
+  MoeWeights moe;
+  DenseMlpWeights shared;
+  Weight shared_gate;  // [1, hidden]
+  PleWeights ple;
+};
+
+struct Workspace : ModelWorkspace {
+  std::shared_ptr<float> storage;
+  int64_t capacity = 0;
+  Mat streams, mixed, branch, inject, shared_out, shared_gate, logits;
+  HyperConnectionScratch hc;
+  GatedDeltaNetScratch gdn;
+  QsaScratch qsa;
+  FfnScratch ffn;
+  PleScratch ple;
+};
+
+struct State : SequenceState {
+  std::shared_ptr<float> storage;
+  std::vector<GatedDeltaNetState> gdn;  // per layer (empty Mats on attention layers)
+  std::vector<QsaState> qsa;
+  std::vector<PleState> ple;
+  int32_t eos = 0;
+  int context = 0;
+  void reset() override {
+    for (auto& g : gdn) {
+      for (const Mat* m : {&g.conv, &g.recurrent}) {
+        for (int64_t r = 0; r < m->rows; ++r) std::memset(m->row(r), 0, size_t(m->cols) * 4);
+      }
+    }
+    for (auto& p : ple) {
+      for (int64_t r = 0; r < p.conv.rows; ++r) std::memset(p.conv.row(r), 0, size_t(p.conv.cols) * 4);
+      p.context.assign(size_t(context), eos);
+    }
+  }
+};
+
+// Carves Mats out of one backend allocation.
+class Arena {
+ public:
+  void plan(int64_t rows, int64_t cols) { total_ += (rows * cols + 15) / 16 * 16; }
+  void allocate(Backend& be) { storage_ = be.alloc(total_); next_ = storage_.get(); }
+  Mat take(int64_t rows, int64_t cols) {
+    Mat m(next_, rows, cols);
+    next_ += (rows * cols + 15) / 16 * 16;
+    return m;
+  }
+  std::shared_ptr<float> storage() const { return storage_; }
+
+ private:
+  int64_t total_ = 0;
+  std::shared_ptr<float> storage_;
+  float* next_ = nullptr;
+};
+
+class Qwen4Exp final : public Model {
+ public:
+  Qwen4Exp(const HfConfig& config, const Checkpoint& ck) : hp_(read_hparams(config)) {
+    // Three checkpoint layouts: Qwen4ExpForCausalLM (model.*), the multimodal
+    // Qwen4ExpForConditionalGeneration (model.language_model.*, vision tensors skipped) and
+    // the language_model.model.* form.
+    std::string head = "lm_head.weight";
+    if (ck.has("model.embed_tokens.weight")) {
+      trunk_ = "model.";
+    } else if (ck.has("model.language_model.embed_tokens.weight")) {
+      trunk_ = "model.language_model.";
+    } else if (ck.has("language_model.model.embed_tokens.weight")) {
+      trunk_ = "language_model.model.";
+      head = "language_model.lm_head.weight";
+    } else {
+      fail("{}: missing tensor model.embed_tokens.weight (nor the multimodal forms)", ck.dir());
+    }
+    const int64_t H = hp_.hidden;
+    embed_ = weight(ck, trunk_ + "embed_tokens.weight", hp_.vocab, H, -1);
+    lm_head_ = weight(ck, head, hp_.vocab, H, -1);
+    exit_mixer_ = HyperConnectionWeights::load(ck, trunk_ + "hyper_connection_mixer.", hp_.n_streams, H, hp_.hc_rank,
+                                               false, hp_.eps, -1);
+    // bytes: every weight; active: what one decode token reads (dense parts, top-k experts).
+    int64_t bytes = embed_.view.bytes() + lm_head_.view.bytes(), active = lm_head_.view.bytes();
+    auto dense = [&](int64_t n) {
+      bytes += n;
+      active += n;
+    };
+    for (int i = 0; i < hp_.n_layers; ++i) {
+      Layer L;
+      L.spec = hp_.layers[size_t(i)];
+      const std::string p = fmt::format("{}layers.{}.", trunk_, i);
+      L.attn_hc = HyperConnectionWeights::load(ck, p + "attn_hyper_connection.", hp_.n_streams, H, hp_.hc_rank, true,
+                                               hp_.eps, i);
+      L.mlp_hc = HyperConnectionWeights::load(ck, p + "mlp_hyper_connection.", hp_.n_streams, H, hp_.hc_rank, true,
+                                              hp_.eps, i);
+      if (L.spec.mixer == MixerKind::kLinear) {
+        L.gdn = GatedDeltaNetWeights::load(ck, p + "linear_attn.", hp_.gdn, H, i);
+        dense(L.gdn.in_qkv.view.bytes() + L.gdn.in_z.view.bytes() + L.gdn.out.view.bytes());
+      } else {
+        const auto& a = hp_.attn;
+        const int64_t qw = int64_t(a.n_heads) * a.head_dim, kvw = int64_t(a.n_kv_heads) * a.head_dim;
+        L.attn.q_gate = weight(ck, p + "self_attn.q_proj.weight", 2 * qw, H, i);
+        L.attn.k = weight(ck, p + "self_attn.k_proj.weight", kvw, H, i);
+        L.attn.v = weight(ck, p + "self_attn.v_proj.weight", kvw, H, i);
+        L.attn.o = weight(ck, p + "self_attn.o_proj.weight", H, qw, i);
+        L.attn.q_norm = ck.floats(p + "self_attn.q_norm.weight", {a.head_dim});
+        L.attn.k_norm = ck.floats(p + "self_attn.k_norm.weight", {a.head_dim});
+        const int64_t id = hp_.qsa.head_dim;
+        L.attn.index_qk = weight(ck, p + "self_attn.indexer.index_qk_proj.weight", (hp_.qsa.n_heads + 1) * id, H, i);
+        L.attn.index_q_norm = ck.floats(p + "self_attn.indexer.q_layernorm.weight", {id});
+        L.attn.index_k_norm = ck.floats(p + "self_attn.indexer.k_layernorm.weight", {id});
+        dense(L.attn.q_gate.view.bytes() + 2 * L.attn.k.view.bytes() + L.attn.o.view.bytes() +
+              L.attn.index_qk.view.bytes());
+      }
+      load_moe(ck, p + "mlp.", i, L);
+      const int64_t expert_bytes = 3 * L.moe.experts[0].gate.view.bytes();
+      const int64_t shared_bytes = 3 * L.shared.gate.view.bytes() + L.moe.router.view.bytes();
+      dense(shared_bytes + L.attn_hc.down.view.bytes() * 2 + L.attn_hc.inject.view.bytes() * 2);
+      bytes += hp_.n_experts * expert_bytes;
+      active += hp_.top_k * expert_bytes;
+      if (L.spec.ple_index >= 0) load_ple(ck, p + "ple.", i, L);
+      layers_.push_back(std::move(L));
+    }
+    info_.architecture = config.architecture().empty() ? "Qwen4ExpForCausalLM" : config.architecture();
+    info_.family = "qwen4_exp";
+    info_.vocab_size = hp_.vocab;
+    info_.hidden_size = H;
+    info_.n_layers = hp_.n_layers;
+    info_.max_context = hp_.max_context;
+    for (int64_t e : config.get_id_list("eos_token_id")) info_.eos_ids.push_back(int32_t(e));
+    info_.weight_bytes = bytes;
+    info_.active_weight_bytes = active;
+    for (const auto& [name, t] : ck.all()) {
+      if (name.find(".visual.") == std::string::npos) info_.n_params += t->numel();
+    }
+  }
+
+  const ModelInfo& info() const override { return info_; }
+  int64_t n_experts() const override { return hp_.n_experts; }
+
+  std::vector<KvLayerSpec> kv_spec() const override {
+    std::vector<KvLayerSpec> spec(size_t(hp_.n_layers));
+    for (int i = 0; i < hp_.n_layers; ++i) {
+      if (hp_.layers[size_t(i)].mixer == MixerKind::kSparseAttention) spec[size_t(i)] = {hp_.attn.n_kv_heads, hp_.attn.head_dim};
+    }
+    return spec;
+  }
+
+  std::unique_ptr<ModelWorkspace> new_workspace(Backend& be, int64_t R) const override;
+  std::unique_ptr<SequenceState> new_sequence_state(Backend& be, int64_t max_context) const override;
+  void forward(Backend& be, const ForwardBatch& b) const override;
+
+ private:
+  static Weight weight(const Checkpoint& ck, const std::string& name, int64_t rows, int64_t cols, int layer) {
+    Weight w;
+    w.view = ck.matrix(name, rows, cols);
+    w.name = name;
+    w.layer = layer;
+    return w;
+  }
+
+  void load_moe(const Checkpoint& ck, const std::string& p, int layer, Layer& L) const {
+    const int64_t H = hp_.hidden, I = hp_.moe_inter, E = hp_.n_experts;
+    L.moe.router = weight(ck, p + "gate.weight", E, H, layer);
+    L.moe.top_k = hp_.top_k;
+    L.moe.renormalize = hp_.norm_topk;
+    const bool fused = ck.has(p + "experts.gate_up_proj");
+    for (int e = 0; e < E; ++e) {
+      ExpertWeights ew;
+      if (fused) {
+        ew.gate.view = ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H);
+        ew.gate.view.rows = I;
+        ew.up.view = ew.gate.view;
+        ew.up.view.data = ew.gate.view.row(I);
+        ew.down.view = ck.matrix_in_stack(p + "experts.down_proj", e, E, H, I);
+        ew.gate.name = ew.up.name = p + "experts.gate_up_proj";
+        ew.down.name = p + "experts.down_proj";
+      } else {
+        const std::string ep = fmt::format("{}experts.{}.", p, e);
+        ew.gate = weight(ck, ep + "gate_proj.weight", I, H, layer);
+        ew.up = weight(ck, ep + "up_proj.weight", I, H, layer);
+        ew.down = weight(ck, ep + "down_proj.weight", H, I, layer);
+      }
+      for (Weight* w : {&ew.gate, &ew.up, &ew.down}) {
+        w->layer = layer;
+        w->expert = e;
+        w->residency = Residency::kStreamedExpert;
+      }
+      L.moe.experts.push_back(std::move(ew));
+    }
+    const int64_t S = hp_.shared_inter;
+    L.shared.gate = weight(ck, p + "shared_expert.gate_proj.weight", S, H, layer);
+    L.shared.up = weight(ck, p + "shared_expert.up_proj.weight", S, H, layer);
+    L.shared.down = weight(ck, p + "shared_expert.down_proj.weight", H, S, layer);
+    L.shared_gate = weight(ck, p + "shared_expert_gate.weight", 1, H, layer);
+  }
+
+  void load_ple(const Checkpoint& ck, const std::string& p, int layer, Layer& L) const {
+    PleWeights& w = L.ple;
+    const int64_t H = hp_.hidden, CH = int64_t(hp_.n_streams) * H;
+    w.spec = hp_.ngram;
+    w.spec.ple_index = L.spec.ple_index;
+    w.hash = NgramHash::build(w.spec);
+    w.n_streams = hp_.n_streams;
+    w.hidden = H;
+    w.ple_dim = hp_.ple_dim;
+    w.head_dim = hp_.ple_dim / w.spec.n_heads();
+    w.conv_kernel = hp_.ple_kernel;
+    w.eps = hp_.eps;
+    w.key = weight(ck, p + "key_proj.weight", CH, hp_.ple_dim, layer);
+    w.value = weight(ck, p + "value_proj.weight", H, hp_.ple_dim, layer);
+    w.norm_key = ck.floats(p + "norm_key.weight", {CH});
+    w.norm_query = ck.floats(p + "norm_query.weight", {CH});
+    w.norm_conv = ck.floats(p + "norm_conv.weight", {CH});
+    w.conv = ck.floats(p + "conv1d.weight", {CH, 1, hp_.ple_kernel});
+    // The table: one tensor, or shard_0..shard_{K-1} concatenated along rows. Only views
+    // are kept: a real table is ~90 GiB and stays memory-mapped.
+    const std::string table = p + "ple_embedding.ngram_embedding.";
+    int64_t rows = 0;
+    auto add_piece = [&](const std::string& name) {
+      const TensorInfo& t = ck.get(name);
+      if (t.shape.size() != 2 || t.shape[1] != w.head_dim) {
+        fail("{}: tensor {}: shape {} where [rows, {}] is expected", *t.file, name, t.shape_str(), w.head_dim);
+      }
+      w.shard_starts.push_back(rows);
+      w.table_shards.push_back(weight(ck, name, t.shape[0], w.head_dim, layer));
+      rows += t.shape[0];
+    };
+    if (ck.has(table + "weight")) {
+      add_piece(table + "weight");
+    } else {
+      for (int k = 0; ck.has(fmt::format("{}shard_{}.weight", table, k)); ++k) add_piece(fmt::format("{}shard_{}.weight", table, k));
+      if (w.table_shards.empty()) fail("{}: missing tensor {}weight (or its shard_0.weight pieces)", ck.dir(), table);
+    }
+    if (rows != w.hash.padded_rows) {
+      fail("{}: n-gram table {} has {} rows, the config implies {}", ck.dir(), table, rows, w.hash.padded_rows);
+    }
+    // Cross-check the derived hashing constants with the buffers the checkpoint carries.
+    auto check_i64 = [&](const std::string& name, auto expected) {
+      const TensorInfo* t = ck.find(p + "ple_embedding." + name);
+      if (!t || t->dtype != DType::I64 || t->numel() != int64_t(expected.size())) return;
+      for (size_t i = 0; i < expected.size(); ++i) {
+        int64_t v;
+        std::memcpy(&v, t->data + 8 * i, 8);
+        if (uint64_t(v) != uint64_t(expected[i])) {
+          fail("{}: tensor {}{}[{}] = {} but the config derives {}", ck.dir(), p, "ple_embedding." + name, i, v,
+               int64_t(expected[i]));
+        }
+      }
+    };
+    check_i64("layer_multipliers", w.hash.multipliers);
+    check_i64("ngram_heads_vocab_sizes", w.hash.head_sizes);
+    check_i64("ngram_heads_offsets", w.hash.head_offsets);
+  }
+
+  Hparams hp_;
+  std::string trunk_;
+  ModelInfo info_;
+  Weight embed_, lm_head_;
+  HyperConnectionWeights exit_mixer_;
+  std::vector<Layer> layers_;
+};
+
+std::unique_ptr<ModelWorkspace> Qwen4Exp::new_workspace(Backend& be, int64_t R) const {
+  auto ws = std::make_unique<Workspace>();
+  const int64_t H = hp_.hidden, C = hp_.n_streams, CH = C * H;
+  const auto& a = hp_.attn;
+  const int64_t qw = int64_t(a.n_heads) * a.head_dim, kvw = int64_t(a.n_kv_heads) * a.head_dim;
+  const int64_t iw = (int64_t(hp_.qsa.n_heads) + 1) * hp_.qsa.head_dim;
+  const int64_t inter = std::max(hp_.moe_inter, hp_.shared_inter);
+  const int64_t conv_dim = hp_.gdn.conv_dim(), vdim = hp_.gdn.value_dim(), nv = hp_.gdn.n_v_heads;
+  const std::vector<std::pair<Mat*, int64_t>> mats = {
+      {&ws->streams, CH}, {&ws->mixed, H}, {&ws->branch, H}, {&ws->inject, C}, {&ws->shared_out, H},
+      {&ws->shared_gate, 1}, {&ws->logits, hp_.vocab}, {&ws->hc.normed, CH}, {&ws->hc.low, hp_.hc_rank},
+      {&ws->hc.gate, CH}, {&ws->gdn.qkv, conv_dim}, {&ws->gdn.qkv_conv, conv_dim}, {&ws->gdn.z, vdim},
+      {&ws->gdn.core, vdim}, {&ws->gdn.a, nv}, {&ws->gdn.b, nv}, {&ws->qsa.q_gate, 2 * qw}, {&ws->qsa.q, qw},
+      {&ws->qsa.gate, qw}, {&ws->qsa.k, kvw}, {&ws->qsa.v, kvw}, {&ws->qsa.attn, qw}, {&ws->qsa.index_qk, iw},
+      {&ws->qsa.index_q, iw - hp_.qsa.head_dim}, {&ws->qsa.index_k, hp_.qsa.head_dim}, {&ws->ffn.gate, inter}, {&ws->ffn.up, inter},
+      {&ws->ffn.router_logits, hp_.n_experts}, {&ws->ple.emb, std::max<int64_t>(hp_.ple_dim, 1)},
+      {&ws->ple.key, CH}, {&ws->ple.query, CH}, {&ws->ple.gated, CH}, {&ws->ple.normed, CH}, {&ws->ple.conv, CH},
+      {&ws->ple.value, H}};
+  Arena arena;
+  for (const auto& [m, cols] : mats) arena.plan(R, std::max<int64_t>(cols, 1));
+  arena.allocate(be);
+  for (const auto& [m, cols] : mats) *m = arena.take(R, std::max<int64_t>(cols, 1));
+  ws->storage = arena.storage();
+  ws->capacity = R;
+  return ws;
+}
+
+std::unique_ptr<SequenceState> Qwen4Exp::new_sequence_state(Backend& be, int64_t max_context) const {
+  auto st = std::make_unique<State>();
+  const int64_t CH = int64_t(hp_.n_streams) * hp_.hidden;
+  const int n = hp_.n_layers;
+  st->gdn.resize(size_t(n));
+  st->qsa.resize(size_t(n));
+  st->ple.resize(size_t(n));
+  st->eos = hp_.eos;
+  st->context = hp_.ngram.ngram_size - 1;
+  Arena arena;
+  const GatedDeltaNetParams& g = hp_.gdn;
+  const int64_t ple_span = int64_t(hp_.ple_kernel - 1) * hp_.ngram.ngram_size;
+  const int64_t n_blocks = hp_.qsa.ratio > 0 ? max_context / hp_.qsa.ratio + 1 : 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = 0; i < n; ++i) {
+      const LayerSpec& spec = hp_.layers[size_t(i)];
+      auto mat = [&](Mat* m, int64_t rows, int64_t cols) {
+        if (pass == 0) arena.plan(rows, cols);
+        else *m = arena.take(rows, cols);
+      };
+      if (spec.mixer == MixerKind::kLinear) {
+        mat(&st->gdn[size_t(i)].conv, g.conv_kernel - 1, g.conv_dim());
+        mat(&st->gdn[size_t(i)].recurrent, g.n_v_heads, int64_t(g.dk) * g.dv);
+      } else {
+        mat(&st->qsa[size_t(i)].raw_keys, max_context, hp_.qsa.head_dim);
+        mat(&st->qsa[size_t(i)].block_keys, n_blocks, hp_.qsa.head_dim);
+      }
+      if (spec.ple_index >= 0) mat(&st->ple[size_t(i)].conv, ple_span, CH);
+    }
+    if (pass == 0) arena.allocate(be);
+  }
+  st->storage = arena.storage();
+  st->reset();
+  return st;
+}
+
+void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
+  auto& ws = *static_cast<Workspace*>(b.workspace);
+  auto& st = *static_cast<State*>(b.state);
+  TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
+  const int64_t n = b.n, H = hp_.hidden;
+  const int C = hp_.n_streams;
+  auto trace = [&](const char* name, int layer, const Mat& m) {
+    if (b.trace && *b.trace) (*b.trace)(name, layer, m);
+  };
+  Mat streams = ws.streams.rows_slice(0, n), mixed = ws.mixed.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
+  Mat inject = ws.inject.rows_slice(0, n);
+  // The residual starts as the embedding repeated in every stream.
+  be.embedding(embed_, b.tokens, n, 1.f, streams.cols_slice(0, H));
+  for (int c = 1; c < C; ++c) be.copy(streams.cols_slice(0, H), streams.cols_slice(c * H, H));
+  for (int i = 0; i < hp_.n_layers; ++i) {
+    const Layer& L = layers_[size_t(i)];
+    trace("layer_in", i, streams);
+    if (L.spec.ple_index >= 0) ple_layer(be, L.ple, b.tokens, streams, st.ple[size_t(i)], ws.ple);
+    hc_gated_residual(be, L.attn_hc, streams, ws.hc, mixed, &inject);
+    if (L.spec.mixer == MixerKind::kLinear) {
+      gated_delta_net(be, hp_.gdn, L.gdn, mixed, st.gdn[size_t(i)], ws.gdn, branch);
+    } else {
+      qsa_attention(be, hp_.attn, hp_.qsa, L.attn, mixed, b.positions, b.kv[size_t(i)], st.qsa[size_t(i)], ws.qsa, branch);
+    }
+    trace("mixer_out", i, branch);
+    be.hc_inject(streams, branch, inject, C);
+    hc_gated_residual(be, L.mlp_hc, streams, ws.hc, mixed, &inject);
+    float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
+    moe_ffn(be, L.moe, mixed, ws.ffn, branch, probs);
+    Mat shared = ws.shared_out.rows_slice(0, n), gate = ws.shared_gate.rows_slice(0, n);
+    dense_mlp(be, L.shared, mixed, ws.ffn, shared);
+    be.matmul(L.shared_gate, mixed, gate);
+    be.mul_act(shared, gate, Act::kSigmoid);
+    be.add(branch, shared);
+    trace("moe_out", i, branch);
+    be.hc_inject(streams, branch, inject, C);
+  }
+  Mat last_streams = b.all_logits ? streams : streams.rows_slice(n - 1, 1);
+  Mat out = mixed.rows_slice(0, last_streams.rows);
+  hc_gated_residual(be, exit_mixer_, last_streams, ws.hc, out, nullptr);
+  trace("exit_mixer", hp_.n_layers, out);
+  Mat logits = ws.logits.rows_slice(0, out.rows);
+  be.matmul(lm_head_, out, logits);
+  be.download(logits, b.logits);
+}
+
+}  // namespace
+
+std::unique_ptr<Model> make_qwen4_exp(const HfConfig& config, const Checkpoint& ckpt) {
+  return std::make_unique<Qwen4Exp>(config, ckpt);
+}
+
+}  // namespace turbospark
