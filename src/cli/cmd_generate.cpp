@@ -13,7 +13,7 @@ namespace turbospark::cli {
 namespace {
 
 struct GenOpts {
-  std::string model, prompt, tokens, format = "text", device = "cpu";
+  std::string model, prompt, tokens, format = "text", device = "cpu", image;
   int64_t max_tokens = 128, ctx = 0;
   int threads = 0;
   bool raw = false, quiet = false;
@@ -30,6 +30,7 @@ void add_sampling_options(CLI::App* cmd, GenOpts& o) {
   cmd->add_option("--ctx", o.ctx, "Context length in tokens (default: the model's)");
   cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)");
   cmd->add_option("--device", o.device, "cpu (cuda when built with it)");
+  cmd->add_option("--image", o.image, "Image input (refused: vision towers are not supported yet)");
 }
 
 // Wraps a single user message in ChatML when the vocabulary has its markers (Qwen); the
@@ -40,6 +41,9 @@ std::string apply_chat_format(const Tokenizer& tok, const std::string& prompt) {
 }
 
 void run_generation(const GenOpts& o, const std::string& model_path, bool chat_format) {
+  if (!o.image.empty()) {
+    fail("--image {}: image input is not supported (vision tensors are skipped on load; text only)", o.image);
+  }
   LoadedRuntime rt = load_runtime(model_path, o.device, o.threads, o.quiet);
   const Model& model = *rt.model.model;
   std::vector<int32_t> prompt;
