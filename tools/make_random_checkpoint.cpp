@@ -3,6 +3,11 @@
 //
 //   make_random_checkpoint --preset qwen3-0.6b --out /tmp/qwen3-0.6b-random
 //   make_random_checkpoint --preset qwen3-moe-2b --out /tmp/qwen3-moe-2b-random [--layers 8]
+//   make_random_checkpoint --preset qwen4-exp --out /tmp/qwen4-exp-random [--layers 3]
+// qwen4-exp has the real widths (hidden 2048, 512 experts top-10, hc_count 4, GDN 16/32 heads
+// of 128) at reduced depth; its QSA sizes are assumptions (the public config leaves them
+// unset) and its n-gram table base is 200k instead of 20M (a ~90 GiB table does not fit
+// here; the per-token gather is the same 16 rows either way).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -31,7 +36,8 @@ Shape preset(const std::string& name) {
   if (name == "qwen3-moe-2b") {
     return {"qwen3_moe", "Qwen3MoeForCausalLM", 151936, 1024, 3072, 16, 16, 4, 128, 64, 8, 512, false};
   }
-  fail("--preset {}: unknown (qwen3-0.6b, qwen3-moe-2b)", name);
+  if (name == "qwen4-exp") return {"qwen4_exp_text", "Qwen4ExpForCausalLM", 248320, 2048, 0, 3, 16, 2, 256, 512, 10, 512, false};
+  fail("--preset {}: unknown (qwen3-0.6b, qwen3-moe-2b, qwen4-exp)", name);
 }
 
 // Uniform values with the fan-in standard deviation; xorshift keeps multi-GiB writes fast.
@@ -46,6 +52,119 @@ void fill_random(uint8_t* dst, size_t nbytes, int64_t fan_in, uint64_t seed, boo
     float u = float(s >> 40) / float(1 << 24) * 2.f - 1.f;
     out[i] = f32_to_bf16(norm ? 1.f + a * u : a * u);
   }
+}
+
+void write_config(const nlohmann::json& cfg, const std::string& out) {
+  FILE* f = std::fopen((out + "/config.json").c_str(), "w");
+  if (!f) fail("{}/config.json: cannot write", out);
+  std::string text = cfg.dump(2);
+  std::fwrite(text.data(), 1, text.size(), f);
+  std::fclose(f);
+}
+
+bool write_qwen4_exp(const Shape& s, const std::string& out) {
+  const int64_t H = s.hidden, C = 4, CH = C * H, rank = 320;
+  const int64_t nk = 16, nv = 32, dk = 128, dv = 128, K = 4, conv_dim = 2 * nk * dk + nv * dv;
+  const int64_t ih = 8, id = 128, shared = 512;
+  const int ngram = 3, heads_per_ngram = 8, ngram_heads = (ngram - 1) * heads_per_ngram;
+  const int64_t base = 200000, ple_dim = H, ple_head = ple_dim / ngram_heads;
+  std::vector<std::string> types;
+  for (int64_t i = 0; i < s.layers; ++i) types.push_back((i + 1) % 3 ? "linear_attention" : "qwen_sparse_attention");
+  if (s.layers < 3) types.back() = "qwen_sparse_attention";
+  nlohmann::json cfg = {{"architectures", {s.architecture}}, {"model_type", s.model_type}, {"vocab_size", s.vocab},
+                        {"hidden_size", H}, {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
+                        {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim},
+                        {"max_position_embeddings", 32768}, {"rms_norm_eps", 1e-6}, {"hidden_act", "silu"},
+                        {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000000.0}, {"partial_rotary_factor", 0.25}}},
+                        {"layer_types", types}, {"linear_conv_kernel_dim", K}, {"linear_key_head_dim", dk},
+                        {"linear_value_head_dim", dv}, {"linear_num_key_heads", nk}, {"linear_num_value_heads", nv},
+                        {"moe_intermediate_size", s.moe_inter}, {"shared_expert_intermediate_size", shared},
+                        {"num_experts", s.experts}, {"num_experts_per_tok", s.top_k}, {"norm_topk_prob", true},
+                        {"hc_count", C}, {"hc_lowrank", rank}, {"ple_layer_ids", {1}}, {"ple_embed_dim", ple_dim},
+                        {"ple_conv_kernel_size", 4}, {"ngram_size", ngram}, {"heads_per_ngram", heads_per_ngram},
+                        {"ngram_vocab_size_base", base}, {"make_ngram_vocab_size_divisible_by", 128}, {"seed", 1234},
+                        {"indexer_n_heads", ih}, {"indexer_kv_heads", 1}, {"indexer_head_dim", id},
+                        {"indexer_budget", 2048}, {"indexer_compress_ratio", 16}, {"output_gate_type", "sigmoid"},
+                        {"eos_token_id", 248046}, {"tie_word_embeddings", false}};
+  write_config(cfg, out);
+  // n-gram table rows: the sum of the first 16 primes >= base, rounded up to 128.
+  int64_t rows = 0, prime = base - 1;
+  for (int g = 0; g < ngram_heads; ++g) {
+    ++prime;
+    for (;;) {
+      bool is_prime = prime > 1;
+      for (int64_t d = 2; d * d <= prime && is_prime; ++d) is_prime = prime % d != 0;
+      if (is_prime) break;
+      ++prime;
+    }
+    rows += prime;
+  }
+  rows = (rows + 127) / 128 * 128;
+  std::vector<TensorWriteSpec> tensors;
+  uint64_t seed = 1;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
+    int64_t fan_in = shape.back();
+    uint64_t sd = seed++;
+    tensors.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
+  };
+  auto hc = [&](const std::string& p, bool inject) {
+    add(p + "hc_norm.weight", {CH}, true);
+    add(p + "input_mix_weight_down.weight", {rank, CH});
+    add(p + "input_mix_weight_up.weight", {CH, rank});
+    if (inject) add(p + "block_inject_weight.weight", {C, CH});
+  };
+  add("model.embed_tokens.weight", {s.vocab, H});
+  add("lm_head.weight", {s.vocab, H});
+  hc("model.hyper_connection_mixer.", false);
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    hc(p + "attn_hyper_connection.", true);
+    hc(p + "mlp_hyper_connection.", true);
+    if (types[size_t(i)] == "linear_attention") {
+      const std::string l = p + "linear_attn.";
+      add(l + "in_proj_qkv.weight", {conv_dim, H});
+      add(l + "in_proj_z.weight", {nv * dv, H});
+      add(l + "in_proj_b.weight", {nv, H});
+      add(l + "in_proj_a.weight", {nv, H});
+      add(l + "out_proj.weight", {H, nv * dv});
+      add(l + "conv1d.weight", {conv_dim, 1, K});
+      add(l + "A_log", {nv}, true);
+      add(l + "dt_bias", {nv}, true);
+      add(l + "norm.weight", {dv}, true);
+    } else {
+      const std::string a = p + "self_attn.";
+      add(a + "q_proj.weight", {2 * s.heads * s.head_dim, H});
+      add(a + "k_proj.weight", {s.kv_heads * s.head_dim, H});
+      add(a + "v_proj.weight", {s.kv_heads * s.head_dim, H});
+      add(a + "o_proj.weight", {H, s.heads * s.head_dim});
+      add(a + "q_norm.weight", {s.head_dim}, true);
+      add(a + "k_norm.weight", {s.head_dim}, true);
+      add(a + "indexer.index_qk_proj.weight", {(ih + 1) * id, H});
+      add(a + "indexer.q_layernorm.weight", {id}, true);
+      add(a + "indexer.k_layernorm.weight", {id}, true);
+    }
+    if (i == 0) {
+      const std::string e = p + "ple.";
+      add(e + "key_proj.weight", {CH, ple_dim});
+      add(e + "value_proj.weight", {H, ple_dim});
+      add(e + "norm_key.weight", {CH}, true);
+      add(e + "norm_query.weight", {CH}, true);
+      add(e + "norm_conv.weight", {CH}, true);
+      add(e + "conv1d.weight", {CH, 1, 4});
+      add(e + "ple_embedding.ngram_embedding.weight", {rows, ple_head});
+    }
+    const std::string m = p + "mlp.";
+    add(m + "gate.weight", {s.experts, H});
+    add(m + "experts.gate_up_proj", {s.experts, 2 * s.moe_inter, H});
+    add(m + "experts.down_proj", {s.experts, H, s.moe_inter});
+    add(m + "shared_expert.gate_proj.weight", {shared, H});
+    add(m + "shared_expert.up_proj.weight", {shared, H});
+    add(m + "shared_expert.down_proj.weight", {H, shared});
+    add(m + "shared_expert_gate.weight", {1, H});
+  }
+  fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", tensors.size(), out);
+  write_safetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  return true;
 }
 
 }  // namespace
@@ -69,6 +188,9 @@ int main(int argc, char** argv) {
                           {"max_position_embeddings", 40960}, {"rms_norm_eps", 1e-6},
                           {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1000000.0}}},
                           {"tie_word_embeddings", s.tie}, {"hidden_act", "silu"}, {"eos_token_id", 151645}};
+    if (s.model_type == "qwen4_exp_text") {
+      return write_qwen4_exp(s, out) ? 0 : 1;
+    }
     if (s.experts) {
       cfg["num_experts"] = s.experts;
       cfg["num_experts_per_tok"] = s.top_k;

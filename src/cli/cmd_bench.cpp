@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
+#include <map>
 #include <chrono>
 #include <random>
 
@@ -21,7 +23,7 @@ void add_bench_command(CLI::App& app) {
     std::string model, device = "cpu";
     int64_t prompt = 128, decode = 32;
     int threads = 0, repeat = 3;
-    bool no_membw = false;
+    bool no_membw = false, profile = false;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand("bench", "Measure load, prefill and decode speed and decode bandwidth");
@@ -32,6 +34,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
   cmd->add_flag("--no-membw", o->no_membw, "Skip measuring DRAM bandwidth");
+  cmd->add_flag("--profile", o->profile, "Time each block (attention, GDN, QSA indexer, PLE, MoE, ...) in one extra run");
   cmd->callback([o] {
     using Clock = std::chrono::steady_clock;
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, false);
@@ -65,6 +68,31 @@ void add_bench_command(CLI::App& app) {
       return v[v.size() / 2];
     };
     const double pf = median(prefill_tps), dc = median(decode_tps);
+    // Per-block profile: the CPU backend runs ops eagerly, so the wall time between two trace
+    // marks is the cost of the block named by the later mark.
+    std::map<std::string, double> prefill_blocks, decode_blocks;
+    if (o->profile) {
+      std::map<std::string, double>* into = nullptr;
+      Clock::time_point last;
+      session.trace = [&](const char* name, int, const Mat&) {
+        auto now = Clock::now();
+        if (std::strcmp(name, "embedding") != 0) (*into)[name == std::string("layer_in") ? "residual (other)" : name] +=
+            std::chrono::duration<double>(now - last).count();
+        else (*into)["embedding"] += 0;
+        last = now;
+      };
+      session.reset();
+      into = &prefill_blocks;
+      last = Clock::now();
+      std::vector<float> logits = session.feed(prompt);
+      into = &decode_blocks;
+      for (int64_t i = 0; i < o->decode; ++i) {
+        int32_t next[1] = {argmax(logits.data(), info.vocab_size)};
+        last = Clock::now();
+        logits = session.feed(next);
+      }
+      session.trace = nullptr;
+    }
     const double gbs = dc * double(info.active_weight_bytes) / 1e9;
     fmt::print("model        {} ({}), {:.1f}M params, {:.1f} MiB weights, {:.1f} MiB read per token\n", info.architecture,
                o->model, double(info.n_params) / 1e6, double(info.weight_bytes) / (1 << 20),
@@ -73,6 +101,21 @@ void add_bench_command(CLI::App& app) {
     fmt::print("prefill      {:.1f} tok/s  ({} tokens, median of {})\n", pf, o->prompt, prefill_tps.size());
     fmt::print("decode       {:.2f} tok/s  ({} tokens after the prompt, median of {})\n", dc, o->decode, decode_tps.size());
     fmt::print("decode bw    {:.2f} GB/s of weights\n", gbs);
+    if (o->profile) {
+      auto table = [&](const char* title, const std::map<std::string, double>& blocks, double tokens) {
+        double total = 0;
+        for (const auto& [k, v] : blocks) total += v;
+        std::vector<std::pair<double, std::string>> rows;
+        for (const auto& [k, v] : blocks) rows.emplace_back(v, k);
+        std::sort(rows.rbegin(), rows.rend());
+        fmt::print("{} profile ({:.0f} tokens, {:.2f} ms/token):\n", title, tokens, 1e3 * total / tokens);
+        for (const auto& [v, k] : rows) {
+          fmt::print("  {:<18} {:8.3f} ms/token {:5.1f}%\n", k, 1e3 * v / tokens, 100 * v / std::max(total, 1e-12));
+        }
+      };
+      table("prefill", prefill_blocks, double(o->prompt));
+      table("decode", decode_blocks, double(o->decode));
+    }
     if (!o->no_membw) {
       rt.backend.reset();  // its workers stop spinning before the bandwidth probe
       ThreadPool pool(o->threads);

@@ -48,8 +48,12 @@ static void prefault_weights(const Checkpoint& ckpt, bool quiet) {
     return;
   }
   const bool show = !quiet && total > (int64_t(256) << 20);
+  int last_percent = -10;
   ckpt.prefault([&](int64_t done, int64_t all) {
-    if (show) fmt::print(stderr, "\rpaging in weights {:3d}% ({:.2f} / {:.2f} GiB)", int(100 * done / all),
+    const int percent = int(100 * done / all);
+    if (percent < last_percent + 10 && done != all) return;  // a line per 10%: logs stay readable
+    last_percent = percent;
+    if (show) fmt::print(stderr, "\rpaging in weights {:3d}% ({:.2f} / {:.2f} GiB)", percent,
                          double(done) / (1 << 30), double(all) / (1 << 30));
   });
   if (show) fmt::print(stderr, "\n");

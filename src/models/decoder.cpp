@@ -219,12 +219,13 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
     if (b.trace && *b.trace) (*b.trace)(name, layer, m);
   };
   be.embedding(embed_, b.tokens, n, 1.0f, x);
+  trace("embedding", -1, x);
   for (int i = 0; i < hp_.n_layers; ++i) {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, x);
     be.rmsnorm(x, L.attn_norm.data(), hp_.rms_eps, xn);
     attention_block(be, L.attn_params, L.attn, xn, b.positions, b.kv[size_t(i)], ws.attn, branch);
-    trace("attn_out", i, branch);
+    trace("attention", i, branch);
     be.add(x, branch);
     be.rmsnorm(x, L.ffn_norm.data(), hp_.rms_eps, xn);
     if (L.ffn == FfnKind::kDense) {
@@ -233,7 +234,7 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
       float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
       moe_ffn(be, L.moe, xn, ws.ffn, branch, probs);
     }
-    trace("ffn_out", i, branch);
+    trace(L.ffn == FfnKind::kDense ? "mlp" : "moe", i, branch);
     be.add(x, branch);
   }
   // Only the rows whose logits are wanted go through the final norm and the LM head.
@@ -244,6 +245,7 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
   Mat logits = ws.logits.rows_slice(0, last.rows);
   be.matmul(lm_head_, normed, logits);
   be.download(logits, b.logits);
+  trace("lm_head", hp_.n_layers, logits);
 }
 
 }  // namespace turbospark

@@ -550,21 +550,31 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
   Mat streams = ws.streams.rows_slice(0, n), mixed = ws.mixed.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
   Mat inject = ws.inject.rows_slice(0, n);
   // The residual starts as the embedding repeated in every stream.
+  // Trace names say which block just finished (bench --profile times the gaps between them).
   be.embedding(embed_, b.tokens, n, 1.f, streams.cols_slice(0, H));
   for (int c = 1; c < C; ++c) be.copy(streams.cols_slice(0, H), streams.cols_slice(c * H, H));
+  trace("embedding", -1, streams);
   for (int i = 0; i < hp_.n_layers; ++i) {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, streams);
-    if (L.spec.ple_index >= 0) ple_layer(be, L.ple, b.tokens, streams, st.ple[size_t(i)], ws.ple);
+    if (L.spec.ple_index >= 0) {
+      ple_layer(be, L.ple, b.tokens, streams, st.ple[size_t(i)], ws.ple);
+      trace("ple", i, streams);
+    }
     hc_gated_residual(be, L.attn_hc, streams, ws.hc, mixed, &inject);
+    trace("hyper_connection", i, mixed);
     if (L.spec.mixer == MixerKind::kLinear) {
       gated_delta_net(be, hp_.gdn, L.gdn, mixed, st.gdn[size_t(i)], ws.gdn, branch);
+      trace("gdn", i, branch);
     } else {
-      qsa_attention(be, hp_.attn, hp_.qsa, L.attn, mixed, b.positions, b.kv[size_t(i)], st.qsa[size_t(i)], ws.qsa, branch);
+      qsa_index(be, hp_.attn, hp_.qsa, L.attn, mixed, b.positions, st.qsa[size_t(i)], ws.qsa);
+      trace("qsa_indexer", i, mixed);
+      qsa_attention(be, hp_.attn, hp_.qsa, L.attn, mixed, b.positions, b.kv[size_t(i)], ws.qsa, branch);
+      trace("attention", i, branch);
     }
-    trace("mixer_out", i, branch);
     be.hc_inject(streams, branch, inject, C);
     hc_gated_residual(be, L.mlp_hc, streams, ws.hc, mixed, &inject);
+    trace("hyper_connection", i, mixed);
     float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
     moe_ffn(be, L.moe, mixed, ws.ffn, branch, probs);
     Mat shared = ws.shared_out.rows_slice(0, n), gate = ws.shared_gate.rows_slice(0, n);
@@ -572,16 +582,18 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     be.matmul(L.shared_gate, mixed, gate);
     be.mul_act(shared, gate, Act::kSigmoid);
     be.add(branch, shared);
-    trace("moe_out", i, branch);
+    trace("moe", i, branch);
     be.hc_inject(streams, branch, inject, C);
+    trace("hyper_connection", i, streams);
   }
   Mat last_streams = b.all_logits ? streams : streams.rows_slice(n - 1, 1);
   Mat out = mixed.rows_slice(0, last_streams.rows);
   hc_gated_residual(be, exit_mixer_, last_streams, ws.hc, out, nullptr);
-  trace("exit_mixer", hp_.n_layers, out);
+  trace("hyper_connection", hp_.n_layers, out);
   Mat logits = ws.logits.rows_slice(0, out.rows);
   be.matmul(lm_head_, out, logits);
   be.download(logits, b.logits);
+  trace("lm_head", hp_.n_layers, logits);
 }
 
 }  // namespace

@@ -248,41 +248,26 @@ void matmul_typed(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
 }
 
 // ---------------------------------------------------------------------------------------
-// Attention helpers
+// Attention. A work unit is a block of query rows times a group of heads that share one KV
+// head, so every K and V vector loaded is used by all of the unit's queries (up to ~12):
+// that reuse is what lets prefill run near FMA speed instead of at L3 speed. Positions are
+// processed in blocks of kPosBlock with an online softmax (running max and denominator per
+// query, output rescaled when the max grows), so scratch stays a few KiB in L1 whatever
+// the context length. Q.K^T over a block is the matmul tile kernel (positions as weight
+// rows, queries as activation rows); P.V is a broadcast tile over output dims.
 
-// dot(a, b) over n floats.
-inline float dot_f32(const float* a, const float* b, int n) {
-  int i = 0;
-  float s = 0.f;
-#if TS_CPU_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  s = hsum(acc);
-#endif
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// acc[:] += p * v[:] over n floats.
-inline void axpy_f32(float* acc, float p, const float* v, int n) {
-  int i = 0;
-#if TS_CPU_AVX2
-  __m256 pv = _mm256_set1_ps(p);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-#endif
-  for (; i < n; ++i) acc[i] += p * v[i];
-}
+constexpr int kPosBlock = 64;        // positions per online-softmax step
+constexpr int kQueriesPerUnit = 12;  // target rows x heads per work unit
 
 // In place: s[i] = exp(s[i] - m); returns the sum.
 float exp_shift_sum(float* s, int64_t n, float m) {
   int64_t i = 0;
   float sum = 0.f;
 #if TS_CPU_AVX2
-  __m256 mv = _mm256_set1_ps(m);
+  const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
     _mm256_storeu_ps(s + i, e);
     acc = _mm256_add_ps(acc, e);
   }
@@ -295,69 +280,196 @@ float exp_shift_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
-// One (query row, head) pair: out_h = softmax(q_h . K^T * scale [+ sink]) V over the
-// positions [lo, pos]. scores and acc are per-thread scratch.
-void attend_one(const float* qh, int64_t lo, int64_t pos, const KvView& kv, int g, float scale,
-                const float* sink, float* out_h, std::vector<float>& scores, std::vector<float>& acc) {
-  const int hd = kv.head_dim;
-  const int64_t n = pos - lo + 1;
-  if (int64_t(scores.size()) < n) scores.resize(size_t(n));
-  const int64_t row_stride = int64_t(kv.n_kv_heads) * hd;
-  const int64_t head_off = int64_t(g) * hd;
-  float max_score = sink ? *sink : -INFINITY;
-
-  // Pass 1: scores, walking the block table one block at a time; within a block the rows
-  // are row_stride apart, so four positions go together and share one horizontal reduction.
-  for (int64_t p = lo; p <= pos;) {
-    const int64_t blk = p / kv.block_size;
-    const int64_t in_blk = p % kv.block_size;
-    const int64_t cnt = std::min<int64_t>(kv.block_size - in_blk, pos - p + 1);
-    const float* k = kv.k_blocks[kv.block_table[blk]] + in_blk * row_stride + head_off;
-    float* s = scores.data() + (p - lo);
-    int64_t j = 0;
+// o[q * ldo + d] += sum_{j < np} p[q * ldp + j] * v[j][d] for q < NQ and the NV * 8 dims
+// from d0: NQ x NV accumulators, one V load per 8 dims shared by NQ queries.
+template <int NQ, int NV>
+void pv_tile(const float* const* v, int np, const float* p, int64_t ldp, float* o, int64_t ldo,
+             int d0) {
 #if TS_CPU_AVX2
-    if (hd % 8 == 0) {
-      const __m256 sv = _mm256_set1_ps(scale);
-      for (; j + 4 <= cnt; j += 4) {
-        const float* k0 = k + j * row_stride;
-        const float* k1 = k0 + row_stride;
-        const float* k2 = k1 + row_stride;
-        const float* k3 = k2 + row_stride;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int i = 0; i < hd; i += 8) {
-          __m256 qv = _mm256_loadu_ps(qh + i);
-          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+  __m256 acc[NQ][NV];
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < NV; ++c) acc[q][c] = _mm256_loadu_ps(o + q * ldo + d0 + 8 * c);
+  for (int j = 0; j < np; ++j) {
+    __m256 vv[NV];
+    for (int c = 0; c < NV; ++c) {
+      vv[c] = _mm256_loadu_ps(v[j] + d0 + 8 * c);
+      pin_register(vv[c]);
+    }
+    for (int q = 0; q < NQ; ++q) {
+      const __m256 pq = _mm256_broadcast_ss(p + q * ldp + j);
+      for (int c = 0; c < NV; ++c) acc[q][c] = _mm256_fmadd_ps(pq, vv[c], acc[q][c]);
+    }
+  }
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + q * ldo + d0 + 8 * c, acc[q][c]);
+#else
+  for (int q = 0; q < NQ; ++q)
+    for (int j = 0; j < np; ++j)
+      for (int d = d0; d < d0 + 8 * NV; ++d) o[q * ldo + d] += p[q * ldp + j] * v[j][d];
+#endif
+}
+
+template <int NQ>
+void pv_queries(const float* const* v, int np, const float* p, int64_t ldp, float* o, int64_t ldo,
+                int hd) {
+  int d = 0;
+  for (; d + 32 <= hd; d += 32) pv_tile<NQ, 4>(v, np, p, ldp, o, ldo, d);
+  for (; d + 8 <= hd; d += 8) pv_tile<NQ, 1>(v, np, p, ldp, o, ldo, d);
+  for (; d < hd; ++d)
+    for (int q = 0; q < NQ; ++q) {
+      float a = o[q * ldo + d];
+      for (int j = 0; j < np; ++j) a += p[q * ldp + j] * v[j][d];
+      o[q * ldo + d] = a;
+    }
+}
+
+// Per-thread scratch for one work unit; sized on first use and then reused.
+struct AttentionScratch {
+  std::vector<float> q;       // [n_queries, head_dim] the unit's queries, gathered
+  std::vector<float> o;       // [n_queries, head_dim] running unnormalised outputs
+  std::vector<float> s;       // [n_queries, kPosBlock] scores, then probabilities
+  std::vector<float> m, l;    // [n_queries] running max and denominator
+  std::vector<int64_t> lo, hi;  // [n_queries] attended positions [lo, hi]
+  std::vector<int64_t> offset;  // [kPosBlock] 0, 1, 2, ...: score columns for the tile kernel
+  std::vector<const uint8_t*> k_rows;  // [kPosBlock]
+  std::vector<const float*> v_rows;    // [kPosBlock]
+};
+
+struct AttentionArgs {
+  const Mat& q;
+  const int64_t* q_positions;
+  const KvView& kv;
+  float scale;
+  int window;
+  const float* sinks;
+  const Mat& out;
+};
+
+// Query rows [t0, t1) x heads [h0, h1), all reading KV head g.
+void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int h0, int h1, int g,
+                 AttentionScratch& sc) {
+  const int hd = a.kv.head_dim;
+  const int heads = h1 - h0;
+  const int nq = int(t1 - t0) * heads;
+  sc.q.resize(size_t(nq) * hd);
+  sc.o.assign(size_t(nq) * hd, 0.f);
+  sc.s.resize(size_t(nq) * kPosBlock);
+  sc.m.resize(size_t(nq));
+  sc.l.assign(size_t(nq), 0.f);
+  sc.lo.resize(size_t(nq));
+  sc.hi.resize(size_t(nq));
+  if (sc.offset.size() != size_t(kPosBlock)) {
+    sc.offset.resize(size_t(kPosBlock));
+    for (int j = 0; j < kPosBlock; ++j) sc.offset[size_t(j)] = j;
+  }
+  sc.k_rows.resize(size_t(kPosBlock));
+  sc.v_rows.resize(size_t(kPosBlock));
+
+  int64_t first = INT64_MAX, last = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t pos = a.q_positions[t];
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+    first = std::min(first, lo);
+    last = std::max(last, pos);
+    for (int h = h0; h < h1; ++h) {
+      const size_t qi = size_t((t - t0) * heads + (h - h0));
+      std::memcpy(sc.q.data() + qi * hd, a.q.row(t) + int64_t(h) * hd, size_t(hd) * 4);
+      sc.m[qi] = a.sinks ? a.sinks[h] : -INFINITY;
+      sc.lo[qi] = lo;
+      sc.hi[qi] = pos;
+    }
+  }
+
+  const int64_t row_stride = int64_t(a.kv.n_kv_heads) * hd;
+  const Mat qm(sc.q.data(), nq, hd);
+  const Mat sm(sc.s.data(), nq, kPosBlock);
+  for (int64_t b0 = first; b0 <= last; b0 += kPosBlock) {
+    const int np = int(std::min<int64_t>(kPosBlock, last - b0 + 1));
+    for (int j = 0; j < np; ++j) {
+      const int64_t p = b0 + j;
+      const int64_t off = (p % a.kv.block_size) * row_stride + int64_t(g) * hd;
+      const int32_t blk = a.kv.block_table[p / a.kv.block_size];
+      sc.k_rows[size_t(j)] = reinterpret_cast<const uint8_t*>(a.kv.k_blocks[blk] + off);
+      sc.v_rows[size_t(j)] = a.kv.v_blocks[blk] + off;
+#if TS_CPU_AVX2
+      // One head's K (or V) row is head_dim floats inside a [n_kv_heads, head_dim] row, so a
+      // head's walk over positions is strided; hardware prefetchers stop at 4 KiB page
+      // boundaries. Fetch the next block's rows while this one computes.
+      const int64_t pn = p + kPosBlock;
+      if (pn <= last) {
+        const int64_t offn = (pn % a.kv.block_size) * row_stride + int64_t(g) * hd;
+        const int32_t blkn = a.kv.block_table[pn / a.kv.block_size];
+        const char* kn = reinterpret_cast<const char*>(a.kv.k_blocks[blkn] + offn);
+        const char* vn = reinterpret_cast<const char*>(a.kv.v_blocks[blkn] + offn);
+        for (int64_t c = 0; c < int64_t(hd) * 4; c += 64) {
+          _mm_prefetch(kn + c, _MM_HINT_T0);
+          _mm_prefetch(vn + c, _MM_HINT_T0);
         }
-        __m128 sc = _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm256_castps256_ps128(sv));
-        _mm_storeu_ps(s + j, sc);
+      }
+#endif
+    }
+    // Scores for all queries x the block's positions: 4 positions x 3 queries per tile.
+    for (int j = 0; j < np; j += kRowTile) {
+      const uint8_t* const* rows = sc.k_rows.data() + j;
+      const int64_t* out = sc.offset.data() + j;
+      switch (std::min(kRowTile, np - j)) {
+        case 4: tile_over_tokens<DType::F32, 4>(rows, out, qm, sm, 0, nq); break;
+        case 3: tile_over_tokens<DType::F32, 3>(rows, out, qm, sm, 0, nq); break;
+        case 2: tile_over_tokens<DType::F32, 2>(rows, out, qm, sm, 0, nq); break;
+        default: tile_over_tokens<DType::F32, 1>(rows, out, qm, sm, 0, nq); break;
       }
     }
-#endif
-    for (; j < cnt; ++j) s[j] = dot_f32(qh, k + j * row_stride, hd) * scale;
-    for (int64_t i = 0; i < cnt; ++i) max_score = std::max(max_score, s[i]);
-    p += cnt;
+    // Online softmax: each query's attended part of the block becomes probabilities relative
+    // to its running max (rescaling what was accumulated so far); the rest becomes 0.
+    for (int qi = 0; qi < nq; ++qi) {
+      float* s = sc.s.data() + size_t(qi) * kPosBlock;
+      const int j0 = int(std::max<int64_t>(sc.lo[size_t(qi)] - b0, 0));
+      const int j1 = int(std::min<int64_t>(sc.hi[size_t(qi)] - b0, np - 1));  // inclusive
+      if (j0 > j1) {
+        std::fill(s, s + np, 0.f);
+        continue;
+      }
+      float block_max = -INFINITY;
+      for (int j = j0; j <= j1; ++j) {
+        s[j] *= a.scale;
+        block_max = std::max(block_max, s[j]);
+      }
+      const float m_old = sc.m[size_t(qi)];
+      const float m_new = std::max(m_old, block_max);
+      const float sum = exp_shift_sum(s + j0, j1 - j0 + 1, m_new);
+      std::fill(s, s + j0, 0.f);
+      std::fill(s + j1 + 1, s + np, 0.f);
+      if (m_new != m_old) {
+        const float alpha = std::exp(m_old - m_new);  // 0 while nothing was accumulated
+        float* o = sc.o.data() + size_t(qi) * hd;
+        for (int d = 0; d < hd; ++d) o[d] *= alpha;
+        sc.l[size_t(qi)] *= alpha;
+      }
+      sc.l[size_t(qi)] += sum;
+      sc.m[size_t(qi)] = m_new;
+    }
+    // O += P V, 3 queries at a time.
+    const float* const* v = sc.v_rows.data();
+    int qi = 0;
+    for (; qi + 3 <= nq; qi += 3)
+      pv_queries<3>(v, np, sc.s.data() + size_t(qi) * kPosBlock, kPosBlock, sc.o.data() + size_t(qi) * hd, hd, hd);
+    if (nq - qi == 2)
+      pv_queries<2>(v, np, sc.s.data() + size_t(qi) * kPosBlock, kPosBlock, sc.o.data() + size_t(qi) * hd, hd, hd);
+    if (nq - qi == 1)
+      pv_queries<1>(v, np, sc.s.data() + size_t(qi) * kPosBlock, kPosBlock, sc.o.data() + size_t(qi) * hd, hd, hd);
   }
 
-  // Pass 2: probabilities (unnormalised) and their sum, then the weighted sum of V.
-  float denom = exp_shift_sum(scores.data(), n, max_score);
-  if (sink) denom += std::exp(*sink - max_score);
-  if (int64_t(acc.size()) < hd) acc.resize(size_t(hd));
-  std::fill(acc.begin(), acc.begin() + hd, 0.f);
-  for (int64_t p = lo; p <= pos;) {
-    const int64_t blk = p / kv.block_size;
-    const int64_t in_blk = p % kv.block_size;
-    const int64_t cnt = std::min<int64_t>(kv.block_size - in_blk, pos - p + 1);
-    const float* v = kv.v_blocks[kv.block_table[blk]] + in_blk * row_stride + head_off;
-    const float* pr = scores.data() + (p - lo);
-    for (int64_t j = 0; j < cnt; ++j) axpy_f32(acc.data(), pr[j], v + j * row_stride, hd);
-    p += cnt;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int h = h0; h < h1; ++h) {
+      const size_t qi = size_t((t - t0) * heads + (h - h0));
+      float denom = sc.l[qi];
+      if (a.sinks) denom += std::exp(a.sinks[h] - sc.m[qi]);
+      const float inv = 1.f / denom;
+      const float* o = sc.o.data() + qi * hd;
+      float* dst = a.out.row(t) + int64_t(h) * hd;
+      for (int d = 0; d < hd; ++d) dst[d] = o[d] * inv;
+    }
   }
-  const float inv = 1.f / denom;
-  for (int i = 0; i < hd; ++i) out_h[i] = acc[size_t(i)] * inv;
 }
 
 }  // namespace
@@ -467,23 +579,39 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
   TS_CHECK(q.cols >= int64_t(n_heads) * kv.head_dim && out.cols >= int64_t(n_heads) * kv.head_dim,
            "attention: q/out have {}/{} columns, need {}", q.cols, out.cols,
            n_heads * kv.head_dim);
+  if (q.rows == 0) return;
   const int group = n_heads / kv.n_kv_heads;
-  const int64_t units = q.rows * n_heads;
-  // Rows of a prefill chunk attend to different numbers of positions (causal), so units are
-  // handed out dynamically rather than in fixed contiguous ranges. Consecutive units are
-  // heads of one row: heads of a GQA group then run close together and share cached K/V.
+  // Work units: blocks of `rows_per_unit` query rows x sub-groups of `heads_per_unit` heads
+  // of one KV head. Whole groups share the most K/V; they are split only when there would
+  // otherwise be too few units to keep every thread busy (decode with few KV heads).
+  int heads_per_unit = group;
+  const int64_t min_units = 2 * int64_t(pool.size());
+  while (heads_per_unit > 1 &&
+         kv.n_kv_heads * ((group + heads_per_unit - 1) / heads_per_unit) * q.rows < min_units)
+    heads_per_unit = (heads_per_unit + 1) / 2;
+  const int sub_groups = (group + heads_per_unit - 1) / heads_per_unit;
+  // About kQueriesPerUnit queries per unit, fewer rows if that would leave threads idle.
+  const int64_t row_cap = std::max<int64_t>(1, q.rows * kv.n_kv_heads * sub_groups / min_units);
+  const int64_t rows_per_unit =
+      std::clamp<int64_t>(kQueriesPerUnit / heads_per_unit, 1, row_cap);
+  const int64_t row_blocks = (q.rows + rows_per_unit - 1) / rows_per_unit;
+  const int64_t units = row_blocks * kv.n_kv_heads * sub_groups;
+  const AttentionArgs args{q, q_positions, kv, scale, window, sinks, out};
+  // Causal rows cost different amounts, so units are handed out dynamically. Units of one
+  // row block are adjacent, so concurrently running units tend to read the same K/V.
   std::atomic<int64_t> next{0};
   pool.run([&](int, int) {
-    thread_local std::vector<float> scores, acc;
+    thread_local AttentionScratch scratch;
     for (;;) {
       const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
       if (u >= units) break;
-      const int64_t t = u / n_heads;
-      const int h = int(u % n_heads);
-      const int64_t pos = q_positions[t];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      attend_one(q.row(t) + int64_t(h) * kv.head_dim, lo, pos, kv, h / group, scale,
-                 sinks ? sinks + h : nullptr, out.row(t) + int64_t(h) * kv.head_dim, scores, acc);
+      const int64_t rb = u / (kv.n_kv_heads * sub_groups);
+      const int rest = int(u % (kv.n_kv_heads * sub_groups));
+      const int g = rest / sub_groups;
+      const int h0 = g * group + (rest % sub_groups) * heads_per_unit;
+      const int h1 = std::min(h0 + heads_per_unit, (g + 1) * group);
+      const int64_t t0 = rb * rows_per_unit;
+      attend_unit(args, t0, std::min(q.rows, t0 + rows_per_unit), h0, h1, g, scratch);
     }
   });
 }

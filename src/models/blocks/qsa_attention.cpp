@@ -2,25 +2,12 @@
 
 namespace turbospark {
 
-void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w,
-                   const Mat& x, const int64_t* positions, const KvLayerView& kv, const QsaState& state,
-                   QsaScratch& s, const Mat& out) {
+void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w, const Mat& x,
+               const int64_t* positions, const QsaState& state, QsaScratch& s) {
   const int64_t rows = x.rows;
-  const int hd = p.head_dim, id = qp.head_dim;
-  Mat qg = s.q_gate.rows_slice(0, rows), q = s.q.rows_slice(0, rows), gate = s.gate.rows_slice(0, rows);
-  Mat k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows), attn = s.attn.rows_slice(0, rows);
-  be.matmul(w.q_gate, x, qg);
-  be.split_heads(qg, p.n_heads, hd, q, gate);
-  be.matmul(w.k, x, k);
-  be.matmul(w.v, x, v);
-  be.rmsnorm(Mat(q.data, rows * p.n_heads, hd), w.q_norm.data(), p.norm_eps, Mat(q.data, rows * p.n_heads, hd), 1.f);
-  be.rmsnorm(Mat(k.data, rows * p.n_kv_heads, hd), w.k_norm.data(), p.norm_eps, Mat(k.data, rows * p.n_kv_heads, hd), 1.f);
-  be.rope(q, p.n_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
-  be.rope(k, p.n_kv_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
-  be.kv_write(kv, k, v, positions);
-
-  // Indexer: queries normed and rotated at their positions; keys stored raw (pooled,
-  // normed and rotated per complete block inside qsa_select).
+  const int id = qp.head_dim;
+  // Queries normed and rotated at their positions; keys stored raw (pooled, normed and
+  // rotated per complete block inside qsa_select).
   Mat iqk = s.index_qk.rows_slice(0, rows);
   be.matmul(w.index_qk, x, iqk);
   Mat iq = iqk.cols_slice(0, int64_t(qp.n_heads) * id);
@@ -48,6 +35,25 @@ void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, c
   s.selected.resize(size_t(rows * max_sel));
   s.counts.resize(size_t(rows));
   be.qsa_select(view, iq_rows, ik_rows, positions, s.selected.data(), s.counts.data(), max_sel);
+}
+
+void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w,
+                   const Mat& x, const int64_t* positions, const KvLayerView& kv, QsaScratch& s, const Mat& out) {
+  const int64_t rows = x.rows;
+  const int hd = p.head_dim;
+  Mat qg = s.q_gate.rows_slice(0, rows), q = s.q.rows_slice(0, rows), gate = s.gate.rows_slice(0, rows);
+  Mat k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows), attn = s.attn.rows_slice(0, rows);
+  be.matmul(w.q_gate, x, qg);
+  be.split_heads(qg, p.n_heads, hd, q, gate);
+  be.matmul(w.k, x, k);
+  be.matmul(w.v, x, v);
+  be.rmsnorm(Mat(q.data, rows * p.n_heads, hd), w.q_norm.data(), p.norm_eps, Mat(q.data, rows * p.n_heads, hd), 1.f);
+  be.rmsnorm(Mat(k.data, rows * p.n_kv_heads, hd), w.k_norm.data(), p.norm_eps, Mat(k.data, rows * p.n_kv_heads, hd), 1.f);
+  be.rope(q, p.n_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
+  be.rope(k, p.n_kv_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
+  be.kv_write(kv, k, v, positions);
+
+  const int max_sel = qp.max_selected();
   be.attention_selected(q, kv, p.n_heads, p.scale, s.selected.data(), s.counts.data(), max_sel, attn);
   be.mul_act(attn, gate, Act::kSigmoid);
   be.matmul(w.o, attn, out);

@@ -41,8 +41,12 @@ struct QsaScratch {
   std::vector<int32_t> selected, counts;
 };
 
+// The indexer: fills s.selected / s.counts for every row of x.
+void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w, const Mat& x,
+               const int64_t* positions, const QsaState& state, QsaScratch& s);
+
+// The gated attention over the positions qsa_index selected.
 void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w,
-                   const Mat& x, const int64_t* positions, const KvLayerView& kv, const QsaState& state,
-                   QsaScratch& s, const Mat& out);
+                   const Mat& x, const int64_t* positions, const KvLayerView& kv, QsaScratch& s, const Mat& out);
 
 }  // namespace turbospark
