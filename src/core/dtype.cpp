@@ -13,6 +13,12 @@ std::string_view dtype_name(DType t) {
     case DType::I32: return "I32";
     case DType::U8: return "U8";
     case DType::U32: return "U32";
+    case DType::Q4_0: return "Q4_0";
+    case DType::Q4_1: return "Q4_1";
+    case DType::Q8_0: return "Q8_0";
+    case DType::Q4_K: return "Q4_K";
+    case DType::Q5_K: return "Q5_K";
+    case DType::Q6_K: return "Q6_K";
     default: return "?";
   }
 }

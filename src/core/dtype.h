@@ -10,10 +10,13 @@
 
 namespace turbospark {
 
-enum class DType : uint8_t { F32, F16, BF16, I64, I32, U8, U32, kCount };
+// Q4_0 ... Q6_K are ggml's block-quantized formats (byte layouts in core/quant.h); their
+// elements are not whole bytes, so dtype_size is 0 for them and row sizes come from
+// row_bytes() in core/quant.h.
+enum class DType : uint8_t { F32, F16, BF16, I64, I32, U8, U32, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, kCount };
 
 std::string_view dtype_name(DType t);
-// Bytes per element (all current dtypes are whole-byte elements).
+// Bytes per element for whole-byte dtypes; 0 for block-quantized ones (see core/quant.h).
 size_t dtype_size(DType t);
 // Parses a safetensors dtype string ("BF16", "F32", ...); returns false when unknown.
 bool dtype_from_safetensors(std::string_view s, DType* out);

@@ -32,7 +32,7 @@ void ThreadPool::worker_loop(int index) {
   for (;;) {
     // Spin for a while (a decode step's next op usually comes within microseconds)...
     int spins = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && spins < 20000) {
+    while (generation_.load(std::memory_order_acquire) == seen && spins < 4000) {
       TS_PAUSE();
       ++spins;
     }
@@ -61,7 +61,12 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   }
   wake_.notify_all();
   fn(0, n_threads_);
-  while (pending_.load(std::memory_order_acquire) != 0) TS_PAUSE();
+  // Spin briefly for the stragglers, then yield: when the machine is oversubscribed (tests
+  // in parallel, a build) a descheduled worker must get the core rather than watch us spin.
+  for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < 2000) TS_PAUSE();
+    else std::this_thread::yield();
+  }
   job_ = nullptr;
 }
 

@@ -42,6 +42,7 @@ DecoderHparams read_common_hparams(const HfConfig& c) {
   if (hp.head_dim % 2 != 0) fail("{}: head_dim {} must be even for RoPE", c.path(), hp.head_dim);
   const std::string rope = c.rope_type();
   if (rope != "default") fail("{}: rope_type {} is not supported for this family yet", c.path(), rope);
+  if (c.has("attention_bias") && c.get_bool("attention_bias", false)) hp.attention_bias = true;
   if (c.get_bool("use_sliding_window", false)) fail("{}: use_sliding_window=true is not supported for this family yet", c.path());
   const std::string act = c.get_string("hidden_act", "silu");
   if (act != "silu") fail("{}: hidden_act {} is not supported (only silu)", c.path(), act);
@@ -70,7 +71,6 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
   }
   final_norm_ = ck.floats(names.final_norm, {H});
   const int64_t q_width = int64_t(hp_.n_heads) * hp_.head_dim, kv_width = int64_t(hp_.n_kv_heads) * hp_.head_dim;
-  auto inv_freq = rope_inv_freq_default(hp_.rope_theta, hp_.rotary_dim);
   int64_t bytes = embed_.view.bytes() + (hp_.tie_embeddings ? 0 : lm_head_.view.bytes());
   // A decode token reads one embedding row but the whole LM head.
   int64_t active = lm_head_.view.bytes();
@@ -80,15 +80,22 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
     const std::string p = layer_prefix(names, i);
     L.attn_norm = ck.floats(p + names.attn_norm, {H});
     L.ffn_norm = ck.floats(p + names.ffn_norm, {H});
+    if (hp_.sandwich_norms) {
+      L.post_attn_norm = ck.floats(p + names.post_attn_norm, {H});
+      L.post_ffn_norm = ck.floats(p + names.post_ffn_norm, {H});
+    }
+    const LayerConfig& lc = hp_.layers[size_t(i)];
     AttentionParams& ap = L.attn_params;
     ap.n_heads = hp_.n_heads;
     ap.n_kv_heads = hp_.n_kv_heads;
     ap.head_dim = hp_.head_dim;
     ap.rotary_dim = hp_.rotary_dim;
-    ap.scale = 1.0f / std::sqrt(float(hp_.head_dim));
-    ap.window = hp_.layers[size_t(i)].window;
+    ap.scale = hp_.attn_scale > 0 ? hp_.attn_scale : 1.0f / std::sqrt(float(hp_.head_dim));
+    ap.window = lc.window;
     ap.norm_eps = hp_.rms_eps;
-    ap.inv_freq = inv_freq;
+    ap.norm_offset = hp_.norm_offset;
+    ap.inv_freq = rope_inv_freq_default(lc.rope_theta > 0 ? lc.rope_theta : hp_.rope_theta, hp_.rotary_dim);
+    for (float& f : ap.inv_freq) f = float(f / lc.rope_linear);
     AttentionWeights& aw = L.attn;
     aw.q = make_weight(ck, p + names.q + ".weight", q_width, H, i);
     aw.k = make_weight(ck, p + names.k + ".weight", kv_width, H, i);
@@ -112,6 +119,7 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
       L.mlp.gate = make_weight(ck, p + names.gate, I, H, i);
       L.mlp.up = make_weight(ck, p + names.up, I, H, i);
       L.mlp.down = make_weight(ck, p + names.down, H, I, i);
+      L.mlp.act = hp_.ffn_act;
       layer_bytes += 3 * L.mlp.gate.view.bytes();
       layer_active += 3 * L.mlp.gate.view.bytes();
     } else {
@@ -218,32 +226,35 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
   auto trace = [&](const char* name, int layer, const Mat& m) {
     if (b.trace && *b.trace) (*b.trace)(name, layer, m);
   };
-  be.embedding(embed_, b.tokens, n, 1.0f, x);
+  be.embedding(embed_, b.tokens, n, hp_.embed_scale, x);
   trace("embedding", -1, x);
   for (int i = 0; i < hp_.n_layers; ++i) {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, x);
-    be.rmsnorm(x, L.attn_norm.data(), hp_.rms_eps, xn);
+    be.rmsnorm(x, L.attn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
     attention_block(be, L.attn_params, L.attn, xn, b.positions, b.kv[size_t(i)], ws.attn, branch);
+    if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_attn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace("attention", i, branch);
     be.add(x, branch);
-    be.rmsnorm(x, L.ffn_norm.data(), hp_.rms_eps, xn);
+    be.rmsnorm(x, L.ffn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
     if (L.ffn == FfnKind::kDense) {
       dense_mlp(be, L.mlp, xn, ws.ffn, branch);
     } else {
       float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
       moe_ffn(be, L.moe, xn, ws.ffn, branch, probs);
     }
+    if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_ffn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace(L.ffn == FfnKind::kDense ? "mlp" : "moe", i, branch);
     be.add(x, branch);
   }
   // Only the rows whose logits are wanted go through the final norm and the LM head.
   Mat last = b.all_logits ? x : x.rows_slice(n - 1, 1);
   Mat normed = xn.rows_slice(0, last.rows);
-  be.rmsnorm(last, final_norm_.data(), hp_.rms_eps, normed);
+  be.rmsnorm(last, final_norm_.data(), hp_.rms_eps, normed, hp_.norm_offset);
   trace("final_norm", hp_.n_layers, normed);
   Mat logits = ws.logits.rows_slice(0, last.rows);
   be.matmul(lm_head_, normed, logits);
+  if (hp_.final_softcap > 0) be.unary(logits, Act::kTanh, 1.f / hp_.final_softcap, hp_.final_softcap, logits);
   be.download(logits, b.logits);
   trace("lm_head", hp_.n_layers, logits);
 }

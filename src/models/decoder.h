@@ -17,7 +17,9 @@ enum class FfnKind : uint8_t { kDense, kMoe };
 
 struct LayerConfig {
   FfnKind ffn = FfnKind::kDense;
-  int window = 0;  // sliding-window size, 0 = full attention
+  int window = 0;            // sliding-window size, 0 = full attention
+  double rope_theta = 0;     // 0: the model's rope_theta
+  double rope_linear = 1.0;  // linear RoPE scaling factor (positions divided by it)
 };
 
 struct DecoderHparams {
@@ -27,6 +29,12 @@ struct DecoderHparams {
   bool norm_topk_prob = false, qk_norm = false, attention_bias = false, tie_embeddings = false;
   double rope_theta = 10000.0;
   float rms_eps = 1e-6f;
+  float norm_offset = 0.f;      // 1: norms scale by (1 + w) (Gemma)
+  bool sandwich_norms = false;  // norms after attention and FFN too (Gemma)
+  Act ffn_act = Act::kSilu;
+  float embed_scale = 1.f;      // Gemma: sqrt(hidden)
+  float attn_scale = 0.f;       // 0: head_dim^-0.5
+  float final_softcap = 0.f;    // logits = cap * tanh(logits / cap) when > 0
   int64_t max_context = 0;
   std::vector<LayerConfig> layers;
 };
@@ -40,6 +48,7 @@ struct TensorNames {
   std::string layer = "model.layers.{}.";
   // relative to layer
   std::string attn_norm = "input_layernorm.weight", ffn_norm = "post_attention_layernorm.weight";
+  std::string post_attn_norm, post_ffn_norm;  // with sandwich norms
   std::string q = "self_attn.q_proj", k = "self_attn.k_proj", v = "self_attn.v_proj", o = "self_attn.o_proj";
   std::string q_norm = "self_attn.q_norm.weight", k_norm = "self_attn.k_norm.weight";
   std::string gate = "mlp.gate_proj.weight", up = "mlp.up_proj.weight", down = "mlp.down_proj.weight";
@@ -62,6 +71,7 @@ class DecoderModel : public Model {
  private:
   struct Layer {
     std::vector<float> attn_norm, ffn_norm;  // [hidden] f32
+    std::vector<float> post_attn_norm, post_ffn_norm;  // [hidden] f32, sandwich norms only
     AttentionParams attn_params;
     AttentionWeights attn;
     DenseMlpWeights mlp;

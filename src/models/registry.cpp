@@ -9,10 +9,16 @@ namespace turbospark {
 std::unique_ptr<Model> make_qwen3(const HfConfig&, const Checkpoint&);
 std::unique_ptr<Model> make_qwen3_moe(const HfConfig&, const Checkpoint&);
 std::unique_ptr<Model> make_qwen4_exp(const HfConfig&, const Checkpoint&);
+std::unique_ptr<Model> make_llama(const HfConfig&, const Checkpoint&);
+std::unique_ptr<Model> make_qwen2(const HfConfig&, const Checkpoint&);
+std::unique_ptr<Model> make_gemma3(const HfConfig&, const Checkpoint&);
 
 const std::vector<FamilyEntry>& families() {
   static const std::vector<FamilyEntry> kFamilies = {
+      {"llama", "LlamaForCausalLM", make_llama},
+      {"qwen2", "Qwen2ForCausalLM", make_qwen2},
       {"qwen3", "Qwen3ForCausalLM", make_qwen3},
+      {"gemma3_text", "Gemma3ForCausalLM", make_gemma3},
       {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe},
       {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp},
       {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp},

@@ -51,7 +51,7 @@ struct KvLayerView {
 };
 
 // Elementwise activations for Backend::unary and Backend::mul_act.
-enum class Act : uint8_t { kIdentity, kSilu, kSigmoid };
+enum class Act : uint8_t { kIdentity, kSilu, kSigmoid, kGeluTanh, kTanh };
 
 // One layer's QSA indexer state as the backend sees it (see models/blocks/qsa.h).
 struct QsaView {

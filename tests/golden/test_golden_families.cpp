@@ -121,8 +121,9 @@ TEST_P(GoldenFamily, GreedyContinuationMatchesTransformers) {
   EXPECT_EQ(out, golden_.greedy);
 }
 
-INSTANTIATE_TEST_SUITE_P(Qwen, GoldenFamily,
-                         ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen3_moe_norenorm_tiny"));
+INSTANTIATE_TEST_SUITE_P(Dense, GoldenFamily,
+                         ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen3_moe_norenorm_tiny", "qwen2_tiny",
+                                           "llama_tiny", "gemma3_tiny"));
 INSTANTIATE_TEST_SUITE_P(Qwen4Exp, GoldenFamily,
                          ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny"));
 

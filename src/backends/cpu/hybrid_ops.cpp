@@ -15,6 +15,8 @@ static inline float apply_act(Act act, float v) {
   switch (act) {
     case Act::kSilu: return v / (1.f + std::exp(-v));
     case Act::kSigmoid: return 1.f / (1.f + std::exp(-v));
+    case Act::kGeluTanh: return 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    case Act::kTanh: return std::tanh(v);
     default: return v;
   }
 }

@@ -257,7 +257,11 @@ void matmul_typed(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
 // rows, queries as activation rows); P.V is a broadcast tile over output dims.
 
 constexpr int kPosBlock = 64;        // positions per online-softmax step
+#ifndef TS_QPU
 constexpr int kQueriesPerUnit = 12;  // target rows x heads per work unit
+#else
+constexpr int kQueriesPerUnit = TS_QPU;
+#endif
 
 // In place: s[i] = exp(s[i] - m); returns the sum.
 float exp_shift_sum(float* s, int64_t n, float m) {
@@ -605,8 +609,13 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
     for (;;) {
       const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
       if (u >= units) break;
+#ifdef TS_HEAD_MAJOR
+      const int64_t rb = u % row_blocks;
+      const int rest = int(u / row_blocks);
+#else
       const int64_t rb = u / (kv.n_kv_heads * sub_groups);
       const int rest = int(u % (kv.n_kv_heads * sub_groups));
+#endif
       const int g = rest / sub_groups;
       const int h0 = g * group + (rest % sub_groups) * heads_per_unit;
       const int h1 = std::min(h0 + heads_per_unit, (g + 1) * group);

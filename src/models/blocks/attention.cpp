@@ -18,9 +18,9 @@ void attention_block(Backend& be, const AttentionParams& p, const AttentionWeigh
   if (!w.q_norm.empty()) {
     // Per-head norm: view [rows, heads*hd] as [rows*heads, hd] (rows are contiguous).
     be.rmsnorm(Mat(q.data, rows * p.n_heads, p.head_dim), w.q_norm.data(), p.norm_eps,
-               Mat(q.data, rows * p.n_heads, p.head_dim));
+               Mat(q.data, rows * p.n_heads, p.head_dim), p.norm_offset);
     be.rmsnorm(Mat(k.data, rows * p.n_kv_heads, p.head_dim), w.k_norm.data(), p.norm_eps,
-               Mat(k.data, rows * p.n_kv_heads, p.head_dim));
+               Mat(k.data, rows * p.n_kv_heads, p.head_dim), p.norm_offset);
   }
   be.rope(q, p.n_heads, p.head_dim, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
   be.rope(k, p.n_kv_heads, p.head_dim, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);

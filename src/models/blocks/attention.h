@@ -16,6 +16,7 @@ struct AttentionParams {
   float scale = 0.f;    // usually head_dim^-0.5
   int window = 0;       // sliding window in tokens, 0 = full causal
   float norm_eps = 1e-6f;
+  float norm_offset = 0.f;  // 1 for (1 + w) q/k norms (Gemma)
   float attention_factor = 1.f;
   std::vector<float> inv_freq;  // [rotary_dim / 2]
 };

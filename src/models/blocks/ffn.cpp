@@ -10,7 +10,12 @@ void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& 
   Mat gate = s.gate.rows_slice(0, rows), up = s.up.rows_slice(0, rows);
   be.matmul(w.gate, x, gate);
   be.matmul(w.up, x, up);
-  be.swiglu(gate, up, gate);
+  if (w.act == Act::kSilu) {
+    be.swiglu(gate, up, gate);
+  } else {
+    be.unary(gate, w.act, 1.f, 1.f, gate);
+    be.mul_act(gate, up, Act::kIdentity);
+  }
   be.matmul(w.down, gate, out);
 }
 

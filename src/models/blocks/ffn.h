@@ -10,6 +10,7 @@ namespace turbospark {
 struct DenseMlpWeights {
   Weight gate, up;  // [inter, hidden]
   Weight down;      // [hidden, inter]
+  Act act = Act::kSilu;  // act(gate) * up: SiLU (SwiGLU) or GELU-tanh (GeGLU)
 };
 
 struct MoeWeights {

@@ -1,0 +1,624 @@
+// Quantized matmul for the CPU backend. Structure:
+//   1. quantize each activation row once (BlockQ8x32 or BlockQ8_K; AVX2 here, bit-identical
+//      to the reference quantizers in core/quant.cpp);
+//   2. split output rows across the pool; each weight row is unpacked once per group of up
+//      to kMaxTokens activation rows and dotted with all of them, so prefill reuses the
+//      nibble unpacking and the scale decoding across tokens while decode streams each
+//      weight byte exactly once.
+// Every kernel is a template over the number of tokens NT (1..4) so the per-token
+// accumulators stay in registers.
+#include "backends/cpu/quant_matmul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+#include "core/quant.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TS_QUANT_AVX2 1
+#include <immintrin.h>
+#else
+#define TS_QUANT_AVX2 0
+#endif
+
+namespace turbospark::cpu {
+namespace {
+
+constexpr int kMaxTokens = 4;
+
+inline float half_to_float(uint16_t h) {
+#if TS_QUANT_AVX2
+  return _cvtsh_ss(h);
+#else
+  return f16_to_f32(h);
+#endif
+}
+
+// One weight row against NT quantized activation rows: out[t] = dot(w_row, x_t), where x_t
+// starts at x + t * x_stride bytes. nb is the number of weight blocks in the row.
+template <int NT>
+using DotFn = void (*)(int64_t nb, const uint8_t* w, const uint8_t* x, int64_t x_stride, float* out);
+
+template <typename B>
+inline const B* act(const uint8_t* x, int64_t x_stride, int t) {
+  return reinterpret_cast<const B*>(x + t * x_stride);
+}
+
+// ---------------------------------------------------------------------------------------
+// Scalar kernels: the reference integer arithmetic (and the fallback without AVX2).
+
+namespace scalar {
+
+template <int NT>
+void dot_q4_0(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ4_0*>(wp);
+  for (int t = 0; t < NT; ++t) {
+    const BlockQ8x32* y = act<BlockQ8x32>(x, xs, t);
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i)
+        sum += (w[b].qs[i] & 0xF) * y[b].qs[i] + (w[b].qs[i] >> 4) * y[b].qs[i + 16];
+      const float d = half_to_float(w[b].d);
+      acc += d * (y[b].d * float(sum) - 8.f * y[b].s);
+    }
+    out[t] = acc;
+  }
+}
+
+template <int NT>
+void dot_q4_1(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ4_1*>(wp);
+  for (int t = 0; t < NT; ++t) {
+    const BlockQ8x32* y = act<BlockQ8x32>(x, xs, t);
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i)
+        sum += (w[b].qs[i] & 0xF) * y[b].qs[i] + (w[b].qs[i] >> 4) * y[b].qs[i + 16];
+      acc += half_to_float(w[b].d) * y[b].d * float(sum) + half_to_float(w[b].m) * y[b].s;
+    }
+    out[t] = acc;
+  }
+}
+
+template <int NT>
+void dot_q8_0(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ8_0*>(wp);
+  for (int t = 0; t < NT; ++t) {
+    const BlockQ8x32* y = act<BlockQ8x32>(x, xs, t);
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) sum += w[b].qs[i] * y[b].qs[i];
+      acc += half_to_float(w[b].d) * y[b].d * float(sum);
+    }
+    out[t] = acc;
+  }
+}
+
+// Q4_K and Q5_K: the 5th bit plane is the only difference.
+template <int NT, bool kFiveBit>
+void dot_k4(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  for (int t = 0; t < NT; ++t) {
+    const BlockQ8_K* y = act<BlockQ8_K>(x, xs, t);
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t *scales, *qs, *qh = nullptr;
+      uint16_t d16, dmin16;
+      if constexpr (kFiveBit) {
+        const auto& w = reinterpret_cast<const BlockQ5_K*>(wp)[b];
+        scales = w.scales, qs = w.qs, qh = w.qh, d16 = w.d, dmin16 = w.dmin;
+      } else {
+        const auto& w = reinterpret_cast<const BlockQ4_K*>(wp)[b];
+        scales = w.scales, qs = w.qs, d16 = w.d, dmin16 = w.dmin;
+      }
+      uint8_t sc[8], m[8];
+      quant::unpack_k4_scales(scales, sc, m);
+      int sumi = 0, summ = 0;
+      for (int j = 0; j < 4; ++j) {
+        int s0 = 0, s1 = 0;
+        for (int l = 0; l < 32; ++l) {
+          int q0 = qs[32 * j + l] & 0xF, q1 = qs[32 * j + l] >> 4;
+          if constexpr (kFiveBit) {
+            q0 |= ((qh[l] >> (2 * j)) & 1) << 4;
+            q1 |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+          }
+          s0 += q0 * y[b].qs[64 * j + l];
+          s1 += q1 * y[b].qs[64 * j + 32 + l];
+        }
+        sumi += sc[2 * j] * s0 + sc[2 * j + 1] * s1;
+      }
+      for (int s = 0; s < 8; ++s) summ += m[s] * (y[b].bsums[2 * s] + y[b].bsums[2 * s + 1]);
+      acc += y[b].d * (half_to_float(d16) * float(sumi) - half_to_float(dmin16) * float(summ));
+    }
+    out[t] = acc;
+  }
+}
+
+template <int NT>
+void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ6_K*>(wp);
+  for (int t = 0; t < NT; ++t) {
+    const BlockQ8_K* y = act<BlockQ8_K>(x, xs, t);
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int sumi = 0;
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = w[b].ql + 64 * h;
+        const uint8_t* qh = w[b].qh + 32 * h;
+        const int8_t* q8 = y[b].qs + 128 * h;
+        const int8_t* sc = w[b].scales + 8 * h;
+        int s[8] = {};
+        for (int l = 0; l < 32; ++l) {
+          const int g = l / 16;
+          s[g + 0] += ((ql[l] & 0xF) | ((qh[l] >> 0) & 3) << 4) * q8[l];
+          s[g + 2] += ((ql[l + 32] & 0xF) | ((qh[l] >> 2) & 3) << 4) * q8[l + 32];
+          s[g + 4] += ((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) * q8[l + 64];
+          s[g + 6] += ((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) * q8[l + 96];
+        }
+        for (int k = 0; k < 8; ++k) sumi += sc[k] * (s[k] - 32 * y[b].bsums[8 * h + k]);
+      }
+      acc += half_to_float(w[b].d) * y[b].d * float(sumi);
+    }
+    out[t] = acc;
+  }
+}
+
+}  // namespace scalar
+
+// ---------------------------------------------------------------------------------------
+// AVX2 kernels
+
+#if TS_QUANT_AVX2
+namespace avx2 {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 16 packed bytes -> 32 bytes in element order: low nibbles (elements 0-15), then high
+// nibbles (16-31), each in [0, 16).
+inline __m256i unpack_nibbles16(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Sum of u8 * s8 products, in 8 int32 lanes. |u8| <= 128 and s8 in [-127, 127] keep the
+// pairwise int16 sums of maddubs from saturating (2 * 128 * 127 < 32768).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+template <int NT>
+void dot_q4_0(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ4_0*>(wp);
+  const BlockQ8x32* y[NT];
+  __m256 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8x32>(x, xs, t), acc[t] = _mm256_setzero_ps(), offset[t] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = _cvtsh_ss(w[b].d);
+    // q in [0, 16): unsigned against the signed activations; the -8 is folded in through
+    // the activation block's sum.
+    const __m256i q = unpack_nibbles16(w[b].qs);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i p = dot_u8s8(q, load256(y[t][b].qs));
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][b].d), _mm256_cvtepi32_ps(p), acc[t]);
+      offset[t] += d * y[t][b].s;
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - 8.f * offset[t];
+}
+
+template <int NT>
+void dot_q4_1(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ4_1*>(wp);
+  const BlockQ8x32* y[NT];
+  __m256 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8x32>(x, xs, t), acc[t] = _mm256_setzero_ps(), offset[t] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = _cvtsh_ss(w[b].d), m = _cvtsh_ss(w[b].m);
+    const __m256i q = unpack_nibbles16(w[b].qs);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i p = dot_u8s8(q, load256(y[t][b].qs));
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][b].d), _mm256_cvtepi32_ps(p), acc[t]);
+      offset[t] += m * y[t][b].s;
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) + offset[t];
+}
+
+template <int NT>
+void dot_q8_0(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ8_0*>(wp);
+  const BlockQ8x32* y[NT];
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8x32>(x, xs, t), acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = _cvtsh_ss(w[b].d);
+    // maddubs wants one unsigned operand: |w| (a stored -128 becomes 128, still safe), and
+    // the activation takes w's sign.
+    const __m256i q = load256(w[b].qs);
+    const __m256i abs_q = _mm256_sign_epi8(q, q);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i p = dot_u8s8(abs_q, _mm256_sign_epi8(load256(y[t][b].qs), q));
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][b].d), _mm256_cvtepi32_ps(p), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+}
+
+// Q4_K/Q5_K 12-byte scale field -> 8 scales (bytes 0-7) and 8 minimums (bytes 8-15), the
+// same unpacking as quant::unpack_k4_scales done on 32-bit words.
+inline __m128i unpack_k4_scales(const uint8_t* packed) {
+  uint32_t a, b, c;
+  std::memcpy(&a, packed, 4);
+  std::memcpy(&b, packed + 4, 4);
+  std::memcpy(&c, packed + 8, 4);
+  const uint32_t sc_lo = a & 0x3f3f3f3f;
+  const uint32_t sc_hi = (c & 0x0f0f0f0f) | ((a >> 2) & 0x30303030);
+  const uint32_t m_lo = b & 0x3f3f3f3f;
+  const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0f) | ((b >> 2) & 0x30303030);
+  return _mm_set_epi32(int(m_hi), int(m_lo), int(sc_hi), int(sc_lo));
+}
+
+// For sub-block s, a shuffle mask that broadcasts int16 element s of a 128-bit lane.
+inline __m256i broadcast16_mask(int s) { return _mm256_set1_epi16(int16_t((2 * s) | (2 * s + 1) << 8)); }
+
+template <int NT, bool kFiveBit>
+void dot_k4(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const BlockQ8_K* y[NT];
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8_K>(x, xs, t), acc[t] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *scales, *qs;
+    uint16_t d16, dmin16;
+    __m256i hbits = _mm256_setzero_si256();
+    if constexpr (kFiveBit) {
+      const auto& w = reinterpret_cast<const BlockQ5_K*>(wp)[b];
+      scales = w.scales, qs = w.qs, d16 = w.d, dmin16 = w.dmin;
+      hbits = load256(w.qh);
+    } else {
+      const auto& w = reinterpret_cast<const BlockQ4_K*>(wp)[b];
+      scales = w.scales, qs = w.qs, d16 = w.d, dmin16 = w.dmin;
+    }
+    const float d = _cvtsh_ss(d16), dmin = _cvtsh_ss(dmin16);
+    const __m128i sc_m = unpack_k4_scales(scales);
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc_m));
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sc_m, sc_m));
+    __m256i sumi[NT];
+    for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q = load256(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(q, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      if constexpr (kFiveBit) {
+        // Bits 2j and 2j+1 of each qh byte are the 5th bits; hbits shifts right by 2 per
+        // group, so they are always bits 0 and 1 here (16-bit shifts move bits across byte
+        // boundaries only into bits this never reads).
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hbits, 4), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hbits, 3), bit4));
+        hbits = _mm256_srli_epi16(hbits, 2);
+      }
+      const __m256i sc_lo = _mm256_shuffle_epi8(sc16, broadcast16_mask(2 * j));
+      const __m256i sc_hi = _mm256_shuffle_epi8(sc16, broadcast16_mask(2 * j + 1));
+      for (int t = 0; t < NT; ++t) {
+        const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(y[t][b].qs + 64 * j)), sc_lo);
+        const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(y[t][b].qs + 64 * j + 32)), sc_hi);
+        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p_lo, p_hi));
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      // Minimums meet the activation sums of each 32-element sub-block (pairs of bsums).
+      const __m128i bs_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(y[t][b].bsums));
+      const __m128i bs_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(y[t][b].bsums + 8));
+      const __m128i mins = _mm_madd_epi16(m16, _mm_hadd_epi16(bs_lo, bs_hi));
+      const float dy = y[t][b].d;
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * dy), _mm256_cvtepi32_ps(_mm256_zextsi128_si256(mins)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+}
+
+// Masks that spread int16 scales {2c, 2c+1} of a 128-bit lane over [8 x 2c | 8 x 2c+1].
+inline __m256i q6_scale_mask(int c) {
+  const int16_t a = int16_t((4 * c) | (4 * c + 1) << 8), b = int16_t((4 * c + 2) | (4 * c + 3) << 8);
+  return _mm256_set_epi16(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+}
+
+template <int NT>
+void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ6_K*>(wp);
+  const BlockQ8_K* y[NT];
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8_K>(x, xs, t), acc[t] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i top2 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = _cvtsh_ss(w[b].d);
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].scales));
+    const __m256i sc_all = _mm256_cvtepi8_epi16(sc8);  // 16 int16 sub-block scales
+    __m256i sumi[NT];
+    for (int t = 0; t < NT; ++t) {
+      // q - 32: the 32 * scale * (activation sum) part, from the 16-element bsums.
+      const __m256i bs = load256(y[t][b].bsums);
+      sumi[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bs), 5));
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h == 0 ? sc8 : _mm_unpackhi_epi64(sc8, sc8)));
+      const __m256i ql0 = load256(w[b].ql + 64 * h);
+      const __m256i ql1 = load256(w[b].ql + 64 * h + 32);
+      const __m256i qh = load256(w[b].qh + 32 * h);
+      __m256i e[4];
+      e[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+      e[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+      e[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, top2));
+      e[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i scale = _mm256_shuffle_epi8(sc, q6_scale_mask(c));
+        for (int t = 0; t < NT; ++t) {
+          const __m256i p = _mm256_maddubs_epi16(e[c], load256(y[t][b].qs + 128 * h + 32 * c));
+          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, scale));
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][b].d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+}
+
+// Activation quantizers, bit-identical to core/quant.cpp's: the same amax, the same d and
+// 1/d, the same round-to-nearest-even of x * (1/d).
+inline __m256 abs_ps(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// 32 floats -> 32 int8 (in order), returning the int32 lane sums of the quantized values.
+inline __m256i quantize32(const float* x, float id, int8_t* q) {
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), vid),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    i[k] = _mm256_max_epi32(_mm256_set1_epi32(-127), _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(v)));
+  }
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  // packs interleave 128-bit lanes; the permute restores element order.
+  const __m256i p16a = _mm256_packs_epi32(i[0], i[1]);
+  const __m256i p16b = _mm256_packs_epi32(i[2], i[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  return sum;
+}
+
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+void quantize_row_q8x32(const float* x, BlockQ8x32* y, int64_t n) {
+  for (int64_t b = 0; b < n / 32; ++b, x += 32) {
+    __m256 m = abs_ps(_mm256_loadu_ps(x));
+    for (int k = 1; k < 4; ++k) m = _mm256_max_ps(m, abs_ps(_mm256_loadu_ps(x + 8 * k)));
+    const float d = hmax(m) / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    const int sum = hsum_epi32(quantize32(x, id, y[b].qs));
+    y[b].d = d;
+    y[b].s = d * float(sum);
+  }
+}
+
+void quantize_row_q8_K(const float* x, BlockQ8_K* y, int64_t n) {
+  for (int64_t b = 0; b < n / 256; ++b, x += 256) {
+    __m256 m = abs_ps(_mm256_loadu_ps(x));
+    for (int k = 1; k < 32; ++k) m = _mm256_max_ps(m, abs_ps(_mm256_loadu_ps(x + 8 * k)));
+    const float d = hmax(m) / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    for (int c = 0; c < 8; ++c) quantize32(x + 32 * c, id, y[b].qs + 32 * c);
+    // bsums from the stored int8 values: widen each 16 to int16 and add horizontally.
+    for (int g = 0; g < 16; ++g) {
+      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(y[b].qs + 16 * g)));
+      y[b].bsums[g] = int16_t(hsum_epi32(_mm256_madd_epi16(v, _mm256_set1_epi16(1))));
+    }
+    y[b].d = d;
+  }
+}
+
+}  // namespace avx2
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Dispatch
+
+struct Kernels {
+  DotFn<1> dot1;
+  DotFn<2> dot2;
+  DotFn<3> dot3;
+  DotFn<4> dot4;
+};
+
+enum class ActFormat { kQ8x32, kQ8K };
+
+struct Format {
+  ActFormat act;
+  int64_t block;  // weight elements per block (== activation elements per block)
+  Kernels kernels;
+};
+
+template <template <int> class K>
+constexpr Kernels kernels_of() {
+  return {&K<1>::run, &K<2>::run, &K<3>::run, &K<4>::run};
+}
+
+// Adapters from function templates to class templates so kernels_of can name them.
+#define TS_KERNEL(ns, Name, fn)                                                                      \
+  template <int NT>                                                                                  \
+  struct Name {                                                                                      \
+    static void run(int64_t nb, const uint8_t* w, const uint8_t* x, int64_t xs, float* out) { fn; } \
+  }
+#define TS_KERNEL_SET(ns)                                                                 \
+  namespace ns##_k {                                                                      \
+  TS_KERNEL(ns, Q4_0, ns::dot_q4_0<NT>(nb, w, x, xs, out));                               \
+  TS_KERNEL(ns, Q4_1, ns::dot_q4_1<NT>(nb, w, x, xs, out));                               \
+  TS_KERNEL(ns, Q8_0, ns::dot_q8_0<NT>(nb, w, x, xs, out));                               \
+  TS_KERNEL(ns, Q4_K, (ns::dot_k4<NT, false>(nb, w, x, xs, out)));                        \
+  TS_KERNEL(ns, Q5_K, (ns::dot_k4<NT, true>(nb, w, x, xs, out)));                         \
+  TS_KERNEL(ns, Q6_K, ns::dot_q6_k<NT>(nb, w, x, xs, out));                               \
+  }
+
+TS_KERNEL_SET(scalar)
+#if TS_QUANT_AVX2
+TS_KERNEL_SET(avx2)
+#endif
+#undef TS_KERNEL_SET
+#undef TS_KERNEL
+
+template <bool kFast>
+Format format_of(const WeightView& w, const char* op) {
+#if TS_QUANT_AVX2
+#define TS_PICK(Name) (kFast ? kernels_of<avx2_k::Name>() : kernels_of<scalar_k::Name>())
+#else
+#define TS_PICK(Name) kernels_of<scalar_k::Name>()
+#endif
+  switch (w.dtype) {
+    case DType::Q4_0: return {ActFormat::kQ8x32, 32, TS_PICK(Q4_0)};
+    case DType::Q4_1: return {ActFormat::kQ8x32, 32, TS_PICK(Q4_1)};
+    case DType::Q8_0: return {ActFormat::kQ8x32, 32, TS_PICK(Q8_0)};
+    case DType::Q4_K: return {ActFormat::kQ8K, 256, TS_PICK(Q4_K)};
+    case DType::Q5_K: return {ActFormat::kQ8K, 256, TS_PICK(Q5_K)};
+    case DType::Q6_K: return {ActFormat::kQ8K, 256, TS_PICK(Q6_K)};
+    default: fail("{}: weight dtype {} is not a quantized format (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)", op, dtype_name(w.dtype));
+  }
+#undef TS_PICK
+}
+
+void check_shapes(const WeightView& w, const Mat& x, const Mat& y, const Format& f, const char* op) {
+  if (x.cols != w.cols || y.cols != w.rows || y.rows != x.rows)
+    fail("{}: shape mismatch w [{}, {}] x [{}, {}] y [{}, {}]", op, w.rows, w.cols, x.rows, x.cols, y.rows, y.cols);
+  if (w.cols % f.block != 0)
+    fail("{}: {} weight has {} columns, not a multiple of its block size {}", op, dtype_name(w.dtype), w.cols, f.block);
+  if (w.row_bytes < row_bytes(w.dtype, w.cols))
+    fail("{}: {} weight rows are {} bytes apart, less than one row ({} bytes)", op, dtype_name(w.dtype), w.row_bytes,
+         row_bytes(w.dtype, w.cols));
+}
+
+int64_t act_row_bytes(const Format& f, int64_t cols) {
+  return f.act == ActFormat::kQ8K ? cols / 256 * int64_t(sizeof(BlockQ8_K)) : cols / 32 * int64_t(sizeof(BlockQ8x32));
+}
+
+template <bool kFast>
+void quantize_act_row(const Format& f, const float* x, uint8_t* dst, int64_t cols) {
+#if TS_QUANT_AVX2
+  if constexpr (kFast) {
+    if (f.act == ActFormat::kQ8K) avx2::quantize_row_q8_K(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
+    else avx2::quantize_row_q8x32(x, reinterpret_cast<BlockQ8x32*>(dst), cols);
+    return;
+  }
+#endif
+  if (f.act == ActFormat::kQ8K) turbospark::quantize_row_q8_K(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
+  else turbospark::quantize_row_q8x32(x, reinterpret_cast<BlockQ8x32*>(dst), cols);
+}
+
+// Rows [row_begin, row_end) of y for all tokens. Weight rows are taken in tiles small
+// enough to stay in L1/L2 while every group of kMaxTokens activation rows passes over them.
+void matmul_rows(const Format& f, const WeightView& w, const uint8_t* xq, int64_t xq_stride, int64_t n_tokens,
+                 const Mat& y, int64_t row_begin, int64_t row_end) {
+  const int64_t nb = w.cols / f.block;
+  const int64_t tile = n_tokens <= kMaxTokens ? row_end - row_begin
+                                              : std::max<int64_t>(1, (int64_t(16) << 10) / std::max<int64_t>(1, w.row_bytes));
+  float out[kMaxTokens];
+  for (int64_t r0 = row_begin; r0 < row_end; r0 += tile) {
+    const int64_t r1 = std::min(row_end, r0 + tile);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += kMaxTokens) {
+      const int nt = int(std::min<int64_t>(kMaxTokens, n_tokens - t0));
+      const uint8_t* xt = xq + t0 * xq_stride;
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* wr = w.row(r);
+        switch (nt) {
+          case 1: f.kernels.dot1(nb, wr, xt, xq_stride, out); break;
+          case 2: f.kernels.dot2(nb, wr, xt, xq_stride, out); break;
+          case 3: f.kernels.dot3(nb, wr, xt, xq_stride, out); break;
+          default: f.kernels.dot4(nb, wr, xt, xq_stride, out); break;
+        }
+        for (int k = 0; k < nt; ++k) y.row(t0 + k)[r] = out[k];
+      }
+    }
+  }
+}
+
+// Scratch for the quantized activations, reused across calls so decode does not allocate
+// per op. Thread-local (not shared) because each calling thread runs its own matmuls; the
+// pool's workers only read the caller's buffer during the call.
+std::vector<uint8_t>& activation_scratch() {
+  thread_local std::vector<uint8_t> buffer;
+  return buffer;
+}
+
+}  // namespace
+
+void quant_matmul(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat& y) {
+  const Format f = format_of<true>(w, "quant_matmul");
+  check_shapes(w, x, y, f, "quant_matmul");
+  if (x.rows == 0 || w.rows == 0) return;
+  const int64_t xq_stride = act_row_bytes(f, w.cols);
+  std::vector<uint8_t>& xq = activation_scratch();
+  if (int64_t(xq.size()) < xq_stride * x.rows) xq.resize(size_t(xq_stride * x.rows));
+  uint8_t* xq_data = xq.data();
+  if (x.rows >= 4 && pool.size() > 1) {
+    pool.parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) quantize_act_row<true>(f, x.row(t), xq_data + t * xq_stride, w.cols);
+    });
+  } else {
+    for (int64_t t = 0; t < x.rows; ++t) quantize_act_row<true>(f, x.row(t), xq_data + t * xq_stride, w.cols);
+  }
+  pool.parallel_for(w.rows, 8, [&](int64_t b, int64_t e) { matmul_rows(f, w, xq_data, xq_stride, x.rows, y, b, e); });
+}
+
+void ref::quant_matmul(const WeightView& w, const Mat& x, const Mat& y) {
+  const Format f = format_of<false>(w, "ref::quant_matmul");
+  check_shapes(w, x, y, f, "ref::quant_matmul");
+  const int64_t xq_stride = act_row_bytes(f, w.cols);
+  std::vector<uint8_t> xq(size_t(xq_stride * x.rows));
+  for (int64_t t = 0; t < x.rows; ++t) quantize_act_row<false>(f, x.row(t), xq.data() + t * xq_stride, w.cols);
+  matmul_rows(f, w, xq.data(), xq_stride, x.rows, y, 0, w.rows);
+}
+
+void quant_embedding(const WeightView& table, const int32_t* ids, int64_t n, float scale, const Mat& out) {
+  if (out.rows != n || out.cols != table.cols)
+    fail("quant_embedding: out is [{}, {}], expected [{}, {}]", out.rows, out.cols, n, table.cols);
+  if (table.row_bytes < row_bytes(table.dtype, table.cols))
+    fail("quant_embedding: {} table rows are {} bytes apart, less than one row", dtype_name(table.dtype), table.row_bytes);
+  for (int64_t t = 0; t < n; ++t) {
+    if (ids[t] < 0 || ids[t] >= table.rows)
+      fail("quant_embedding: token id {} out of range [0, {})", ids[t], table.rows);
+    float* dst = out.row(t);
+    dequantize_row(table.dtype, table.row(ids[t]), dst, table.cols);
+    if (scale != 1.f)
+      for (int64_t i = 0; i < table.cols; ++i) dst[i] *= scale;
+  }
+}
+
+}  // namespace turbospark::cpu

@@ -1,0 +1,37 @@
+// Matrix products and embedding lookups with block-quantized weights (ggml formats Q4_0,
+// Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; layouts in core/quant.h).
+//
+// As in llama.cpp, each call first quantizes the activation rows to 8-bit blocks (BlockQ8x32
+// for the 32-element formats, BlockQ8_K for the k-quants), then every weight block meets its
+// activation block in integer multiply-adds (AVX2 maddubs/madd) with one float FMA per
+// block. So results differ from "dequantize, then float matmul" by the activation rounding:
+// per block of x, at most amax(block) / 254 per element, times |w| summed over the block.
+// Decode (one activation row) is bound by streaming the weights, which are read once, in
+// place, split by output rows across the pool.
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+
+namespace turbospark::cpu {
+
+// y[t, o] = sum_i w[o, i] * x[t, i] for a quantized w ([out, in], row_bytes as core/quant.h
+// defines), the same contract as cpu::matmul: x.cols == w.cols (a multiple of the format's
+// block size), y.cols == w.rows, y.rows == x.rows, rows of x and y may be strided. Throws
+// Error naming the dtype or the shapes when they do not fit.
+void quant_matmul(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat& y);
+
+// out[t, :] = dequantized row ids[t] of `table` ([vocab, dim], any quantized or float
+// dtype), times `scale`. Throws Error naming an id outside [0, vocab).
+void quant_embedding(const WeightView& table, const int32_t* ids, int64_t n, float scale, const Mat& out);
+
+namespace ref {
+// The same integer arithmetic as quant_matmul (activations quantized identically) in plain
+// scalar loops, single-threaded: the AVX2 path must match it to float rounding. Builds
+// without AVX2 use these loops as the fast path's fallback.
+void quant_matmul(const WeightView& w, const Mat& x, const Mat& y);
+}  // namespace ref
+
+}  // namespace turbospark::cpu
