@@ -185,6 +185,7 @@ struct Expr;
 using ExprPtr = std::unique_ptr<Expr>;
 
 struct Expr {
+  Expr(ExprKind k, int l) : kind(k), line(l) {}
   ExprKind kind;
   int line = 0;
   Value value;                    // Const
@@ -206,6 +207,7 @@ using Body = std::vector<std::unique_ptr<Stmt>>;
 enum class StmtKind : uint8_t { Text, Print, If, For, Set, SetBlock, Macro, Break, Continue, FilterBlock, With, Block };
 
 struct Stmt {
+  Stmt(StmtKind k, int l) : kind(k), line(l) {}
   StmtKind kind;
   int line = 0;
   std::string text;                                  // Text
@@ -252,6 +254,7 @@ Value apply_filter(Evaluator& ev, const std::string& name, const Value& subject,
 bool apply_test(Evaluator& ev, const std::string& name, const Value& subject, CallArgs& args);
 Value get_attr(const Value& obj, const std::string& name);   // obj.name as the sandbox resolves it
 Value get_item(const Value& obj, const Value& key);          // obj[key]
+Value get_slice(const Value& obj, const Value& start, const Value& stop, const Value& step);  // obj[a:b:c]
 Value get_global(const std::string& name);                   // range, namespace, raise_exception, ...
 Value call_value(Evaluator& ev, const Value& callee, CallArgs& args);
 

@@ -100,14 +100,12 @@ class Parser {
         return body;
       }
       if (t.type == Tok::Data) {
-        auto s = std::make_unique<Stmt>(Stmt{StmtKind::Text});
-        s->line = t.line;
+        auto s = std::make_unique<Stmt>(StmtKind::Text, t.line);
         s->text = t.value;
         body.push_back(std::move(s));
         next();
       } else if (t.type == Tok::VarBegin) {
-        auto s = std::make_unique<Stmt>(Stmt{StmtKind::Print});
-        s->line = t.line;
+        auto s = std::make_unique<Stmt>(StmtKind::Print, t.line);
         next();
         s->expr = parse_tuple(true, {}, false);
         if (cur().type != Tok::VarEnd) fail(fmt::format("expected '}}}}', got {}", describe(cur())));
@@ -137,9 +135,7 @@ class Parser {
   }
 
   std::unique_ptr<Stmt> make(StmtKind kind, int line) {
-    auto s = std::make_unique<Stmt>(Stmt{kind});
-    s->line = line;
-    return s;
+    return std::make_unique<Stmt>(kind, line);
   }
 
   std::unique_ptr<Stmt> parse_statement() {
@@ -342,9 +338,7 @@ class Parser {
   // ---- expressions ----
 
   ExprPtr node(ExprKind kind, int line) {
-    auto e = std::make_unique<Expr>(Expr{kind});
-    e->line = line;
-    return e;
+    return std::make_unique<Expr>(kind, line);
   }
 
   bool is_tuple_end(const std::set<std::string>& extra_end) const {

@@ -423,10 +423,16 @@ bool py_lt(const Value& a, const Value& b) {
   raise("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
 }
 
-static int64_t checked(bool overflow, int64_t r) {
-  if (overflow) raise("integer overflow (Python integers are unbounded; this interpreter uses 64 bits)");
+// Python integers are unbounded; this interpreter refuses what does not fit in 64 bits.
+template <typename Op>
+static int64_t checked(int64_t x, int64_t y, Op op) {
+  int64_t r = 0;
+  if (op(x, y, &r)) raise("integer overflow (Python integers are unbounded; this interpreter uses 64 bits)");
   return r;
 }
+static bool add_ovf(int64_t x, int64_t y, int64_t* r) { return __builtin_add_overflow(x, y, r); }
+static bool sub_ovf(int64_t x, int64_t y, int64_t* r) { return __builtin_sub_overflow(x, y, r); }
+static bool mul_ovf(int64_t x, int64_t y, int64_t* r) { return __builtin_mul_overflow(x, y, r); }
 
 static Value repeat(const Value& seq, int64_t n) {
   if (seq.is_string()) {
@@ -444,9 +450,8 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
   if (b.is_undefined()) raise(b.s);
   bool both_int = a.is_integral() && b.is_integral();
   bool both_num = a.is_number() && b.is_number();
-  int64_t r = 0;
   if (op == "+") {
-    if (both_int) return Value::integer(checked(__builtin_add_overflow(a.as_int(), b.as_int(), &r), r));
+    if (both_int) return Value::integer(checked(a.as_int(), b.as_int(), add_ovf));
     if (both_num) return Value::real(a.as_double() + b.as_double());
     if (a.is_string() && b.is_string()) return Value::string(a.s + b.s);
     if (a.is_list() && b.is_list() && a.list->kind == b.list->kind &&
@@ -461,12 +466,12 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     unsupported_operands("+", a, b);
   }
   if (op == "-") {
-    if (both_int) return Value::integer(checked(__builtin_sub_overflow(a.as_int(), b.as_int(), &r), r));
+    if (both_int) return Value::integer(checked(a.as_int(), b.as_int(), sub_ovf));
     if (both_num) return Value::real(a.as_double() - b.as_double());
     unsupported_operands("-", a, b);
   }
   if (op == "*") {
-    if (both_int) return Value::integer(checked(__builtin_mul_overflow(a.as_int(), b.as_int(), &r), r));
+    if (both_int) return Value::integer(checked(a.as_int(), b.as_int(), mul_ovf));
     if (both_num) return Value::real(a.as_double() * b.as_double());
     auto is_seq = [](const Value& v) {
       return v.is_string() || (v.is_list() && (v.list->kind == ListKind::List || v.list->kind == ListKind::Tuple));
@@ -520,7 +525,7 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     if (!both_num) unsupported_operands("** or pow()", a, b);
     if (both_int && b.as_int() >= 0) {
       int64_t base = a.as_int(), e = b.as_int(), acc = 1;
-      while (e-- > 0) acc = checked(__builtin_mul_overflow(acc, base, &acc), acc);
+      while (e-- > 0) acc = checked(acc, base, mul_ovf);
       return Value::integer(acc);
     }
     double x = a.as_double(), y = b.as_double();

@@ -7,6 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/quant.h"
+#include "formats/gguf.h"
+#include "formats/gguf_model.h"
 
 namespace turbospark {
 
@@ -92,9 +95,20 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
   }
 }
 
+Checkpoint::~Checkpoint() = default;
+
 Checkpoint::Checkpoint(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) fail("{}: no such file or directory", path);
+  if (is_gguf_path(path)) {
+    dir_ = path;
+    gguf_ = std::make_unique<GgufFile>(path);
+    gguf_tensors_ = gguf_hf_tensors(*gguf_, owned_);
+    for (const TensorInfo& t : gguf_tensors_) {
+      if (!index_.emplace(t.name, &t).second) fail("{}: tensor {} appears twice", path, t.name);
+    }
+    return;
+  }
   std::vector<std::string> shard_paths;
   if (fs::is_directory(path, ec)) {
     dir_ = path;
@@ -160,11 +174,11 @@ const TensorInfo& Checkpoint::get(const std::string& name) const {
   return *t;
 }
 
-static bool is_float_dtype(DType t) { return t == DType::BF16 || t == DType::F16 || t == DType::F32; }
+static bool is_weight_dtype(DType t) { return t == DType::BF16 || t == DType::F16 || t == DType::F32 || is_quantized(t); }
 
 WeightView Checkpoint::matrix(const std::string& name, int64_t rows, int64_t cols) const {
   const TensorInfo& t = get(name);
-  if (!is_float_dtype(t.dtype)) fail("{}: tensor {}: dtype {} where BF16, F16 or F32 is expected", *t.file, name, dtype_name(t.dtype));
+  if (!is_weight_dtype(t.dtype)) fail("{}: tensor {}: dtype {} where a float or quantized dtype is expected", *t.file, name, dtype_name(t.dtype));
   if (t.shape != std::vector<int64_t>{rows, cols}) {
     fail("{}: tensor {}: shape {} where [{}, {}] is expected", *t.file, name, t.shape_str(), rows, cols);
   }
@@ -173,20 +187,20 @@ WeightView Checkpoint::matrix(const std::string& name, int64_t rows, int64_t col
   w.data = t.data;
   w.rows = rows;
   w.cols = cols;
-  w.row_bytes = cols * int64_t(dtype_size(t.dtype));
+  w.row_bytes = row_bytes(t.dtype, cols);
   return w;
 }
 
 WeightView Checkpoint::matrix_in_stack(const std::string& name, int64_t index, int64_t n, int64_t rows,
                                        int64_t cols) const {
   const TensorInfo& t = get(name);
-  if (!is_float_dtype(t.dtype)) fail("{}: tensor {}: dtype {} where BF16, F16 or F32 is expected", *t.file, name, dtype_name(t.dtype));
+  if (!is_weight_dtype(t.dtype)) fail("{}: tensor {}: dtype {} where a float or quantized dtype is expected", *t.file, name, dtype_name(t.dtype));
   if (t.shape != std::vector<int64_t>{n, rows, cols}) {
     fail("{}: tensor {}: shape {} where [{}, {}, {}] is expected", *t.file, name, t.shape_str(), n, rows, cols);
   }
   WeightView w;
   w.dtype = t.dtype;
-  w.row_bytes = cols * int64_t(dtype_size(t.dtype));
+  w.row_bytes = row_bytes(t.dtype, cols);
   w.data = t.data + index * rows * w.row_bytes;
   w.rows = rows;
   w.cols = cols;
@@ -196,16 +210,9 @@ WeightView Checkpoint::matrix_in_stack(const std::string& name, int64_t index, i
 std::vector<float> Checkpoint::floats(const std::string& name, const std::vector<int64_t>& shape) const {
   const TensorInfo& t = get(name);
   if (t.shape != shape) fail("{}: tensor {}: shape {} where {} is expected", *t.file, name, t.shape_str(), shape_str(shape));
+  if (!is_weight_dtype(t.dtype)) fail("{}: tensor {}: dtype {} where a float dtype is expected", *t.file, name, dtype_name(t.dtype));
   std::vector<float> out(size_t(t.numel()));
-  const uint8_t* p = t.data;
-  for (size_t i = 0; i < out.size(); ++i) {
-    switch (t.dtype) {
-      case DType::F32: { float f; std::memcpy(&f, p + 4 * i, 4); out[i] = f; break; }
-      case DType::BF16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); out[i] = bf16_to_f32(h); break; }
-      case DType::F16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); out[i] = f16_to_f32(h); break; }
-      default: fail("{}: tensor {}: dtype {} where a float dtype is expected", *t.file, name, dtype_name(t.dtype));
-    }
-  }
+  dequantize_row(t.dtype, t.data, out.data(), t.numel());
   return out;
 }
 

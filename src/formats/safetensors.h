@@ -18,6 +18,8 @@
 
 namespace turbospark {
 
+class GgufFile;
+
 struct TensorInfo {
   std::string name;
   DType dtype = DType::F32;
@@ -45,9 +47,14 @@ class SafetensorsFile {
 // All tensors of a checkpoint directory (or a single .safetensors file), by name.
 class Checkpoint {
  public:
-  // `path` is a directory holding model.safetensors.index.json or *.safetensors, or one
-  // .safetensors file.
+  // `path` is a directory holding model.safetensors.index.json or *.safetensors, one
+  // .safetensors file, or a .gguf file (tensors under their Hugging Face names, see
+  // formats/gguf_model.h).
   explicit Checkpoint(const std::string& path);
+  ~Checkpoint();
+
+  bool is_gguf() const { return gguf_ != nullptr; }
+  const GgufFile* gguf() const { return gguf_.get(); }
 
   const std::string& dir() const { return dir_; }
   const TensorInfo* find(const std::string& name) const;
@@ -72,6 +79,9 @@ class Checkpoint {
   std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorInfo*> index_;
+  std::unique_ptr<GgufFile> gguf_;
+  std::vector<TensorInfo> gguf_tensors_;
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;  // rewritten tensor data (GGUF)
 };
 
 }  // namespace turbospark

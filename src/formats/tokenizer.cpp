@@ -23,26 +23,16 @@
 #include <utility>
 
 #include "core/error.h"
+#include "formats/tokenizer_detail.h"
 
 namespace turbospark {
 
-namespace {
-
-using Json = nlohmann::json;
-
 // ---------------------------------------------------------------------------------------------
-// UTF-8
+// UTF-8 helpers shared with the GGUF tokenizer (tokenizer_detail.h)
 
-enum class Utf8Kind { kValid, kInvalid, kTruncated };
+namespace tokenizer_detail {
 
-struct Utf8Step {
-  size_t length;  // kInvalid: the maximal invalid subpart that one U+FFFD replaces
-  Utf8Kind kind;
-  char32_t code_point;
-};
-
-// Classifies the sequence at s[i] with the same maximal-subpart rule as Rust's
-// String::from_utf8_lossy, which is what the library's decode uses.
+// The library's decode uses String::from_utf8_lossy, hence its maximal-subpart rule.
 Utf8Step utf8_step(std::string_view s, size_t i) {
   const auto b0 = static_cast<unsigned char>(s[i]);
   if (b0 < 0x80) return {1, Utf8Kind::kValid, b0};
@@ -94,6 +84,35 @@ void append_utf8(std::string& out, char32_t cp) {
   }
 }
 
+// Byte offset of the first byte that is not valid UTF-8, or npos.
+size_t utf8_first_invalid(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    if (static_cast<unsigned char>(s[i]) < 0x80) {
+      ++i;
+      continue;
+    }
+    const Utf8Step step = utf8_step(s, i);
+    if (step.kind != Utf8Kind::kValid) return i;
+    i += step.length;
+  }
+  return std::string_view::npos;
+}
+
+}  // namespace tokenizer_detail
+
+namespace {
+
+using Json = nlohmann::json;
+using tokenizer_detail::append_utf8;
+using tokenizer_detail::utf8_first_invalid;
+using tokenizer_detail::utf8_step;
+using tokenizer_detail::Utf8Kind;
+using tokenizer_detail::Utf8Step;
+
+// ---------------------------------------------------------------------------------------------
+// UTF-8
+
 constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";
 
 // Appends bytes, replacing each maximal invalid subpart (and a truncated tail) by U+FFFD.
@@ -127,21 +146,6 @@ size_t utf8_incomplete_tail(std::string_view bytes) {
     if (step.kind == Utf8Kind::kTruncated) return bytes.size() - i;
   }
   return 0;
-}
-
-// Byte offset of the first byte that is not valid UTF-8, or npos.
-size_t utf8_first_invalid(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    if (static_cast<unsigned char>(s[i]) < 0x80) {
-      ++i;
-      continue;
-    }
-    const Utf8Step step = utf8_step(s, i);
-    if (step.kind != Utf8Kind::kValid) return i;
-    i += step.length;
-  }
-  return std::string_view::npos;
 }
 
 size_t utf8_char_length(std::string_view s, size_t i) {
@@ -687,7 +691,7 @@ constexpr size_t kWordCacheCapacity = 65536;
 
 // ---------------------------------------------------------------------------------------------
 
-struct Tokenizer::Impl {
+struct HfBpeTokenizer final : Tokenizer::Impl {
   // Model vocab: byte-level text -> id. Added tokens are separate, as in the library.
   StringMap<int32_t> vocab;
   StringMap<int32_t> vocab_by_bytes;  // raw bytes -> id; filled only when ignore_merges
@@ -718,7 +722,6 @@ struct Tokenizer::Impl {
   std::unique_ptr<Regex> space_char;     // the Rust regex crate's \s, for lstrip/rstrip
 
   std::vector<int32_t> template_prefix, template_suffix;  // post-processor "single" template
-  std::optional<int32_t> eos_id, bos_id, pad_id;
 
   mutable std::mutex cache_mutex;
   mutable StringMap<std::vector<int32_t>> word_cache;  // raw bytes of a pre-token -> ids
@@ -733,6 +736,16 @@ struct Tokenizer::Impl {
   void add_token(AddedToken token, const std::string& where);
   void load_config(const Json& config, const JsonReader& reader);
   void finish();
+
+  // --- Tokenizer::Impl ---
+  std::vector<int32_t> encode(std::string_view text, bool parse_special, bool add_special) const override;
+  void append_piece(int32_t id, bool skip_special, bool first, std::string& bytes) const override;
+  int32_t vocab_size() const override { return static_cast<int32_t>(token_flags.size()); }
+  std::optional<int32_t> token_id(std::string_view token) const override;
+  std::string_view token_text(int32_t id) const override;
+  bool is_special(int32_t id) const override {
+    return id >= 0 && static_cast<size_t>(id) < token_flags.size() && (token_flags[id] & kSpecial);
+  }
 
   // --- encoding ---
   void split_added(std::string_view text, const AddedTokenMatcher& matcher, bool parse_special,
@@ -752,7 +765,7 @@ struct Tokenizer::Impl {
   }
 };
 
-void Tokenizer::Impl::load(const Json& root, const JsonReader& reader) {
+void HfBpeTokenizer::load(const Json& root, const JsonReader& reader) {
   if (!root.is_object()) fail("{}: top level must be a JSON object", reader.source());
   for (const char* unsupported : {"truncation", "padding"}) {
     if (reader.optional(root, unsupported)) {
@@ -786,7 +799,7 @@ void Tokenizer::Impl::load(const Json& root, const JsonReader& reader) {
   load_post_processor(reader.optional(root, "post_processor"), reader);
 }
 
-void Tokenizer::Impl::load_model(const Json& model, const JsonReader& reader) {
+void HfBpeTokenizer::load_model(const Json& model, const JsonReader& reader) {
   if (!model.is_object()) fail("{}: \"model\" must be an object", reader.source());
   std::string type;
   if (const Json* t = reader.optional(model, "type")) {
@@ -897,7 +910,7 @@ void Tokenizer::Impl::load_model(const Json& model, const JsonReader& reader) {
   }
 }
 
-void Tokenizer::Impl::load_normalizer(const Json* normalizer, const JsonReader& reader) {
+void HfBpeTokenizer::load_normalizer(const Json* normalizer, const JsonReader& reader) {
   if (!normalizer) return;
   const std::string type = reader.type_of(*normalizer, "normalizer");
   if (type == "NFC") {
@@ -916,7 +929,7 @@ void Tokenizer::Impl::load_normalizer(const Json* normalizer, const JsonReader& 
   }
 }
 
-void Tokenizer::Impl::load_pre_tokenizer(const Json* pre_tokenizer, const JsonReader& reader) {
+void HfBpeTokenizer::load_pre_tokenizer(const Json* pre_tokenizer, const JsonReader& reader) {
   if (!pre_tokenizer) {
     fail("{}: \"pre_tokenizer\" is null; a byte-level BPE needs a ByteLevel pre-tokenizer", reader.source());
   }
@@ -981,7 +994,7 @@ void Tokenizer::Impl::load_pre_tokenizer(const Json* pre_tokenizer, const JsonRe
   }
 }
 
-void Tokenizer::Impl::load_post_processor(const Json* post_processor, const JsonReader& reader) {
+void HfBpeTokenizer::load_post_processor(const Json* post_processor, const JsonReader& reader) {
   if (!post_processor) return;
   std::vector<std::pair<const Json*, std::string>> steps;
   const std::string type = reader.type_of(*post_processor, "post_processor");
@@ -1027,7 +1040,7 @@ void Tokenizer::Impl::load_post_processor(const Json* post_processor, const Json
   }
 }
 
-void Tokenizer::Impl::load_decoder(const Json* decoder, const JsonReader& reader) {
+void HfBpeTokenizer::load_decoder(const Json* decoder, const JsonReader& reader) {
   if (!decoder) fail("{}: \"decoder\" is null; byte-level BPE needs the ByteLevel decoder", reader.source());
   const std::string type = reader.type_of(*decoder, "decoder");
   if (type == "ByteLevel") return;
@@ -1043,7 +1056,7 @@ void Tokenizer::Impl::load_decoder(const Json* decoder, const JsonReader& reader
   fail("{}: unsupported decoder type \"{}\" in \"decoder.type\" (only ByteLevel is supported)", reader.source(), type);
 }
 
-void Tokenizer::Impl::add_token(AddedToken token, const std::string& where) {
+void HfBpeTokenizer::add_token(AddedToken token, const std::string& where) {
   if (token.content.empty()) fail("{}: added token {} has empty content", where, token.id);
   if (utf8_first_invalid(token.content) != std::string_view::npos) fail("{}: added token {} is not valid UTF-8", where, token.id);
   if (const auto it = added_by_content.find(token.content); it != added_by_content.end()) {
@@ -1067,7 +1080,7 @@ void Tokenizer::Impl::add_token(AddedToken token, const std::string& where) {
   added.push_back(std::move(token));
 }
 
-void Tokenizer::Impl::load_config(const Json& config, const JsonReader& reader) {
+void HfBpeTokenizer::load_config(const Json& config, const JsonReader& reader) {
   if (!config.is_object()) fail("{}: top level must be a JSON object", reader.source());
   if (const Json* decoder = reader.optional(config, "added_tokens_decoder")) {
     if (!decoder->is_object()) fail("{}: \"added_tokens_decoder\" must be an object", reader.source());
@@ -1124,7 +1137,7 @@ void Tokenizer::Impl::load_config(const Json& config, const JsonReader& reader) 
   resolve("pad_token", pad_id);
 }
 
-void Tokenizer::Impl::finish() {
+void HfBpeTokenizer::finish() {
   const Nfc& normalizer = Nfc::tables();
   bool needs_word_char = false, needs_space_char = false;
   for (size_t i = 0; i < added.size(); ++i) {
@@ -1143,7 +1156,7 @@ void Tokenizer::Impl::finish() {
 }
 
 // The library's AddedVocabulary::find_matches.
-void Tokenizer::Impl::split_added(std::string_view text, const AddedTokenMatcher& matcher, bool parse_special,
+void HfBpeTokenizer::split_added(std::string_view text, const AddedTokenMatcher& matcher, bool parse_special,
                                   std::vector<Segment>& out) const {
   if (text.empty()) return;
   if (matcher.empty()) {
@@ -1191,7 +1204,7 @@ void Tokenizer::Impl::split_added(std::string_view text, const AddedTokenMatcher
 }
 
 // The library's NormalizedString::split for one Split pre-tokenizer step.
-void Tokenizer::Impl::split_piece(const PreTokenizerStep& step, std::string_view piece,
+void HfBpeTokenizer::split_piece(const PreTokenizerStep& step, std::string_view piece,
                                   std::vector<std::string_view>& out) const {
   struct Span {
     size_t start, end;
@@ -1265,7 +1278,7 @@ void Tokenizer::Impl::split_piece(const PreTokenizerStep& step, std::string_view
 }
 
 // Pre-tokenizes one stretch of normalized text (no added tokens inside) and appends its ids.
-void Tokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>& out) const {
+void HfBpeTokenizer::encode_text(std::string_view text, std::vector<int32_t>& out) const {
   if (text.empty()) return;
   std::deque<std::string> prefixed;  // pieces given a prefix space; a deque keeps views valid
   std::vector<std::string_view> pieces{text}, next;
@@ -1303,7 +1316,7 @@ void Tokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>& o
   for (const std::string_view piece : pieces) bpe(piece, out);
 }
 
-void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) const {
+void HfBpeTokenizer::bpe(std::string_view word, std::vector<int32_t>& out) const {
   if (ignore_merges) {
     // The library emits a pre-token that is itself a vocab token whole, merges or not.
     if (const auto it = vocab_by_bytes.find(word); it != vocab_by_bytes.end()) {
@@ -1333,7 +1346,7 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) cons
 // The library's Word::merge_all: repeatedly apply the lowest-ranked merge among adjacent
 // symbols, leftmost first on ties, using a heap of candidate merges that are re-validated when
 // popped (an entry goes stale when either of its symbols was merged away).
-void Tokenizer::Impl::bpe_uncached(std::string_view word, std::vector<int32_t>& out) const {
+void HfBpeTokenizer::bpe_uncached(std::string_view word, std::vector<int32_t>& out) const {
   struct Symbol {
     int32_t id;
     int32_t prev, next;  // indices into symbols, -1 at the ends
@@ -1405,6 +1418,55 @@ void Tokenizer::Impl::bpe_uncached(std::string_view word, std::vector<int32_t>& 
 
 // ---------------------------------------------------------------------------------------------
 
+std::vector<int32_t> HfBpeTokenizer::encode(std::string_view text, bool parse_special, bool add_special) const {
+  std::vector<int32_t> ids;
+  ids.reserve(text.size() / 3 + 4);
+  if (add_special) ids = template_prefix;
+  std::vector<Segment> raw_segments, normalized_segments;
+  split_added(text, raw_matcher, parse_special, raw_segments);
+  for (const Segment& segment : raw_segments) {
+    if (segment.id >= 0) {
+      ids.push_back(segment.id);
+      continue;
+    }
+    // Added tokens with normalized=false were matched on the raw text above; the rest of the
+    // text is normalized, then searched for normalized=true tokens.
+    const std::string normalized = nfc ? Nfc::tables().normalize(segment.text) : std::string(segment.text);
+    normalized_segments.clear();
+    split_added(normalized, normalized_matcher, parse_special, normalized_segments);
+    for (const Segment& inner : normalized_segments) {
+      if (inner.id >= 0) {
+        ids.push_back(inner.id);
+      } else {
+        encode_text(inner.text, ids);
+      }
+    }
+  }
+  if (add_special) ids.insert(ids.end(), template_suffix.begin(), template_suffix.end());
+  return ids;
+}
+
+void HfBpeTokenizer::append_piece(int32_t id, bool skip_special, bool /*first*/, std::string& bytes) const {
+  if (id < 0 || static_cast<size_t>(id) >= token_flags.size()) return;
+  const uint8_t flags = token_flags[id];
+  if (!(flags & kHasToken) || (skip_special && (flags & kSpecial))) return;
+  bytes += token_bytes[id];
+}
+
+std::optional<int32_t> HfBpeTokenizer::token_id(std::string_view token) const {
+  if (const auto it = added_by_content.find(token); it != added_by_content.end()) return added[it->second].id;
+  if (const auto it = vocab.find(token); it != vocab.end()) return it->second;
+  return std::nullopt;
+}
+
+std::string_view HfBpeTokenizer::token_text(int32_t id) const {
+  if (id < 0 || static_cast<size_t>(id) >= token_texts.size()) return {};
+  return token_texts[id];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tokenizer
+
 Tokenizer Tokenizer::from_file(const std::string& tokenizer_json_path) {
   const std::string text = read_text_file(tokenizer_json_path, "tokenizer file");
   const std::filesystem::path config_path =
@@ -1417,7 +1479,7 @@ Tokenizer Tokenizer::from_file(const std::string& tokenizer_json_path) {
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view source, std::string_view config_json,
                                std::string_view config_source) {
-  auto impl = std::make_shared<Impl>();
+  auto impl = std::make_shared<HfBpeTokenizer>();
   {
     const JsonReader reader{std::string(source)};
     const Json root = parse_json(tokenizer_json, source);
@@ -1429,6 +1491,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     impl->load_config(config, reader);
   }
   impl->finish();
+  if (impl->eos_id) impl->end_of_generation_ids = {*impl->eos_id};
   return Tokenizer(std::move(impl));
 }
 
@@ -1436,94 +1499,86 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
   if (const size_t bad = utf8_first_invalid(text); bad != std::string_view::npos) {
     fail("Tokenizer::encode: input text is not valid UTF-8 at byte {}", bad);
   }
-  const Impl& impl = *impl_;
-  std::vector<int32_t> ids;
-  ids.reserve(text.size() / 3 + 4);
-  if (add_special) ids = impl.template_prefix;
-  std::vector<Segment> raw_segments, normalized_segments;
-  impl.split_added(text, impl.raw_matcher, parse_special, raw_segments);
-  for (const Segment& segment : raw_segments) {
-    if (segment.id >= 0) {
-      ids.push_back(segment.id);
-      continue;
-    }
-    // Added tokens with normalized=false were matched on the raw text above; the rest of the
-    // text is normalized, then searched for normalized=true tokens.
-    const std::string normalized = impl.nfc ? Nfc::tables().normalize(segment.text) : std::string(segment.text);
-    normalized_segments.clear();
-    impl.split_added(normalized, impl.normalized_matcher, parse_special, normalized_segments);
-    for (const Segment& inner : normalized_segments) {
-      if (inner.id >= 0) {
-        ids.push_back(inner.id);
-      } else {
-        impl.encode_text(inner.text, ids);
-      }
-    }
-  }
-  if (add_special) ids.insert(ids.end(), impl.template_suffix.begin(), impl.template_suffix.end());
-  return ids;
+  return impl_->encode(text, parse_special, add_special);
 }
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
-  const Impl& impl = *impl_;
   std::string bytes;
-  for (const int32_t id : ids) {
-    if (id < 0 || static_cast<size_t>(id) >= impl.token_flags.size()) continue;
-    const uint8_t flags = impl.token_flags[id];
-    if (!(flags & Impl::kHasToken) || (skip_special && (flags & Impl::kSpecial))) continue;
-    bytes += impl.token_bytes[id];
-  }
+  for (size_t i = 0; i < ids.size(); ++i) impl_->append_piece(ids[i], skip_special, i == 0, bytes);
+  if (impl_->cleans_spaces()) tokenizer_detail::clean_up_spaces(bytes);
   std::string text;
   text.reserve(bytes.size());
   append_utf8_lossy(text, bytes);
   return text;
 }
 
-int32_t Tokenizer::vocab_size() const { return static_cast<int32_t>(impl_->token_flags.size()); }
-
-std::optional<int32_t> Tokenizer::token_id(std::string_view token) const {
-  if (const auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end()) {
-    return impl_->added[it->second].id;
-  }
-  if (const auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
-  return std::nullopt;
-}
-
-std::string_view Tokenizer::token_text(int32_t id) const {
-  if (id < 0 || static_cast<size_t>(id) >= impl_->token_texts.size()) return {};
-  return impl_->token_texts[id];
-}
-
-bool Tokenizer::is_special(int32_t id) const {
-  return id >= 0 && static_cast<size_t>(id) < impl_->token_flags.size() && (impl_->token_flags[id] & Impl::kSpecial);
-}
-
+int32_t Tokenizer::vocab_size() const { return impl_->vocab_size(); }
+std::optional<int32_t> Tokenizer::token_id(std::string_view token) const { return impl_->token_id(token); }
+std::string_view Tokenizer::token_text(int32_t id) const { return impl_->token_text(id); }
+bool Tokenizer::is_special(int32_t id) const { return impl_->is_special(id); }
 std::optional<int32_t> Tokenizer::eos_token_id() const { return impl_->eos_id; }
 std::optional<int32_t> Tokenizer::bos_token_id() const { return impl_->bos_id; }
 std::optional<int32_t> Tokenizer::pad_token_id() const { return impl_->pad_id; }
+std::optional<int32_t> Tokenizer::eot_token_id() const { return impl_->eot_id; }
+const std::vector<int32_t>& Tokenizer::end_of_generation_ids() const { return impl_->end_of_generation_ids; }
+bool Tokenizer::is_end_of_generation(int32_t id) const {
+  return std::binary_search(impl_->end_of_generation_ids.begin(), impl_->end_of_generation_ids.end(), id);
+}
 
 Tokenizer::StreamDecoder::StreamDecoder(const Tokenizer& tokenizer, bool skip_special)
     : impl_(tokenizer.impl_), skip_special_(skip_special) {}
 
 std::string Tokenizer::StreamDecoder::push(int32_t id) {
-  if (id < 0 || static_cast<size_t>(id) >= impl_->token_flags.size()) return {};
-  const uint8_t flags = impl_->token_flags[id];
-  if (!(flags & Impl::kHasToken) || (skip_special_ && (flags & Impl::kSpecial))) return {};
-  pending_ += impl_->token_bytes[id];
-  // Emit everything except an unfinished trailing character. Cutting there cannot change how
-  // the bytes before it decode: invalid bytes are replaced the same way wherever the cut is.
-  const size_t hold = utf8_incomplete_tail(pending_);
-  std::string text;
-  append_utf8_lossy(text, std::string_view(pending_).substr(0, pending_.size() - hold));
-  pending_.erase(0, pending_.size() - hold);
-  return text;
+  impl_->append_piece(id, skip_special_, first_, pending_);
+  first_ = false;
+  size_t cut = 0;
+  if (impl_->cleans_spaces()) {
+    // Cleaning looks a few bytes ahead of a space or apostrophe: emit only up to a point where
+    // what follows cannot change it. Such a point always starts a character, so the bytes
+    // before it decode the same whatever comes next.
+    cut = tokenizer_detail::clean_up_spaces_safe_cut(pending_);
+  } else {
+    // Emit everything except an unfinished trailing character. Cutting there cannot change how
+    // the bytes before it decode: invalid bytes are replaced the same way wherever the cut is.
+    cut = pending_.size() - utf8_incomplete_tail(pending_);
+  }
+  return take(cut);
 }
 
 std::string Tokenizer::StreamDecoder::flush() {
-  std::string text;
-  append_utf8_lossy(text, pending_);
-  pending_.clear();
+  std::string text = take(pending_.size());
+  first_ = true;
   return text;
 }
+
+std::string Tokenizer::StreamDecoder::take(size_t n) {
+  std::string chunk = pending_.substr(0, n);
+  pending_.erase(0, n);
+  if (impl_->cleans_spaces()) tokenizer_detail::clean_up_spaces(chunk);
+  std::string text;
+  append_utf8_lossy(text, chunk);
+  return text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPT-2's byte alphabet for the GGUF tokenizer
+
+namespace tokenizer_detail {
+
+const std::string& gpt2_char_of_byte(uint8_t byte) {
+  static const std::array<std::string, 256> utf8 = [] {
+    std::array<std::string, 256> out;
+    for (int b = 0; b < 256; ++b) append_utf8(out[b], ByteAlphabet::get().char_of_byte[b]);
+    return out;
+  }();
+  return utf8[byte];
+}
+
+int gpt2_byte_of_char(char32_t cp) {
+  const ByteAlphabet& alphabet = ByteAlphabet::get();
+  return cp < alphabet.byte_of_char.size() ? alphabet.byte_of_char[cp] : -1;
+}
+
+}  // namespace tokenizer_detail
 
 }  // namespace turbospark

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "formats/hf_config.h"
+#include "formats/gguf_model.h"
 #include "formats/safetensors.h"
 
 namespace turbospark {
@@ -27,7 +28,10 @@ const std::vector<FamilyEntry>& families() {
 }
 
 LoadedModel load_model(const std::string& model_dir) {
-  HfConfig config = HfConfig::load(model_dir);
+  std::shared_ptr<Checkpoint> gguf_checkpoint;
+  if (is_gguf_path(model_dir)) gguf_checkpoint = std::make_shared<Checkpoint>(model_dir);
+  HfConfig config = gguf_checkpoint ? HfConfig::from_json(gguf_hf_config(*gguf_checkpoint->gguf()), model_dir)
+                                    : HfConfig::load(model_dir);
   const std::string type = config.model_type();
   const std::string arch = config.architecture();
   const FamilyEntry* entry = nullptr;
@@ -41,7 +45,7 @@ LoadedModel load_model(const std::string& model_dir) {
          arch.empty() ? "<none>" : arch, type.empty() ? "<none>" : type, known);
   }
   LoadedModel loaded;
-  loaded.checkpoint = std::make_shared<Checkpoint>(model_dir);
+  loaded.checkpoint = gguf_checkpoint ? gguf_checkpoint : std::make_shared<Checkpoint>(model_dir);
   loaded.model = entry->make(config, *loaded.checkpoint);
   return loaded;
 }

@@ -94,9 +94,9 @@ TEST(Quant, GeometryAndNames) {
   EXPECT_EQ(quant::Q6_K::kBlock, 256);
 }
 
-// Values computed by gguf-py from the same bytes; our dequantizers must agree to float
-// rounding (ggml forms d * sc first, numpy may associate differently: a few ulp of the
-// block's largest value).
+// Values computed by gguf-py from the same bytes. They agree bit for bit today; the
+// tolerance (a few ulp of the block's largest value) only allows a compiler that contracts
+// d * q - m into an FMA.
 TEST(Quant, DequantizeMatchesGgufPyGoldens) {
   const auto goldens = testing::read_json(testing::source_dir() + "/tests/data/quant/goldens.json");
   int checked = 0;

@@ -4,6 +4,8 @@
 
 #include "backends/cpu/hybrid_ops.h"
 #include "backends/cpu/kernels.h"
+#include "backends/cpu/quant_matmul.h"
+#include "core/quant.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "ops/backend.h"
@@ -45,7 +47,7 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < src.rows; ++r) std::memcpy(dst + r * src.cols, src.row(r), size_t(src.cols) * 4);
   }
 
-  void matmul(const Weight& w, const Mat& x, const Mat& y) override { cpu::matmul(pool_, w.view, x, y); }
+  void matmul(const Weight& w, const Mat& x, const Mat& y) override { matmul_view(w.view, x, y); }
 
   void add_bias(const Mat& y, const float* bias) override {
     for (int64_t r = 0; r < y.rows; ++r) {
@@ -82,7 +84,11 @@ class CpuBackend final : public Backend {
   void swiglu(const Mat& gate, const Mat& up, const Mat& out) override { cpu::swiglu(gate, up, out); }
 
   void embedding(const Weight& table, const int32_t* ids, int64_t n, float scale, const Mat& out) override {
-    cpu::embedding(table.view, ids, n, scale, out);
+    if (is_quantized(table.view.dtype)) {
+      cpu::quant_embedding(table.view, ids, n, scale, out);
+    } else {
+      cpu::embedding(table.view, ids, n, scale, out);
+    }
   }
 
   void add(const Mat& y, const Mat& x) override { cpu::add_scaled(y, x, 1.f); }
@@ -152,10 +158,10 @@ class CpuBackend final : public Backend {
       Mat up(gate.data + n * inter, n, inter);
       Mat y(up.data + n * inter, n, hidden);
       for (int64_t i = 0; i < n; ++i) std::memcpy(xs.row(i), x.row(rows[size_t(i)].first), size_t(hidden) * 4);
-      cpu::matmul(pool_, ew.gate.view, xs, gate);
-      cpu::matmul(pool_, ew.up.view, xs, up);
+      matmul_view(ew.gate.view, xs, gate);
+      matmul_view(ew.up.view, xs, up);
       cpu::swiglu(gate, up, gate);
-      cpu::matmul(pool_, ew.down.view, gate, y);
+      matmul_view(ew.down.view, gate, y);
       for (int64_t i = 0; i < n; ++i) {
         float* dst = out.row(rows[size_t(i)].first);
         const float* src = y.row(i);
@@ -166,6 +172,15 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // Quantized formats have their own kernels; models never see the difference.
+  void matmul_view(const WeightView& w, const Mat& x, const Mat& y) {
+    if (is_quantized(w.dtype)) {
+      cpu::quant_matmul(pool_, w, x, y);
+    } else {
+      cpu::matmul(pool_, w, x, y);
+    }
+  }
+
   void ensure_scratch(int64_t n) {
     if (int64_t(scratch_.size()) < n) scratch_.resize(size_t(n));
   }

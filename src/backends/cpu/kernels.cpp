@@ -248,20 +248,20 @@ void matmul_typed(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
 }
 
 // ---------------------------------------------------------------------------------------
-// Attention. A work unit is a block of query rows times a group of heads that share one KV
-// head, so every K and V vector loaded is used by all of the unit's queries (up to ~12):
-// that reuse is what lets prefill run near FMA speed instead of at L3 speed. Positions are
-// processed in blocks of kPosBlock with an online softmax (running max and denominator per
-// query, output rescaled when the max grows), so scratch stays a few KiB in L1 whatever
-// the context length. Q.K^T over a block is the matmul tile kernel (positions as weight
-// rows, queries as activation rows); P.V is a broadcast tile over output dims.
+// Attention. A work unit is a block of query rows (all heads) times a chunk of cached
+// positions. Within a unit, positions go in blocks of kPosBlock: the block's K and V rows
+// ([n_kv_heads, head_dim] each, contiguous) serve every head, and every K/V vector loaded
+// serves all the queries of its group (rows x heads per KV head) - the reuse that lets
+// prefill run at FMA speed rather than memory speed. An online softmax (running max and
+// denominator per query, output rescaled when the max grows) keeps scratch small whatever
+// the context. Decode has one row, so its positions are split into chunks across threads
+// and the chunks' partial softmax states merged. Q.K^T is the matmul tile kernel
+// (positions as weight rows, queries as activation rows); P.V is a broadcast tile over
+// output dims.
 
-constexpr int kPosBlock = 64;        // positions per online-softmax step
-#ifndef TS_QPU
-constexpr int kQueriesPerUnit = 12;  // target rows x heads per work unit
-#else
-constexpr int kQueriesPerUnit = TS_QPU;
-#endif
+constexpr int kPosBlock = 32;          // positions per online-softmax step
+constexpr int kGroupQueriesPerUnit = 12;  // target rows x heads per KV head in one unit
+constexpr int64_t kMinChunkPositions = 256;  // smallest position chunk worth a thread
 
 // In place: s[i] = exp(s[i] - m); returns the sum.
 float exp_shift_sum(float* s, int64_t n, float m) {
@@ -329,149 +329,158 @@ void pv_queries(const float* const* v, int np, const float* p, int64_t ldp, floa
 
 // Per-thread scratch for one work unit; sized on first use and then reused.
 struct AttentionScratch {
-  std::vector<float> q;       // [n_queries, head_dim] the unit's queries, gathered
-  std::vector<float> o;       // [n_queries, head_dim] running unnormalised outputs
-  std::vector<float> s;       // [n_queries, kPosBlock] scores, then probabilities
-  std::vector<float> m, l;    // [n_queries] running max and denominator
-  std::vector<int64_t> lo, hi;  // [n_queries] attended positions [lo, hi]
-  std::vector<int64_t> offset;  // [kPosBlock] 0, 1, 2, ...: score columns for the tile kernel
-  std::vector<const uint8_t*> k_rows;  // [kPosBlock]
-  std::vector<const float*> v_rows;    // [kPosBlock]
+  std::vector<float> q;    // [n_queries, head_dim] the unit's queries, gathered by KV head
+  std::vector<float> s;    // [queries per KV head, kPosBlock] scores, then probabilities
+  std::vector<int64_t> lo, hi;  // [rows] attended positions [lo, hi] of each row
+  std::vector<int64_t> column;  // [kPosBlock] 0, 1, 2, ...: score columns for the tile kernel
+  std::vector<const uint8_t*> k_rows;  // [kPosBlock] one KV head's K vector per position
+  std::vector<const float*> v_rows;    // [kPosBlock] and its V vector
+  std::vector<const float*> k_base, v_base;  // [kPosBlock] start of each position's row
+};
+
+// Running softmax state of a unit's queries, stored where attention() wants it: queries are
+// numbered g * (rows * group) + r * group + j for head g * group + j of row r.
+struct SoftmaxState {
+  float* m;  // [n_queries] running max (starts at the sink logit, or -inf)
+  float* l;  // [n_queries] running denominator, sink excluded
+  float* o;  // [n_queries, head_dim] running unnormalised output
 };
 
 struct AttentionArgs {
   const Mat& q;
   const int64_t* q_positions;
   const KvView& kv;
+  int n_heads;
   float scale;
   int window;
   const float* sinks;
-  const Mat& out;
 };
 
-// Query rows [t0, t1) x heads [h0, h1), all reading KV head g.
-void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int h0, int h1, int g,
-                 AttentionScratch& sc) {
+// Query rows [t0, t1), all heads, over cached positions [c0, c1] (each row further limited
+// to its own causal window). Leaves the unnormalised state in st.
+void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int64_t c1,
+                 const SoftmaxState& st, AttentionScratch& sc) {
   const int hd = a.kv.head_dim;
-  const int heads = h1 - h0;
-  const int nq = int(t1 - t0) * heads;
+  const int n_kv = a.kv.n_kv_heads;
+  const int group = a.n_heads / n_kv;
+  const int rows = int(t1 - t0);
+  const int gq = rows * group;  // queries per KV head
+  const int nq = gq * n_kv;
   sc.q.resize(size_t(nq) * hd);
-  sc.o.assign(size_t(nq) * hd, 0.f);
-  sc.s.resize(size_t(nq) * kPosBlock);
-  sc.m.resize(size_t(nq));
-  sc.l.assign(size_t(nq), 0.f);
-  sc.lo.resize(size_t(nq));
-  sc.hi.resize(size_t(nq));
-  if (sc.offset.size() != size_t(kPosBlock)) {
-    sc.offset.resize(size_t(kPosBlock));
-    for (int j = 0; j < kPosBlock; ++j) sc.offset[size_t(j)] = j;
+  sc.s.resize(size_t(gq) * kPosBlock);
+  sc.lo.resize(size_t(rows));
+  sc.hi.resize(size_t(rows));
+  if (sc.column.size() != size_t(kPosBlock)) {
+    sc.column.resize(size_t(kPosBlock));
+    for (int j = 0; j < kPosBlock; ++j) sc.column[size_t(j)] = j;
   }
-  sc.k_rows.resize(size_t(kPosBlock));
+  for (auto* v : {&sc.k_rows}) v->resize(size_t(kPosBlock));
   sc.v_rows.resize(size_t(kPosBlock));
+  sc.k_base.resize(size_t(kPosBlock));
+  sc.v_base.resize(size_t(kPosBlock));
 
-  int64_t first = INT64_MAX, last = -1;
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t pos = a.q_positions[t];
-    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-    first = std::min(first, lo);
-    last = std::max(last, pos);
-    for (int h = h0; h < h1; ++h) {
-      const size_t qi = size_t((t - t0) * heads + (h - h0));
-      std::memcpy(sc.q.data() + qi * hd, a.q.row(t) + int64_t(h) * hd, size_t(hd) * 4);
-      sc.m[qi] = a.sinks ? a.sinks[h] : -INFINITY;
-      sc.lo[qi] = lo;
-      sc.hi[qi] = pos;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t pos = a.q_positions[t0 + r];
+    sc.lo[size_t(r)] = std::max(c0, a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0);
+    sc.hi[size_t(r)] = std::min(c1, pos);
+    for (int h = 0; h < a.n_heads; ++h) {
+      const size_t qi = size_t((h / group) * gq + r * group + h % group);
+      std::memcpy(sc.q.data() + qi * hd, a.q.row(t0 + r) + int64_t(h) * hd, size_t(hd) * 4);
+      st.m[qi] = a.sinks ? a.sinks[h] : -INFINITY;
+      st.l[qi] = 0.f;
     }
   }
+  std::fill(st.o, st.o + size_t(nq) * hd, 0.f);
+  int64_t first = INT64_MAX, last = -1;
+  for (int r = 0; r < rows; ++r) {
+    if (sc.lo[size_t(r)] > sc.hi[size_t(r)]) continue;
+    first = std::min(first, sc.lo[size_t(r)]);
+    last = std::max(last, sc.hi[size_t(r)]);
+  }
 
-  const int64_t row_stride = int64_t(a.kv.n_kv_heads) * hd;
-  const Mat qm(sc.q.data(), nq, hd);
-  const Mat sm(sc.s.data(), nq, kPosBlock);
+  const int64_t row_stride = int64_t(n_kv) * hd;
+  const int64_t row_bytes = row_stride * 4;
+  auto row_of = [&](int64_t p, float* const* blocks) {
+    return blocks[a.kv.block_table[p / a.kv.block_size]] + (p % a.kv.block_size) * row_stride;
+  };
   for (int64_t b0 = first; b0 <= last; b0 += kPosBlock) {
     const int np = int(std::min<int64_t>(kPosBlock, last - b0 + 1));
     for (int j = 0; j < np; ++j) {
-      const int64_t p = b0 + j;
-      const int64_t off = (p % a.kv.block_size) * row_stride + int64_t(g) * hd;
-      const int32_t blk = a.kv.block_table[p / a.kv.block_size];
-      sc.k_rows[size_t(j)] = reinterpret_cast<const uint8_t*>(a.kv.k_blocks[blk] + off);
-      sc.v_rows[size_t(j)] = a.kv.v_blocks[blk] + off;
+      sc.k_base[size_t(j)] = row_of(b0 + j, a.kv.k_blocks);
+      sc.v_base[size_t(j)] = row_of(b0 + j, a.kv.v_blocks);
+    }
 #if TS_CPU_AVX2
-      // One head's K (or V) row is head_dim floats inside a [n_kv_heads, head_dim] row, so a
-      // head's walk over positions is strided; hardware prefetchers stop at 4 KiB page
-      // boundaries. Fetch the next block's rows while this one computes.
-      const int64_t pn = p + kPosBlock;
-      if (pn <= last) {
-        const int64_t offn = (pn % a.kv.block_size) * row_stride + int64_t(g) * hd;
-        const int32_t blkn = a.kv.block_table[pn / a.kv.block_size];
-        const char* kn = reinterpret_cast<const char*>(a.kv.k_blocks[blkn] + offn);
-        const char* vn = reinterpret_cast<const char*>(a.kv.v_blocks[blkn] + offn);
-        for (int64_t c = 0; c < int64_t(hd) * 4; c += 64) {
-          _mm_prefetch(kn + c, _MM_HINT_T0);
-          _mm_prefetch(vn + c, _MM_HINT_T0);
+    // One head's walk over positions is strided (head_dim floats out of every
+    // [n_kv_heads, head_dim] row) and hardware prefetchers stop at page boundaries, so the
+    // next block's whole rows - which this unit reads in full - are fetched explicitly.
+    for (int64_t p = b0 + kPosBlock; p < std::min(last + 1, b0 + 2 * kPosBlock); ++p) {
+      const char* kp = reinterpret_cast<const char*>(row_of(p, a.kv.k_blocks));
+      const char* vp = reinterpret_cast<const char*>(row_of(p, a.kv.v_blocks));
+      for (int64_t c = 0; c < row_bytes; c += 64) {
+        _mm_prefetch(kp + c, _MM_HINT_T1);
+        _mm_prefetch(vp + c, _MM_HINT_T1);
+      }
+    }
+#endif
+    for (int g = 0; g < n_kv; ++g) {
+      for (int j = 0; j < np; ++j) {
+        sc.k_rows[size_t(j)] = reinterpret_cast<const uint8_t*>(sc.k_base[size_t(j)] + g * hd);
+        sc.v_rows[size_t(j)] = sc.v_base[size_t(j)] + g * hd;
+      }
+      // Scores of this KV head's queries x the block's positions, 4 x 3 per tile.
+      const Mat qm(sc.q.data() + size_t(g) * gq * hd, gq, hd);
+      const Mat sm(sc.s.data(), gq, kPosBlock);
+      for (int j = 0; j < np; j += kRowTile) {
+        const uint8_t* const* k = sc.k_rows.data() + j;
+        const int64_t* col = sc.column.data() + j;
+        switch (std::min(kRowTile, np - j)) {
+          case 4: tile_over_tokens<DType::F32, 4>(k, col, qm, sm, 0, gq); break;
+          case 3: tile_over_tokens<DType::F32, 3>(k, col, qm, sm, 0, gq); break;
+          case 2: tile_over_tokens<DType::F32, 2>(k, col, qm, sm, 0, gq); break;
+          default: tile_over_tokens<DType::F32, 1>(k, col, qm, sm, 0, gq); break;
         }
       }
-#endif
-    }
-    // Scores for all queries x the block's positions: 4 positions x 3 queries per tile.
-    for (int j = 0; j < np; j += kRowTile) {
-      const uint8_t* const* rows = sc.k_rows.data() + j;
-      const int64_t* out = sc.offset.data() + j;
-      switch (std::min(kRowTile, np - j)) {
-        case 4: tile_over_tokens<DType::F32, 4>(rows, out, qm, sm, 0, nq); break;
-        case 3: tile_over_tokens<DType::F32, 3>(rows, out, qm, sm, 0, nq); break;
-        case 2: tile_over_tokens<DType::F32, 2>(rows, out, qm, sm, 0, nq); break;
-        default: tile_over_tokens<DType::F32, 1>(rows, out, qm, sm, 0, nq); break;
+      // Online softmax: each query's attended part of the block becomes probabilities
+      // relative to its running max (rescaling what was accumulated); the rest becomes 0.
+      for (int i = 0; i < gq; ++i) {
+        const int r = i / group;
+        const size_t qi = size_t(g * gq + i);
+        float* s = sc.s.data() + size_t(i) * kPosBlock;
+        const int j0 = int(std::max<int64_t>(sc.lo[size_t(r)] - b0, 0));
+        const int j1 = int(std::min<int64_t>(sc.hi[size_t(r)] - b0, np - 1));  // inclusive
+        if (j0 > j1) {
+          std::fill(s, s + np, 0.f);
+          continue;
+        }
+        float block_max = -INFINITY;
+        for (int j = j0; j <= j1; ++j) {
+          s[j] *= a.scale;
+          block_max = std::max(block_max, s[j]);
+        }
+        const float m_old = st.m[qi];
+        const float m_new = std::max(m_old, block_max);
+        const float sum = exp_shift_sum(s + j0, j1 - j0 + 1, m_new);
+        std::fill(s, s + j0, 0.f);
+        std::fill(s + j1 + 1, s + np, 0.f);
+        if (m_new != m_old) {
+          const float alpha = std::exp(m_old - m_new);  // 0 while nothing was accumulated
+          float* o = st.o + qi * hd;
+          for (int d = 0; d < hd; ++d) o[d] *= alpha;
+          st.l[qi] *= alpha;
+        }
+        st.l[qi] += sum;
+        st.m[qi] = m_new;
       }
-    }
-    // Online softmax: each query's attended part of the block becomes probabilities relative
-    // to its running max (rescaling what was accumulated so far); the rest becomes 0.
-    for (int qi = 0; qi < nq; ++qi) {
-      float* s = sc.s.data() + size_t(qi) * kPosBlock;
-      const int j0 = int(std::max<int64_t>(sc.lo[size_t(qi)] - b0, 0));
-      const int j1 = int(std::min<int64_t>(sc.hi[size_t(qi)] - b0, np - 1));  // inclusive
-      if (j0 > j1) {
-        std::fill(s, s + np, 0.f);
-        continue;
-      }
-      float block_max = -INFINITY;
-      for (int j = j0; j <= j1; ++j) {
-        s[j] *= a.scale;
-        block_max = std::max(block_max, s[j]);
-      }
-      const float m_old = sc.m[size_t(qi)];
-      const float m_new = std::max(m_old, block_max);
-      const float sum = exp_shift_sum(s + j0, j1 - j0 + 1, m_new);
-      std::fill(s, s + j0, 0.f);
-      std::fill(s + j1 + 1, s + np, 0.f);
-      if (m_new != m_old) {
-        const float alpha = std::exp(m_old - m_new);  // 0 while nothing was accumulated
-        float* o = sc.o.data() + size_t(qi) * hd;
-        for (int d = 0; d < hd; ++d) o[d] *= alpha;
-        sc.l[size_t(qi)] *= alpha;
-      }
-      sc.l[size_t(qi)] += sum;
-      sc.m[size_t(qi)] = m_new;
-    }
-    // O += P V, 3 queries at a time.
-    const float* const* v = sc.v_rows.data();
-    int qi = 0;
-    for (; qi + 3 <= nq; qi += 3)
-      pv_queries<3>(v, np, sc.s.data() + size_t(qi) * kPosBlock, kPosBlock, sc.o.data() + size_t(qi) * hd, hd, hd);
-    if (nq - qi == 2)
-      pv_queries<2>(v, np, sc.s.data() + size_t(qi) * kPosBlock, kPosBlock, sc.o.data() + size_t(qi) * hd, hd, hd);
-    if (nq - qi == 1)
-      pv_queries<1>(v, np, sc.s.data() + size_t(qi) * kPosBlock, kPosBlock, sc.o.data() + size_t(qi) * hd, hd, hd);
-  }
-
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int h = h0; h < h1; ++h) {
-      const size_t qi = size_t((t - t0) * heads + (h - h0));
-      float denom = sc.l[qi];
-      if (a.sinks) denom += std::exp(a.sinks[h] - sc.m[qi]);
-      const float inv = 1.f / denom;
-      const float* o = sc.o.data() + qi * hd;
-      float* dst = a.out.row(t) + int64_t(h) * hd;
-      for (int d = 0; d < hd; ++d) dst[d] = o[d] * inv;
+      // O += P V, 3 queries at a time.
+      const float* const* v = sc.v_rows.data();
+      float* o = st.o + size_t(g) * gq * hd;
+      int i = 0;
+      for (; i + 3 <= gq; i += 3)
+        pv_queries<3>(v, np, sc.s.data() + size_t(i) * kPosBlock, kPosBlock, o + size_t(i) * hd, hd, hd);
+      if (gq - i == 2)
+        pv_queries<2>(v, np, sc.s.data() + size_t(i) * kPosBlock, kPosBlock, o + size_t(i) * hd, hd, hd);
+      if (gq - i == 1)
+        pv_queries<1>(v, np, sc.s.data() + size_t(i) * kPosBlock, kPosBlock, o + size_t(i) * hd, hd, hd);
     }
   }
 }
@@ -584,45 +593,82 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
            "attention: q/out have {}/{} columns, need {}", q.cols, out.cols,
            n_heads * kv.head_dim);
   if (q.rows == 0) return;
+  const int hd = kv.head_dim;
   const int group = n_heads / kv.n_kv_heads;
-  // Work units: blocks of `rows_per_unit` query rows x sub-groups of `heads_per_unit` heads
-  // of one KV head. Whole groups share the most K/V; they are split only when there would
-  // otherwise be too few units to keep every thread busy (decode with few KV heads).
-  int heads_per_unit = group;
   const int64_t min_units = 2 * int64_t(pool.size());
-  while (heads_per_unit > 1 &&
-         kv.n_kv_heads * ((group + heads_per_unit - 1) / heads_per_unit) * q.rows < min_units)
-    heads_per_unit = (heads_per_unit + 1) / 2;
-  const int sub_groups = (group + heads_per_unit - 1) / heads_per_unit;
-  // About kQueriesPerUnit queries per unit, fewer rows if that would leave threads idle.
-  const int64_t row_cap = std::max<int64_t>(1, q.rows * kv.n_kv_heads * sub_groups / min_units);
-  const int64_t rows_per_unit =
-      std::clamp<int64_t>(kQueriesPerUnit / heads_per_unit, 1, row_cap);
+  // Rows per unit: about kGroupQueriesPerUnit queries per KV head, fewer if that would
+  // leave threads idle.
+  const int64_t rows_per_unit = std::clamp<int64_t>(kGroupQueriesPerUnit / group, 1,
+                                                    std::max<int64_t>(1, q.rows / min_units));
   const int64_t row_blocks = (q.rows + rows_per_unit - 1) / rows_per_unit;
-  const int64_t units = row_blocks * kv.n_kv_heads * sub_groups;
-  const AttentionArgs args{q, q_positions, kv, scale, window, sinks, out};
-  // Causal rows cost different amounts, so units are handed out dynamically. Units of one
-  // row block are adjacent, so concurrently running units tend to read the same K/V.
+  // Too few row blocks (decode): split the positions into chunks instead.
+  int64_t first = INT64_MAX, last = 0;
+  for (int64_t t = 0; t < q.rows; ++t) {
+    first = std::min(first, window > 0 ? std::max<int64_t>(0, q_positions[t] - window + 1) : 0);
+    last = std::max(last, q_positions[t]);
+  }
+  const int64_t span = last - first + 1;
+  int64_t chunks = 1;
+  if (row_blocks < min_units)
+    chunks = std::clamp<int64_t>((min_units + row_blocks - 1) / row_blocks, 1,
+                                 std::max<int64_t>(1, span / kMinChunkPositions));
+  const int64_t chunk_len = (span + chunks - 1) / chunks;
+  const int64_t units = row_blocks * chunks;
+  const int64_t unit_queries = rows_per_unit * n_heads;
+
+  // Softmax states, one slot per unit: [units, unit_queries] (m, l), and o likewise x hd.
+  // Owned by the calling thread; workers reach it through these pointers (naming a
+  // thread_local inside the worker lambda would give each worker its own empty copy).
+  thread_local std::vector<float> state_storage;
+  state_storage.resize(size_t(units * unit_queries * (2 + hd)));
+  float* const state_m = state_storage.data();
+  float* const state_l = state_m + units * unit_queries;
+  float* const state_o = state_l + units * unit_queries;
+  const AttentionArgs args{q, q_positions, kv, n_heads, scale, window, sinks};
+  // Causal rows cost different amounts, so units are handed out dynamically.
   std::atomic<int64_t> next{0};
   pool.run([&](int, int) {
     thread_local AttentionScratch scratch;
     for (;;) {
       const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
       if (u >= units) break;
-#ifdef TS_HEAD_MAJOR
-      const int64_t rb = u % row_blocks;
-      const int rest = int(u / row_blocks);
-#else
-      const int64_t rb = u / (kv.n_kv_heads * sub_groups);
-      const int rest = int(u % (kv.n_kv_heads * sub_groups));
-#endif
-      const int g = rest / sub_groups;
-      const int h0 = g * group + (rest % sub_groups) * heads_per_unit;
-      const int h1 = std::min(h0 + heads_per_unit, (g + 1) * group);
-      const int64_t t0 = rb * rows_per_unit;
-      attend_unit(args, t0, std::min(q.rows, t0 + rows_per_unit), h0, h1, g, scratch);
+      const int64_t t0 = (u / chunks) * rows_per_unit;
+      const int64_t c0 = first + (u % chunks) * chunk_len;
+      const SoftmaxState st{state_m + u * unit_queries, state_l + u * unit_queries,
+                            state_o + u * unit_queries * hd};
+      attend_unit(args, t0, std::min(q.rows, t0 + rows_per_unit), c0,
+                  std::min(last, c0 + chunk_len - 1), st, scratch);
     }
   });
+
+  // Merge each row block's chunks (exp-weighted by their maxima) and normalise.
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    const int64_t t0 = rb * rows_per_unit;
+    const int rows = int(std::min(q.rows, t0 + rows_per_unit) - t0);
+    const int gq = rows * group;
+    for (int r = 0; r < rows; ++r) {
+      for (int h = 0; h < n_heads; ++h) {
+        const int64_t qi = (h / group) * gq + r * group + h % group;
+        float m = sinks ? sinks[h] : -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c)
+          m = std::max(m, state_m[size_t((rb * chunks + c) * unit_queries + qi)]);
+        float denom = sinks ? std::exp(sinks[h] - m) : 0.f;
+        float* dst = out.row(t0 + r) + int64_t(h) * hd;
+        std::fill(dst, dst + hd, 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t slot = (rb * chunks + c) * unit_queries + qi;
+          const float mc = state_m[size_t(slot)];
+          if (mc == -INFINITY) continue;  // this chunk saw none of the row's positions
+          const float w = std::exp(mc - m);
+          denom += state_l[size_t(slot)] * w;
+          const float* o = state_o + slot * hd;
+          for (int d = 0; d < hd; ++d) dst[d] += o[d] * w;
+        }
+        const float inv = 1.f / denom;
+        for (int d = 0; d < hd; ++d) dst[d] *= inv;
+      }
+    }
+  }
 }
 
 void swiglu(const Mat& gate, const Mat& up, const Mat& out) {

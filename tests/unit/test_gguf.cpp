@@ -1,0 +1,531 @@
+// GGUF reader: files written here by a tiny writer (every metadata type, v2 and v3, custom
+// alignment, quantized tensors) and one written by the reference writer (gguf-py,
+// tests/data/quant/reference_writer.gguf from tools/gguf/make_quant_goldens.py); and every
+// way a file can be broken, each refused with one line naming the file and the culprit.
+// Every prefix of a valid file must be refused cleanly, and random corruption must never
+// crash.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "core/error.h"
+#include "core/quant.h"
+#include "formats/gguf.h"
+#include "test_util.h"
+
+namespace turbospark {
+namespace {
+
+using testing::TempDir;
+
+// ---- a tiny GGUF writer -------------------------------------------------------------------
+
+class Bytes {
+ public:
+  template <typename T>
+  Bytes& put(T v) {
+    const auto* p = reinterpret_cast<const uint8_t*>(&v);
+    data_.insert(data_.end(), p, p + sizeof(T));
+    return *this;
+  }
+  Bytes& str(const std::string& s) {
+    put<uint64_t>(s.size());
+    data_.insert(data_.end(), s.begin(), s.end());
+    return *this;
+  }
+  Bytes& raw(const std::vector<uint8_t>& b) {
+    data_.insert(data_.end(), b.begin(), b.end());
+    return *this;
+  }
+  std::vector<uint8_t>& data() { return data_; }
+
+ private:
+  std::vector<uint8_t> data_;
+};
+
+struct TensorSpec {
+  std::string name;
+  std::vector<uint64_t> dims;
+  uint32_t ggml_type;
+  std::vector<uint8_t> data;
+  int64_t offset_override = -1;  // write this offset instead of the computed one
+};
+
+// Builds a GGUF file; each metadata entry is its already-encoded bytes (key, type, value)
+// so tests can write anything, including broken values.
+struct GgufBuilder {
+  uint32_t magic = 0x46554747;
+  uint32_t version = 3;
+  uint64_t alignment = 32;
+  std::vector<std::vector<uint8_t>> kvs;
+  std::vector<TensorSpec> tensors;
+  int64_t kv_count_override = -1;
+  int64_t tensor_count_override = -1;
+
+  template <typename T>
+  GgufBuilder& kv(const std::string& key, GgufType type, T value) {
+    Bytes b;
+    b.str(key).put<uint32_t>(uint32_t(type)).put<T>(value);
+    kvs.push_back(b.data());
+    return *this;
+  }
+  GgufBuilder& kv_str(const std::string& key, const std::string& value) {
+    Bytes b;
+    b.str(key).put<uint32_t>(uint32_t(GgufType::STRING)).str(value);
+    kvs.push_back(b.data());
+    return *this;
+  }
+  GgufBuilder& kv_raw(const std::string& key, GgufType type, const std::vector<uint8_t>& value) {
+    Bytes b;
+    b.str(key).put<uint32_t>(uint32_t(type)).raw(value);
+    kvs.push_back(b.data());
+    return *this;
+  }
+  GgufBuilder& tensor(TensorSpec t) {
+    tensors.push_back(std::move(t));
+    return *this;
+  }
+
+  std::vector<uint8_t> build() const {
+    Bytes b;
+    b.put<uint32_t>(magic).put<uint32_t>(version);
+    b.put<uint64_t>(tensor_count_override >= 0 ? uint64_t(tensor_count_override) : tensors.size());
+    b.put<uint64_t>(kv_count_override >= 0 ? uint64_t(kv_count_override) : kvs.size());
+    for (const auto& kv : kvs) b.raw(kv);
+    std::vector<uint64_t> offsets;
+    uint64_t at = 0;
+    for (const auto& t : tensors) {
+      offsets.push_back(t.offset_override >= 0 ? uint64_t(t.offset_override) : at);
+      at += (t.data.size() + alignment - 1) / alignment * alignment;
+    }
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      b.str(t.name).put<uint32_t>(uint32_t(t.dims.size()));
+      for (uint64_t d : t.dims) b.put<uint64_t>(d);
+      b.put<uint32_t>(t.ggml_type).put<uint64_t>(offsets[i]);
+    }
+    auto& out = b.data();
+    if (!tensors.empty()) {
+      out.resize((out.size() + alignment - 1) / alignment * alignment, 0);
+      const size_t data_start = out.size();
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const size_t need = data_start + size_t(offsets[i]) + tensors[i].data.size();
+        if (out.size() < need) out.resize(need, 0);
+        std::memcpy(out.data() + data_start + offsets[i], tensors[i].data.data(), tensors[i].data.size());
+      }
+    }
+    return out;
+  }
+};
+
+std::string write_file(const TempDir& dir, const std::string& name, const std::vector<uint8_t>& bytes) {
+  const std::string path = dir.str() + "/" + name;
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  return path;
+}
+
+std::vector<uint8_t> pattern(size_t n, uint8_t seed) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = uint8_t(seed + i * 13);
+  return v;
+}
+
+template <typename T>
+std::vector<uint8_t> le_bytes(std::initializer_list<T> values) {
+  Bytes b;
+  for (T v : values) b.put<T>(v);
+  return b.data();
+}
+
+// Expects opening `bytes` to throw one line that mentions the file name and every fragment.
+void expect_refused(const std::vector<uint8_t>& bytes, std::initializer_list<std::string> fragments) {
+  TempDir dir;
+  const std::string path = write_file(dir, "model.gguf", bytes);
+  try {
+    GgufFile f(path);
+    ADD_FAILURE() << "accepted; expected an error mentioning " << *fragments.begin();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.gguf"), std::string::npos) << msg;
+    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "missing '" << frag << "' in: " << msg;
+  }
+}
+
+// A valid file with two quantized tensors and an F32 one.
+GgufBuilder valid_builder() {
+  GgufBuilder g;
+  g.kv_str("general.architecture", "qwen3").kv<uint32_t>("qwen3.block_count", GgufType::U32, 2);
+  g.tensor({"token_embd.weight", {256, 3}, 12, pattern(3 * 144, 1)});  // Q4_K [3, 256]
+  g.tensor({"blk.0.attn_q.weight", {64, 2}, 8, pattern(2 * 2 * 34, 2)});  // Q8_0 [2, 64]
+  g.tensor({"output_norm.weight", {5}, 0, pattern(20, 3)});             // F32 [5]
+  return g;
+}
+
+// ---- reading ----------------------------------------------------------------------------
+
+class GgufVersions : public ::testing::TestWithParam<uint32_t> {};
+
+TEST_P(GgufVersions, ReadsEveryMetadataType) {
+  GgufBuilder g;
+  g.version = GetParam();
+  g.kv<uint8_t>("u8", GgufType::U8, 250)
+      .kv<int8_t>("i8", GgufType::I8, -120)
+      .kv<uint16_t>("u16", GgufType::U16, 65000)
+      .kv<int16_t>("i16", GgufType::I16, -32000)
+      .kv<uint32_t>("u32", GgufType::U32, 4000000000u)
+      .kv<int32_t>("i32", GgufType::I32, -2000000000)
+      .kv<float>("f32", GgufType::F32, 1.5f)
+      .kv<uint8_t>("bool", GgufType::BOOL, 1)
+      .kv_str("str", "héllo")
+      .kv_str("empty_str", "")
+      .kv<uint64_t>("u64", GgufType::U64, 18000000000000000000ull)
+      .kv<int64_t>("i64", GgufType::I64, -9000000000000000000ll)
+      .kv<double>("f64", GgufType::F64, -2.5e-300);
+  {  // arrays: int32, float32, strings, bool, empty, nested [[1, 2], [3]] of u16
+    Bytes a;
+    a.put<uint32_t>(uint32_t(GgufType::I32)).put<uint64_t>(3).put<int32_t>(1).put<int32_t>(-2).put<int32_t>(3);
+    g.kv_raw("arr_i32", GgufType::ARRAY, a.data());
+    Bytes f;
+    f.put<uint32_t>(uint32_t(GgufType::F32)).put<uint64_t>(2).put<float>(0.5f).put<float>(-1.25f);
+    g.kv_raw("arr_f32", GgufType::ARRAY, f.data());
+    Bytes s;
+    s.put<uint32_t>(uint32_t(GgufType::STRING)).put<uint64_t>(3).str("a").str("").str("ccc");
+    g.kv_raw("arr_str", GgufType::ARRAY, s.data());
+    Bytes bo;
+    bo.put<uint32_t>(uint32_t(GgufType::BOOL)).put<uint64_t>(2).put<uint8_t>(0).put<uint8_t>(1);
+    g.kv_raw("arr_bool", GgufType::ARRAY, bo.data());
+    Bytes e;
+    e.put<uint32_t>(uint32_t(GgufType::U64)).put<uint64_t>(0);
+    g.kv_raw("arr_empty", GgufType::ARRAY, e.data());
+    Bytes n;
+    n.put<uint32_t>(uint32_t(GgufType::ARRAY)).put<uint64_t>(2);
+    n.put<uint32_t>(uint32_t(GgufType::U16)).put<uint64_t>(2).put<uint16_t>(1).put<uint16_t>(2);
+    n.put<uint32_t>(uint32_t(GgufType::U16)).put<uint64_t>(1).put<uint16_t>(3);
+    g.kv_raw("arr_nested", GgufType::ARRAY, n.data());
+  }
+  TempDir dir;
+  GgufFile f(write_file(dir, "meta.gguf", g.build()));
+  EXPECT_EQ(f.version(), GetParam());
+  EXPECT_EQ(f.metadata().size(), 19u);
+  EXPECT_EQ(f.get_u32("u8"), 250u);
+  EXPECT_EQ(f.get_i64("i8"), -120);
+  EXPECT_EQ(f.get_u32("u16"), 65000u);
+  EXPECT_EQ(f.get_i64("i16"), -32000);
+  EXPECT_EQ(f.get_u32("u32"), 4000000000u);
+  EXPECT_EQ(f.get_i64("i32"), -2000000000);
+  EXPECT_EQ(f.get_f32("f32"), 1.5f);
+  EXPECT_TRUE(f.get_bool("bool", false));
+  EXPECT_EQ(f.get_str("str"), "héllo");
+  EXPECT_EQ(f.get_str("empty_str"), "");
+  EXPECT_EQ(f.get_u64("u64"), 18000000000000000000ull);
+  EXPECT_EQ(f.get_i64("i64"), -9000000000000000000ll);
+  EXPECT_EQ(f.find_value("f64")->as_f64("f64"), -2.5e-300);
+  EXPECT_EQ(f.get_int_arr("arr_i32"), (std::vector<int64_t>{1, -2, 3}));
+  EXPECT_EQ(f.get_f32_arr("arr_f32"), (std::vector<float>{0.5f, -1.25f}));
+  EXPECT_EQ(f.get_str_arr("arr_str"), (std::vector<std::string>{"a", "", "ccc"}));
+  EXPECT_EQ(f.find_value("arr_bool")->elem_type(), GgufType::BOOL);
+  EXPECT_TRUE(f.get_int_arr("arr_empty").empty());
+  const GgufValue& nested = *f.find_value("arr_nested");
+  EXPECT_EQ(nested.elem_type(), GgufType::ARRAY);
+  ASSERT_EQ(nested.as_array("n").size(), 2u);
+  EXPECT_EQ(nested.as_array("n")[0].elem_type(), GgufType::U16);
+  EXPECT_EQ(nested.as_array("n")[0].as_array("n")[1].as_u64("n"), 2u);
+  EXPECT_EQ(nested.as_array("n")[1].as_array("n")[0].as_u64("n"), 3u);
+  EXPECT_EQ(f.metadata_json()["arr_nested"], nlohmann::json::parse("[[1,2],[3]]"));
+  EXPECT_EQ(f.metadata_json(2)["arr_str"], "[3 x STRING]");
+  EXPECT_EQ(f.find_value("u8")->type(), GgufType::U8);
+  EXPECT_EQ(f.find_value("i64")->type(), GgufType::I64);
+  EXPECT_TRUE(f.tensors().empty());
+  // Fallback getters: absent keys give the fallback, present ones their value.
+  EXPECT_EQ(f.get_u32("absent", 7), 7u);
+  EXPECT_EQ(f.get_u32("u16", 7), 65000u);
+  EXPECT_EQ(f.get_f32("absent", 0.25f), 0.25f);
+  EXPECT_EQ(f.get_str("absent", "x"), "x");
+}
+
+INSTANTIATE_TEST_SUITE_P(V2AndV3, GgufVersions, ::testing::Values(2u, 3u));
+
+TEST(Gguf, TypedGettersNameTheKeyOnMismatch) {
+  GgufBuilder g;
+  g.kv_str("general.name", "x").kv<int32_t>("neg", GgufType::I32, -1).kv<uint64_t>("big", GgufType::U64, 1ull << 40);
+  TempDir dir;
+  GgufFile f(write_file(dir, "model.gguf", g.build()));
+  auto expect_msg = [](auto fn, const std::string& frag) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error, expected " << frag;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(frag), std::string::npos) << e.what();
+    }
+  };
+  expect_msg([&] { f.get_u32("general.name"); }, "model.gguf: metadata general.name is STRING, expected an integer");
+  expect_msg([&] { f.get_u32("neg"); }, "metadata neg is -1, expected a non-negative integer");
+  expect_msg([&] { f.get_u32("big"); }, "metadata big = 1099511627776 does not fit uint32");
+  expect_msg([&] { f.get_str("missing.key"); }, "model.gguf: missing metadata missing.key");
+  expect_msg([&] { f.get_f32("neg"); }, "metadata neg is INT32, expected FLOAT32 or FLOAT64");
+  expect_msg([&] { f.get_str_arr("general.name"); }, "metadata general.name is STRING, expected ARRAY");
+  expect_msg([&] { f.get("nope.weight"); }, "model.gguf: missing tensor nope.weight");
+}
+
+TEST(Gguf, ReadsTensorsWithDimsTypesAndData) {
+  for (uint64_t alignment : {32u, 64u}) {
+    GgufBuilder g = valid_builder();
+    g.alignment = alignment;
+    if (alignment != 32) g.kv<uint32_t>("general.alignment", GgufType::U32, uint32_t(alignment));
+    TempDir dir;
+    GgufFile f(write_file(dir, "model.gguf", g.build()));
+    EXPECT_EQ(f.alignment(), alignment);
+    EXPECT_EQ(f.data_offset() % alignment, 0u);
+    ASSERT_EQ(f.tensors().size(), 3u);
+    EXPECT_EQ(f.tensors()[0].name, "token_embd.weight");  // file order
+    const GgufTensor& emb = f.get("token_embd.weight");
+    EXPECT_EQ(emb.ggml_type, 12u);
+    EXPECT_EQ(emb.dtype, DType::Q4_K);
+    EXPECT_EQ(emb.dims, (std::vector<int64_t>{256, 3}));
+    EXPECT_EQ(emb.dims_str(), "[256, 3]");
+    EXPECT_EQ(emb.numel(), 768);
+    EXPECT_EQ(emb.nbytes, 3u * 144u);
+    EXPECT_EQ(std::vector<uint8_t>(emb.data, emb.data + emb.nbytes), pattern(3 * 144, 1));
+    const GgufTensor& q = f.get("blk.0.attn_q.weight");
+    EXPECT_EQ(q.dtype, DType::Q8_0);
+    EXPECT_EQ(q.nbytes, 136u);
+    EXPECT_EQ(std::vector<uint8_t>(q.data, q.data + q.nbytes), pattern(136, 2));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(q.data) % alignment, 0u);
+    const GgufTensor* norm = f.find("output_norm.weight");
+    ASSERT_NE(norm, nullptr);
+    EXPECT_EQ(norm->dtype, DType::F32);
+    EXPECT_EQ(norm->nbytes, 20u);
+    EXPECT_EQ(f.find("missing"), nullptr);
+    const WeightView w = f.weight("token_embd.weight");
+    EXPECT_EQ(w.dtype, DType::Q4_K);
+    EXPECT_EQ(w.rows, 3);
+    EXPECT_EQ(w.cols, 256);
+    EXPECT_EQ(w.row_bytes, 144);
+    EXPECT_EQ(w.row(2), emb.data + 288);
+  }
+}
+
+// Written by gguf-py's GGUFWriter: metadata values and tensor bytes as the reference writes them.
+TEST(Gguf, ReadsTheReferenceWritersFile) {
+  const std::string dir = testing::source_dir() + "/tests/data/quant/";
+  GgufFile f(dir + "reference_writer.gguf");
+  EXPECT_EQ(f.version(), 3u);
+  EXPECT_EQ(f.get_str("general.architecture"), "testarch");
+  EXPECT_EQ(f.find_value("t.u8")->type(), GgufType::U8);
+  EXPECT_EQ(f.get_u32("t.u8"), 200u);
+  EXPECT_EQ(f.get_i64("t.i8"), -100);
+  EXPECT_EQ(f.get_u32("t.u16"), 60000u);
+  EXPECT_EQ(f.get_i64("t.i16"), -30000);
+  EXPECT_EQ(f.get_u32("t.u32"), 4000000000u);
+  EXPECT_EQ(f.get_i64("t.i32"), -2000000000);
+  EXPECT_EQ(f.get_f32("t.f32"), 0.15625f);
+  EXPECT_TRUE(f.get_bool("t.bool", false));
+  EXPECT_EQ(f.get_str("t.str"), "héllo wörld");
+  EXPECT_EQ(f.get_u64("t.u64"), 18000000000000000000ull);
+  EXPECT_EQ(f.get_i64("t.i64"), -9000000000000000000ll);
+  EXPECT_EQ(f.find_value("t.f64")->as_f64("t.f64"), -2.5e-300);
+  EXPECT_EQ(f.get_int_arr("t.arr_i32"), (std::vector<int64_t>{1, -2, 3}));
+  EXPECT_EQ(f.get_f32_arr("t.arr_f32"), (std::vector<float>{0.5f, -1.25f}));
+  EXPECT_EQ(f.get_str_arr("t.arr_str"), (std::vector<std::string>{"a", "", "ccc"}));
+  EXPECT_EQ(f.find_value("t.arr_u8")->elem_type(), GgufType::U8);
+  EXPECT_EQ(f.get_int_arr("t.arr_u8"), (std::vector<int64_t>{1, 2, 255}));
+  EXPECT_EQ(f.metadata_json()["t.arr_nested"], nlohmann::json::parse("[[1,2],[3]]"));
+  EXPECT_EQ(f.metadata_json()["t.arr_bool"], nlohmann::json::parse("[true,false]"));
+
+  const auto goldens = testing::read_json(dir + "goldens.json");
+  int checked = 0;
+  for (const auto& [name, g] : goldens.at("formats").items()) {
+    const GgufTensor& t = f.get("golden." + name);
+    EXPECT_EQ(dtype_name(t.dtype), name);
+    EXPECT_EQ(t.ggml_type, g.at("ggml_type").get<uint32_t>()) << name;
+    EXPECT_EQ(t.numel(), g.at("n").get<int64_t>()) << name;
+    std::string hex;
+    for (size_t i = 0; i < t.nbytes; ++i) hex += fmt::format("{:02x}", t.data[i]);
+    EXPECT_EQ(hex, g.at("hex").get<std::string>()) << name;
+    // The dequantized file tensor equals the reference values.
+    std::vector<float> got(size_t(t.numel()));
+    dequantize_row(t.dtype, t.data, got.data(), t.numel());
+    EXPECT_EQ(got, g.at("values").get<std::vector<float>>()) << name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 8);
+  const GgufTensor& plain = f.get("plain.f32");
+  EXPECT_EQ(plain.dims, (std::vector<int64_t>{4, 3}));
+  std::vector<float> v(12);
+  std::memcpy(v.data(), plain.data, 48);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(v[size_t(i)], float(i));
+}
+
+// ---- refusing broken files ------------------------------------------------------------------
+
+TEST(GgufErrors, WrongMagic) {
+  GgufBuilder g = valid_builder();
+  g.magic = 0x4c4c5547;  // "GULL"
+  expect_refused(g.build(), {"not a GGUF file", "47 55 4c 4c"});
+}
+
+TEST(GgufErrors, BadVersions) {
+  for (uint32_t v : {0u, 1u, 4u, 0x03000000u}) {
+    GgufBuilder g = valid_builder();
+    g.version = v;
+    if (v == 1) expect_refused(g.build(), {"GGUF version 1 is not supported"});
+    else if (v == 0x03000000u) expect_refused(g.build(), {"big-endian GGUF"});
+    else expect_refused(g.build(), {"unsupported GGUF version " + std::to_string(v)});
+  }
+}
+
+TEST(GgufErrors, TruncatedFiles) {
+  const std::vector<uint8_t> full = valid_builder().build();
+  expect_refused(std::vector<uint8_t>(full.begin(), full.begin() + 2), {"truncated"});
+  expect_refused(std::vector<uint8_t>(full.begin(), full.begin() + 10), {"truncated", "tensor_count"});
+  // Inside the data section: the last tensor's bytes run past the end.
+  expect_refused(std::vector<uint8_t>(full.begin(), full.end() - 1), {"tensor output_norm.weight", "runs past the end"});
+  // Every proper prefix must be refused with an Error, never accepted or crashed on (each
+  // one through the header and tensor infos, a sample through the data).
+  TempDir dir;
+  const size_t data_offset = GgufFile(write_file(dir, "full.gguf", full)).data_offset();
+  for (size_t n = 0; n < full.size(); n += n < data_offset + 8 ? 1 : 13) {
+    const std::string path = write_file(dir, "prefix.gguf", std::vector<uint8_t>(full.begin(), full.begin() + long(n)));
+    EXPECT_THROW(GgufFile f(path), Error) << "prefix of " << n << " bytes accepted";
+  }
+  EXPECT_NO_THROW(GgufFile f(write_file(dir, "full.gguf", full)));
+}
+
+TEST(GgufErrors, StringLengthPastEof) {
+  GgufBuilder g;
+  Bytes b;
+  b.put<uint64_t>(1000).raw({'a', 'b'});  // claims 1000 bytes, has 2
+  g.kv_raw("general.name", GgufType::STRING, b.data());
+  expect_refused(g.build(), {"metadata general.name", "string length 1000", "past the end"});
+  // A key whose length runs past the end.
+  GgufBuilder k;
+  std::vector<uint8_t> bytes = k.build();
+  bytes[16] = 1;  // kv_count = 1
+  Bytes key;
+  key.put<uint64_t>(1ull << 40).put<uint64_t>(0).put<uint64_t>(0);  // room for kv_count's sanity bound
+  bytes.insert(bytes.end(), key.data().begin(), key.data().end());
+  expect_refused(bytes, {"metadata key #0", "string length 1099511627776"});
+}
+
+TEST(GgufErrors, ImplausibleCounts) {
+  GgufBuilder g = valid_builder();
+  g.kv_count_override = 1ll << 50;
+  expect_refused(g.build(), {"kv_count 1125899906842624 is implausible"});
+  GgufBuilder t = valid_builder();
+  t.tensor_count_override = 1ll << 40;
+  expect_refused(t.build(), {"tensor_count 1099511627776 is implausible"});
+  GgufBuilder a;
+  Bytes arr;
+  arr.put<uint32_t>(uint32_t(GgufType::U32)).put<uint64_t>(1ull << 60);
+  a.kv_raw("tokenizer.ggml.token_type", GgufType::ARRAY, arr.data());
+  expect_refused(a.build(), {"metadata tokenizer.ggml.token_type", "array of 1152921504606846976 UINT32"});
+}
+
+TEST(GgufErrors, TensorOffsetPastEof) {
+  GgufBuilder g = valid_builder();
+  g.tensors[1].offset_override = 1 << 20;
+  std::vector<uint8_t> bytes = g.build();
+  bytes.resize(valid_builder().build().size());  // keep the file small: drop the zero fill
+  expect_refused(bytes, {"tensor blk.0.attn_q.weight", "runs past the end of the file"});
+}
+
+TEST(GgufErrors, MisalignedOffset) {
+  GgufBuilder g = valid_builder();
+  g.tensors[2].offset_override = 1000;
+  expect_refused(g.build(), {"tensor output_norm.weight", "data offset 1000 is not a multiple of the alignment 32"});
+}
+
+TEST(GgufErrors, UnsupportedGgmlTypeRefusedByNameAndNumber) {
+  GgufBuilder g = valid_builder();
+  g.tensors.push_back({"blk.0.ffn_up.weight", {256, 1}, 19, pattern(50, 4)});
+  expect_refused(g.build(), {"model.gguf: tensor blk.0.ffn_up.weight has unsupported ggml type 19 (IQ1_S)"});
+  GgufBuilder u = valid_builder();
+  u.tensors[0].ggml_type = 99;
+  expect_refused(u.build(), {"tensor token_embd.weight has unsupported ggml type 99 (unknown)"});
+  GgufBuilder m = valid_builder();
+  m.tensors[0].ggml_type = 39;
+  expect_refused(m.build(), {"unsupported ggml type 39 (MXFP4)"});
+}
+
+TEST(GgufErrors, SizeMustMatchTypeAndDims) {
+  GgufBuilder g = valid_builder();
+  g.tensors[0].dims = {200, 3};  // Q4_K rows must be whole 256-blocks
+  expect_refused(g.build(), {"tensor token_embd.weight", "ne0 = 200 is not a multiple of the Q4_K block size 256"});
+  GgufBuilder d = valid_builder();
+  d.tensors[2].dims = {5, 1, 1, 1, 1};
+  expect_refused(d.build(), {"tensor output_norm.weight has 5 dims"});
+  GgufBuilder h = valid_builder();
+  h.tensors[2].dims = {1ull << 40, 1ull << 40};
+  expect_refused(h.build(), {"tensor output_norm.weight has implausible dims"});
+}
+
+TEST(GgufErrors, DuplicatesAndOverlaps) {
+  GgufBuilder g = valid_builder();
+  g.tensors[2].name = "token_embd.weight";
+  expect_refused(g.build(), {"duplicate tensor name token_embd.weight"});
+  GgufBuilder k = valid_builder();
+  k.kv<uint32_t>("qwen3.block_count", GgufType::U32, 3);
+  expect_refused(k.build(), {"duplicate metadata key qwen3.block_count"});
+  GgufBuilder o = valid_builder();
+  o.tensors[2].offset_override = 0;  // on top of token_embd.weight
+  expect_refused(o.build(), {"overlap"});
+}
+
+TEST(GgufErrors, BadMetadataValues) {
+  GgufBuilder t;
+  t.kv<uint32_t>("weird", GgufType(13), 0);
+  expect_refused(t.build(), {"metadata weird has unknown value type 13"});
+  GgufBuilder b;
+  b.kv<uint8_t>("flag", GgufType::BOOL, 2);
+  expect_refused(b.build(), {"metadata flag", "BOOL byte is 2"});
+  GgufBuilder a = valid_builder();
+  a.kv<uint32_t>("general.alignment", GgufType::U32, 48);
+  expect_refused(a.build(), {"general.alignment = 48 is not a power of two"});
+  GgufBuilder at = valid_builder();
+  at.kv<uint64_t>("general.alignment", GgufType::U64, 64);
+  expect_refused(at.build(), {"general.alignment is UINT64, expected UINT32"});
+  GgufBuilder e;
+  Bytes elem;
+  elem.put<uint32_t>(77).put<uint64_t>(1);
+  e.kv_raw("arr", GgufType::ARRAY, elem.data());
+  expect_refused(e.build(), {"metadata arr", "unknown array element type 77"});
+  GgufBuilder deep;  // arrays nested past the limit
+  Bytes nest;
+  for (int i = 0; i < 20; ++i) nest.put<uint32_t>(uint32_t(GgufType::ARRAY)).put<uint64_t>(1);
+  deep.kv_raw("deep", GgufType::ARRAY, nest.data());
+  expect_refused(deep.build(), {"metadata deep", "nested deeper"});
+}
+
+// Random corruption of the header, metadata and tensor infos: every result is a parsed
+// file or an Error, never a crash or a hang (run under ASan to make "never" strict).
+TEST(GgufErrors, RandomCorruptionNeverCrashes) {
+  GgufBuilder g = valid_builder();
+  Bytes s;
+  s.put<uint32_t>(uint32_t(GgufType::STRING)).put<uint64_t>(2).str("ab").str("c");
+  g.kv_raw("tokens", GgufType::ARRAY, s.data());
+  const std::vector<uint8_t> full = g.build();
+  const size_t header_end = full.size() - 3 * 144 - 20;  // roughly where tensor data begins
+  std::mt19937 rng(1);
+  TempDir dir;
+  int accepted = 0, refused = 0;
+  for (int iter = 0; iter < 250; ++iter) {
+    std::vector<uint8_t> bytes = full;
+    const int flips = 1 + int(rng() % 3);
+    for (int k = 0; k < flips; ++k) bytes[rng() % header_end] ^= uint8_t(1u << (rng() % 8));
+    try {
+      GgufFile f(write_file(dir, "fuzz.gguf", bytes));
+      ++accepted;
+    } catch (const Error&) {
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 60);
+  EXPECT_EQ(accepted + refused, 250);
+}
+
+}  // namespace
+}  // namespace turbospark
