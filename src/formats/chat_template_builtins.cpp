@@ -676,13 +676,50 @@ Value string_method(const Value& self, const std::string& name, CallArgs& args) 
   raise(fmt::format("unsupported string method '{}'", name));
 }
 
+// markupsafe.Markup methods return Markup and escape their string arguments; the result
+// keeps the flag and arguments that escaping would change are refused.
+bool escape_changes(const Value& v) {
+  if (v.is_string()) return !v.markup && v.s.find_first_of("&<>\"'") != std::string::npos;
+  if (v.is_list())
+    for (const auto& item : v.list->items)
+      if (escape_changes(item)) return true;
+  return false;
+}
+
+Value keep_markup(const Value& source, Value result) {
+  if (!(source.is_string() && source.markup)) return result;
+  if (result.is_string()) result.markup = true;
+  if (result.is_list())
+    for (auto& item : result.list->items)
+      if (item.is_string()) item.markup = true;
+  return result;
+}
+
+const std::set<std::string> kMarkupMethods = {"strip", "lstrip", "rstrip", "replace", "upper", "lower", "title",
+                                              "capitalize", "center", "ljust", "rjust", "zfill", "removeprefix",
+                                              "removesuffix", "format", "join", "split", "rsplit", "splitlines",
+                                              "partition", "rpartition"};
+
+Value markup_string_method(const Value& self, const std::string& name, CallArgs& args) {
+  if (self.markup && kMarkupMethods.count(name)) {
+    bool changes = false;
+    for (const auto& a : args.positional) changes = changes || escape_changes(a);
+    for (const auto& kv : args.keyword) changes = changes || escape_changes(kv.second);
+    if (name == "join" && !args.positional.empty() && args.positional[0].is_list())
+      changes = changes || escape_changes(args.positional[0]);
+    if (changes) raise(fmt::format("unsupported: Markup.{}() with arguments that HTML escaping changes", name));
+    return keep_markup(self, string_method(self, name, args));
+  }
+  return string_method(self, name, args);
+}
+
 Value dict_method(const Value& self, const std::string& name, CallArgs& args) {
   const std::string what = "dict." + name;
   if (name == "get") {
     auto a = bind_args(args, {"key", "default"}, what);
     if (!a[0]) raise("get expected at least 1 argument, got 0");
-    if (a[0]->is_string())
-      if (const Value* v = self.dict->find(a[0]->s)) return *v;
+    if (!a[0]->is_undefined())
+      if (const Value* v = self.dict->find(dict_key(*a[0]))) return *v;
     return arg_or(a[1], Value::none());
   }
   bind_args(args, {}, what);
@@ -693,9 +730,9 @@ Value dict_method(const Value& self, const std::string& name, CallArgs& args) {
   }
   std::vector<Value> items;
   for (const auto& [k, v] : self.dict->items) {
-    if (name == "keys") items.push_back(Value::string(k));
+    if (name == "keys") items.push_back(key_value(k));
     else if (name == "values") items.push_back(v);
-    else items.push_back(tuple2(Value::string(k), v));
+    else items.push_back(tuple2(key_value(k), v));
   }
   return Value::make_list(std::move(items), ListKind::View, "dict_" + name);
 }
@@ -762,7 +799,7 @@ Value f_attr(Evaluator&, const Value& v, CallArgs& args) {
 
 Value f_capitalize(Evaluator&, const Value& v, CallArgs& args) {
   bind_args(args, {}, "capitalize");
-  return Value::string(py_capitalize(to_str(v)));
+  return keep_markup(v, Value::string(py_capitalize(to_str(v))));
 }
 
 Value f_center(Evaluator& ev, const Value& v, CallArgs& args) {
@@ -770,7 +807,7 @@ Value f_center(Evaluator& ev, const Value& v, CallArgs& args) {
   CallArgs inner;
   inner.positional.push_back(arg_or(a[0], Value::integer(80)));
   (void)ev;
-  return string_method(Value::string(to_str(v)), "center", inner);
+  return keep_markup(v, string_method(Value::string(to_str(v)), "center", inner));
 }
 
 Value f_default(Evaluator&, const Value& v, CallArgs& args) {
@@ -789,7 +826,7 @@ Value f_dictsort(Evaluator&, const Value& v, CallArgs& args) {
   if (!v.is_plain_dict()) raise("dictsort expects a mapping");
   if (by != "key" && by != "value") raise("You can only sort by either \"key\" or \"value\"");
   std::vector<Value> items;
-  for (const auto& [k, val] : v.dict->items) items.push_back(tuple2(Value::string(k), val));
+  for (const auto& [k, val] : v.dict->items) items.push_back(tuple2(key_value(k), val));
   size_t pos = by == "key" ? 0 : 1;
   std::stable_sort(items.begin(), items.end(), [&](const Value& x, const Value& y) {
     Value kx = sort_key(x.list->items[pos], case_sensitive), ky = sort_key(y.list->items[pos], case_sensitive);
@@ -800,18 +837,8 @@ Value f_dictsort(Evaluator&, const Value& v, CallArgs& args) {
 
 Value f_escape(Evaluator&, const Value& v, CallArgs& args) {
   bind_args(args, {}, "escape");
-  std::string out;
-  for (char c : to_str(v)) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return Value::string(out);
+  if (v.is_string() && v.markup) return v;
+  return markup_string(html_escape(to_str(v)));
 }
 
 Value f_first(Evaluator&, const Value& v, CallArgs& args) {
@@ -873,7 +900,7 @@ Value f_indent(Evaluator&, const Value& v, CallArgs& args) {
     for (size_t k = 1; k < lines.size(); ++k) rv += "\n" + (lines[k].empty() ? lines[k] : indention + lines[k]);
   }
   if (first) rv = indention + rv;
-  return Value::string(rv);
+  return keep_markup(v, Value::string(rv));
 }
 
 Value f_int(Evaluator&, const Value& v, CallArgs& args) {
@@ -900,7 +927,7 @@ Value f_items(Evaluator&, const Value& v, CallArgs& args) {
   if (v.is_undefined()) return generator({});
   if (!v.is_plain_dict()) raise("Can only get item pairs from a mapping.");
   std::vector<Value> items;
-  for (const auto& [k, val] : v.dict->items) items.push_back(tuple2(Value::string(k), val));
+  for (const auto& [k, val] : v.dict->items) items.push_back(tuple2(key_value(k), val));
   return generator(std::move(items));
 }
 
@@ -927,15 +954,16 @@ Value f_list(Evaluator&, const Value& v, CallArgs& args) {
 
 Value f_lower(Evaluator&, const Value& v, CallArgs& args) {
   bind_args(args, {}, "lower");
-  return Value::string(change_case(to_str(v), false));
+  return keep_markup(v, Value::string(change_case(to_str(v), false)));
 }
 
 Value f_upper(Evaluator&, const Value& v, CallArgs& args) {
   bind_args(args, {}, "upper");
-  return Value::string(change_case(to_str(v), true));
+  return keep_markup(v, Value::string(change_case(to_str(v), true)));
 }
 
 Value f_map(Evaluator& ev, const Value& v, CallArgs& args) {
+  if (!truthy(v)) return generator({});  // jinja2: `if value:` before iterating, so none is empty
   std::vector<Value> items = iterate(v);
   std::vector<Value> out;
   const Value* attribute = nullptr;
@@ -991,6 +1019,7 @@ Value f_max(Evaluator&, const Value& v, CallArgs& args) { return min_max(v, args
 Value f_min(Evaluator&, const Value& v, CallArgs& args) { return min_max(v, args, false); }
 
 Value select_impl(Evaluator& ev, const Value& v, CallArgs& args, bool by_attr, bool keep) {
+  if (!truthy(v)) return generator({});  // jinja2: `if value:` before iterating, so none is empty
   std::vector<Value> items = iterate(v);
   size_t first_test_arg = 0;
   std::string attr;
@@ -1041,7 +1070,6 @@ Value f_reverse(Evaluator&, const Value& v, CallArgs& args) {
     std::reverse(u.begin(), u.end());
     return Value::string(utf8_encode(u));
   }
-  require_defined(v);
   std::vector<Value> items = iterate(v);
   std::reverse(items.begin(), items.end());
   if (v.is_list() && v.list->kind == ListKind::Generator) return Value::make_list(std::move(items));
@@ -1070,7 +1098,7 @@ Value f_round(Evaluator&, const Value& v, CallArgs& args) {
 
 Value f_safe(Evaluator&, const Value& v, CallArgs& args) {
   bind_args(args, {}, "safe");
-  return Value::string(to_str(v));
+  return markup_string(to_str(v));
 }
 
 Value f_sort(Evaluator&, const Value& v, CallArgs& args) {
@@ -1090,7 +1118,7 @@ Value f_sort(Evaluator&, const Value& v, CallArgs& args) {
 
 Value f_string(Evaluator&, const Value& v, CallArgs& args) {
   bind_args(args, {}, "string");
-  return Value::string(to_str(v));
+  return keep_markup(v, Value::string(to_str(v)));
 }
 
 Value f_sum(Evaluator&, const Value& v, CallArgs& args) {
@@ -1148,7 +1176,9 @@ Value f_trim(Evaluator&, const Value& v, CallArgs& args) {
   auto a = bind_args(args, {"chars"}, "trim");
   std::optional<std::u32string> chars;
   if (a[0] && !a[0]->is_none()) chars = utf8_decode(to_str(*a[0]));
-  return Value::string(py_strip(to_str(v), chars, true, true));
+  if (v.is_string() && v.markup && a[0] && escape_changes(*a[0]))
+    raise("unsupported: trim of Markup with characters that HTML escaping changes");
+  return keep_markup(v, Value::string(py_strip(to_str(v), chars, true, true)));
 }
 
 Value f_unique(Evaluator&, const Value& v, CallArgs& args) {
@@ -1287,7 +1317,8 @@ bool is_jinja_test(const std::string& name) { return is_known_test(name) || kUns
 
 Value apply_filter(Evaluator& ev, const std::string& name, const Value& subject, CallArgs& args) {
   auto it = filters().find(name);
-  if (it == filters().end()) raise(fmt::format("unknown filter '{}'", name));
+  if (it == filters().end())
+    raise(is_jinja_filter(name) ? fmt::format("unsupported filter '{}'", name) : fmt::format("unknown filter '{}'", name));
   return it->second(ev, subject, args);
 }
 
@@ -1338,7 +1369,7 @@ bool apply_test(Evaluator& ev, const std::string& name, const Value& v, CallArgs
   if (name == "ge" || name == ">=") return !py_lt(v, one());
   if (name == "filter") return v.is_string() && is_jinja_filter(v.s);
   if (name == "test") return v.is_string() && is_jinja_test(v.s);
-  raise(fmt::format("unknown test '{}'", name));
+  raise(is_jinja_test(name) ? fmt::format("unsupported test '{}'", name) : fmt::format("unknown test '{}'", name));
 }
 
 Value get_attr(const Value& obj, const std::string& name) {
@@ -1346,7 +1377,7 @@ Value get_attr(const Value& obj, const std::string& name) {
   if (!name.empty() && name[0] == '_') return unsafe_attribute(obj, name);
   switch (obj.kind) {
     case Kind::String:
-      if (kStrMethods.count(name)) return bound_method(obj, name, string_method);
+      if (kStrMethods.count(name)) return bound_method(obj, name, markup_string_method);
       break;
     case Kind::List:
       if (obj.list->kind == ListKind::List || obj.list->kind == ListKind::Tuple) {
@@ -1369,6 +1400,11 @@ Value get_attr(const Value& obj, const std::string& name) {
 
 Value get_item(const Value& obj, const Value& key) {
   require_defined(obj);
+  if (obj.is_plain_dict() && !key.is_undefined()) {
+    if (const Value* v = obj.dict->find(dict_key(key))) return *v;
+    if (key.is_string()) return get_attr(obj, key.s);
+    return missing_element(obj, key);
+  }
   if (key.is_integral()) {
     int64_t k = key.as_int();
     if (obj.is_string()) {
@@ -1376,7 +1412,7 @@ Value get_item(const Value& obj, const Value& key) {
       int64_t n = int64_t(u.size());
       if (k < 0) k += n;
       if (k < 0 || k >= n) return missing_element(obj, key);
-      return Value::string(utf8_encode(u.substr(size_t(k), 1)));
+      return keep_markup(obj, Value::string(utf8_encode(u.substr(size_t(k), 1))));
     }
     if (obj.is_list() && obj.list->kind != ListKind::Generator &&
         (obj.list->kind != ListKind::View || obj.list->wrapper.rfind("range", 0) == 0)) {
@@ -1387,11 +1423,7 @@ Value get_item(const Value& obj, const Value& key) {
     }
     return missing_element(obj, key);
   }
-  if (key.is_string()) {
-    if (obj.is_plain_dict())
-      if (const Value* v = obj.dict->find(key.s)) return *v;
-    return get_attr(obj, key.s);
-  }
+  if (key.is_string()) return get_attr(obj, key.s);
   return missing_element(obj, key);
 }
 
@@ -1400,7 +1432,7 @@ Value get_slice(const Value& obj, const Value& start, const Value& stop, const V
   if (obj.is_string()) {
     std::u32string u = utf8_decode(obj.s), out;
     for (int64_t k : slice_indices(int64_t(u.size()), start, stop, step)) out.push_back(u[size_t(k)]);
-    return Value::string(utf8_encode(out));
+    return keep_markup(obj, Value::string(utf8_encode(out)));
   }
   if (obj.is_list() && (obj.list->kind == ListKind::List || obj.list->kind == ListKind::Tuple)) {
     std::vector<Value> out;

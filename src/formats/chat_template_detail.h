@@ -51,6 +51,9 @@ struct ListData {
   size_t cursor = 0;    // Generator: items before cursor were consumed
 };
 
+// Keys are stored as text: a str key as itself, any other hashable key (int, float, bool,
+// None) as dict_key() encodes it, "\xff" + tag + text, which no UTF-8 string can equal.
+// Python folds True, 1 and 1.0 into one key, and so does the encoding.
 struct DictData {
   std::vector<std::pair<std::string, Value>> items;  // insertion order, like a Python dict
   DictKind kind = DictKind::Dict;
@@ -73,6 +76,9 @@ struct CallableData {
 
 struct Value {
   Kind kind = Kind::Undefined;
+  // String only: a markupsafe.Markup (made by |safe or |escape). Python escapes the plain
+  // operand of Markup + str, which templates hit with `"..."|safe + text`.
+  bool markup = false;
   bool b = false;
   int64_t i = 0;
   double f = 0;
@@ -147,10 +153,14 @@ struct Value {
 
 // ---- values (chat_template_value.cpp) ----
 bool truthy(const Value& v);
+std::string dict_key(const Value& key);        // raises for unhashable keys
+Value key_value(const std::string& key);       // the Python key a stored key stands for
 std::string type_name(const Value& v);        // Python's type name: "str", "int", "dict", ...
 std::string to_str(const Value& v);           // Python str() as jinja renders {{ v }}
 std::string to_repr(const Value& v);          // Python repr()
 std::string float_repr(double d);             // Python repr(float)
+std::string html_escape(const std::string& s);  // markupsafe.escape: & < > " '
+Value markup_string(std::string s);             // a Markup value
 bool py_eq(const Value& a, const Value& b);
 bool py_lt(const Value& a, const Value& b);   // raises TypeError-like errors for unorderable types
 int64_t py_len(const Value& v);               // raises for generators and scalars

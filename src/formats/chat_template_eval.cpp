@@ -56,11 +56,11 @@ class Evaluator {
 
   // Runs `fn` with a child scope (and optionally a fresh output buffer), restoring both.
   template <typename Fn>
-  void in_child_scope(const std::shared_ptr<Scope>& parent, std::string* out, Fn&& fn) {
+  void in_child_scope(std::shared_ptr<Scope> parent, std::string* out, Fn&& fn) {
     auto saved_scope = scope_;
     auto* saved_out = out_;
     scope_ = std::make_shared<Scope>();
-    scope_->parent = parent;
+    scope_->parent = std::move(parent);  // by value: callers pass scope_ itself
     if (out) out_ = out;
     try {
       fn();
@@ -315,8 +315,7 @@ class Evaluator {
         Value d = Value::make_dict();
         for (size_t k = 0; k + 1 < e.args.size(); k += 2) {
           Value key = eval(*e.args[k]);
-          if (!key.is_string()) raise(fmt::format("unsupported: dict literal key of type '{}'", type_name(key)));
-          d.dict->set(key.s, eval(*e.args[k + 1]));
+          d.dict->set(dict_key(key), eval(*e.args[k + 1]));
         }
         return d;
       }

@@ -65,7 +65,6 @@ class Parser {
   }
 
   [[noreturn]] void fail(const std::string& msg) const { throw TemplateError(msg, cur().line); }
-  [[noreturn]] void fail_at(const std::string& msg, int line) const { throw TemplateError(msg, line); }
 
   void expect_op(const char* op) {
     if (!skip_op(op)) fail(fmt::format("expected '{}', got {}", op, describe(cur())));
@@ -711,11 +710,6 @@ class Parser {
       start_inline = false;
       const int line = cur().line;
       std::string name = dotted_name();
-      if (!is_known_filter(name)) {
-        fail_at(is_jinja_filter(name) ? fmt::format("unsupported filter '{}'", name)
-                                      : fmt::format("unknown filter '{}'", name),
-                line);
-      }
       auto n = node(ExprKind::Filter, line);
       n->name = name;
       n->args.push_back(std::move(subject));
@@ -736,10 +730,6 @@ class Parser {
     next();  // is
     const bool negated = skip_name("not");
     std::string name = dotted_name();
-    if (!is_known_test(name)) {
-      fail_at(is_jinja_test(name) ? fmt::format("unsupported test '{}'", name) : fmt::format("unknown test '{}'", name),
-              line);
-    }
     auto n = node(ExprKind::Test, line);
     n->name = name;
     n->args.push_back(std::move(subject));
@@ -761,10 +751,78 @@ class Parser {
 
 }  // namespace
 
+namespace {
+
+// jinja2 rejects unknown filters and tests when it compiles the template, except inside an
+// `if` (test and branches) or a conditional expression -- its "soft" frames -- where the
+// error waits until the filter actually runs. Templates rely on that (DeepSeek's call
+// `from_json`, which transformers does not define, only on paths they do not take), so this
+// pass applies the same rule; loops, macros and blocks start a fresh, hard frame.
+void check_expr(const Expr& e, bool soft) {
+  const bool inner_soft = soft || e.kind == ExprKind::CondExpr;
+  if (!soft && e.kind == ExprKind::Filter && !is_known_filter(e.name)) {
+    throw TemplateError(is_jinja_filter(e.name) ? fmt::format("unsupported filter '{}'", e.name)
+                                                : fmt::format("unknown filter '{}'", e.name),
+                        e.line);
+  }
+  if (!soft && e.kind == ExprKind::Test && !is_known_test(e.name)) {
+    throw TemplateError(is_jinja_test(e.name) ? fmt::format("unsupported test '{}'", e.name)
+                                              : fmt::format("unknown test '{}'", e.name),
+                        e.line);
+  }
+  for (const auto& a : e.args)
+    if (a) check_expr(*a, inner_soft);
+  for (const auto& kw : e.kwargs) check_expr(*kw.second, inner_soft);
+}
+
+void check_body(const Body& body, bool soft);
+
+void check_stmt(const Stmt& st, bool soft) {
+  switch (st.kind) {
+    case StmtKind::If:
+      for (const auto& [cond, body] : st.branches) {
+        if (cond) check_expr(*cond, true);
+        check_body(body, true);
+      }
+      return;
+    case StmtKind::For:
+      check_expr(*st.expr, soft);
+      if (st.condition) check_expr(*st.condition, false);
+      check_body(st.body, false);
+      check_body(st.else_body, false);
+      return;
+    case StmtKind::Macro:
+      for (const auto& d : st.defaults)
+        if (d) check_expr(*d, false);
+      check_body(st.body, false);
+      return;
+    case StmtKind::SetBlock:
+    case StmtKind::FilterBlock:
+      if (st.expr) check_expr(*st.expr, false);
+      check_body(st.body, false);
+      return;
+    case StmtKind::With:
+      for (const auto& a : st.assignments) check_expr(*a.second, soft);
+      check_body(st.body, false);
+      return;
+    case StmtKind::Block: check_body(st.body, soft); return;
+    default:
+      if (st.expr) check_expr(*st.expr, soft);
+      return;
+  }
+}
+
+void check_body(const Body& body, bool soft) {
+  for (const auto& st : body) check_stmt(*st, soft);
+}
+
+}  // namespace
+
 std::unique_ptr<Program> parse_program(std::string_view source) {
   Parser parser(tokenize(source));
   auto program = std::make_unique<Program>();
   program->body = parser.parse_template();
+  check_body(program->body, false);
   return program;
 }
 

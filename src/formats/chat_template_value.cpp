@@ -32,6 +32,31 @@ void DictData::set(const std::string& key, Value v) {
   }
 }
 
+std::string dict_key(const Value& key) {
+  switch (key.kind) {
+    case Kind::String: return key.s;
+    case Kind::Bool:
+    case Kind::Int: return "\xffi" + std::to_string(key.as_int());
+    case Kind::Float:
+      if (std::isfinite(key.f) && key.f == std::floor(key.f) && std::fabs(key.f) < 9.2e18)
+        return "\xffi" + std::to_string(int64_t(key.f));
+      return "\xfff" + float_repr(key.f);
+    case Kind::None: return "\xffn";
+    case Kind::List:
+      if (key.list->kind == ListKind::Tuple) raise("unsupported: tuple as a dict key");
+      break;
+    default: break;
+  }
+  raise("unhashable type: '" + type_name(key) + "'");
+}
+
+Value key_value(const std::string& key) {
+  if (key.empty() || static_cast<unsigned char>(key[0]) != 0xff) return Value::string(key);
+  if (key[1] == 'i') return Value::integer(std::stoll(key.substr(2)));
+  if (key[1] == 'f') return Value::real(std::strtod(key.c_str() + 2, nullptr));
+  return Value::none();
+}
+
 // ---------------------------------------------------------------------------------------------
 // UTF-8
 std::u32string utf8_decode(std::string_view s) {
@@ -219,7 +244,7 @@ static std::string repr_dict(const DictData& d) {
   for (const auto& [k, v] : d.items) {
     if (!first) out += ", ";
     first = false;
-    out += repr_string(k) + ": " + to_repr(v);
+    out += to_repr(key_value(k)) + ": " + to_repr(v);
   }
   return out + "}";
 }
@@ -254,6 +279,28 @@ std::string to_repr(const Value& v) {
     default: break;
   }
   return to_str(v);
+}
+
+std::string html_escape(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&#34;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+Value markup_string(std::string s) {
+  Value v = Value::string(std::move(s));
+  v.markup = true;
+  return v;
 }
 
 std::string to_str(const Value& v) {
@@ -323,7 +370,7 @@ std::vector<Value> iterate(const Value& v) {
     case Kind::Dict:
       if (v.dict->kind == DictKind::Dict) {
         std::vector<Value> keys;
-        for (const auto& kv : v.dict->items) keys.push_back(Value::string(kv.first));
+        for (const auto& kv : v.dict->items) keys.push_back(key_value(kv.first));
         return keys;
       }
       break;
@@ -353,8 +400,8 @@ bool py_contains(const Value& container, const Value& item) {
     }
     case Kind::Dict:
       if (container.dict->kind == DictKind::Dict) {
-        if (item.kind == Kind::List || item.kind == Kind::Dict) raise("unhashable type: '" + type_name(item) + "'");
-        return item.is_string() && container.dict->find(item.s) != nullptr;
+        if (item.is_undefined()) return false;
+        return container.dict->find(dict_key(item)) != nullptr;
       }
       break;
     default: break;
@@ -438,7 +485,9 @@ static Value repeat(const Value& seq, int64_t n) {
   if (seq.is_string()) {
     std::string out;
     for (int64_t k = 0; k < n; ++k) out += seq.s;
-    return Value::string(out);
+    Value r = Value::string(out);
+    r.markup = seq.markup;
+    return r;
   }
   std::vector<Value> out;
   for (int64_t k = 0; k < n; ++k) out.insert(out.end(), seq.list->items.begin(), seq.list->items.end());
@@ -453,7 +502,11 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
   if (op == "+") {
     if (both_int) return Value::integer(checked(a.as_int(), b.as_int(), add_ovf));
     if (both_num) return Value::real(a.as_double() + b.as_double());
-    if (a.is_string() && b.is_string()) return Value::string(a.s + b.s);
+    if (a.is_string() && b.is_string()) {
+      if (a.markup || b.markup)
+        return markup_string((a.markup ? a.s : html_escape(a.s)) + (b.markup ? b.s : html_escape(b.s)));
+      return Value::string(a.s + b.s);
+    }
     if (a.is_list() && b.is_list() && a.list->kind == b.list->kind &&
         (a.list->kind == ListKind::List || a.list->kind == ListKind::Tuple)) {
       std::vector<Value> items = a.list->items;
@@ -632,7 +685,8 @@ static void json_value(std::string& out, const Value& v, const JsonOptions& o, i
         std::vector<const std::pair<std::string, Value>*> items;
         for (const auto& kv : v.dict->items) items.push_back(&kv);
         if (o.sort_keys)
-          std::stable_sort(items.begin(), items.end(), [](auto* x, auto* y) { return x->first < y->first; });
+          std::stable_sort(items.begin(), items.end(),
+                           [](auto* x, auto* y) { return py_lt(key_value(x->first), key_value(y->first)); });
         if (items.empty()) {
           out += "{}";
           return;
@@ -641,7 +695,14 @@ static void json_value(std::string& out, const Value& v, const JsonOptions& o, i
         for (size_t k = 0; k < items.size(); ++k) {
           if (k) out += item_sep;
           if (o.indent) newline(level + 1);
-          json_string(out, items[k]->first, o.ensure_ascii);
+          // json.dumps writes non-str keys as their JSON text, always quoted.
+          Value key = key_value(items[k]->first);
+          std::string key_text = key.is_string() ? key.s
+                                 : key.is_none() ? "null"
+                                 : key.kind == Kind::Float
+                                     ? (std::isnan(key.f) ? "NaN" : std::isinf(key.f) ? (key.f < 0 ? "-Infinity" : "Infinity") : float_repr(key.f))
+                                     : to_str(key);
+          json_string(out, key_text, o.ensure_ascii);
           out += key_sep;
           json_value(out, items[k]->second, o, level + 1);
         }

@@ -171,8 +171,9 @@ nlohmann::json gguf_hf_config(const GgufFile& g) {
     nlohmann::json global = {{"rope_type", "default"}, {"rope_theta", theta}};
     if (scaling == "linear" && factor != 1.0) global = {{"rope_type", "linear"}, {"rope_theta", theta}, {"factor", factor}};
     else if (scaling != "none" && scaling != "linear") fail("{}: rope scaling {} is not supported", g.path(), scaling);
+    const double swa_theta = g.get_f32(a + ".rope.freq_base_swa", 10000.f);
     c["rope_parameters"] = {{"full_attention", global},
-                            {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}}};
+                            {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", swa_theta}}}};
     if (g.has(a + ".final_logit_softcapping")) c["final_logit_softcapping"] = g.get_f32(a + ".final_logit_softcapping");
   } else {
     if (scaling != "none" && !(scaling == "linear" && factor == 1.0)) {

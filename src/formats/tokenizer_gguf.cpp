@@ -8,6 +8,7 @@
 #include <bitset>
 #include <cstdlib>
 #include <queue>
+#include <span>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -47,6 +48,23 @@ struct StringHash {
 };
 template <typename Value>
 using StringMap = std::unordered_map<std::string, Value, StringHash, std::equal_to<>>;
+
+// A token text for a one-line message: JSON-style quotes and escapes.
+std::string quoted(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    const auto b = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (b < 0x20) {
+      out += fmt::format("\\u{:04x}", b);
+    } else {
+      out += c;
+    }
+  }
+  return out + '"';
+}
 
 constexpr std::string_view kSpaceEscape = "\xE2\x96\x81";  // U+2581 '▁'
 
@@ -173,7 +191,9 @@ class GgufVocabTokenizer final : public Tokenizer::Impl {
   bool spm_ = true;  // "llama"; false: "gpt2"
   std::string source_;
   std::vector<Token> tokens_;
-  StringMap<int32_t> id_of_text_;   // a text repeated in the vocabulary maps to its last id
+  // Built as llama.cpp builds token_to_id (no reserve, inserted in id order), because where it
+  // looks tokens up by text it walks that map, and the walk order picks among candidates.
+  StringMap<int32_t> id_of_text_;
   StringMap<int32_t> merge_rank_;   // "left right" -> rank; a repeated merge keeps its first
   std::vector<std::string> pieces_;  // [n_tokens] token_to_piece(id, special = true)
   std::vector<int32_t> special_order_;  // control / user-defined / unknown ids, longest first
@@ -205,14 +225,16 @@ GgufVocabTokenizer::GgufVocabTokenizer(const VocabSpec& spec) : source_(spec.sou
   }
 
   tokens_.resize(n);
-  id_of_text_.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     Token& t = tokens_[i];
     // llama.cpp renames an empty token rather than let it match everywhere.
     t.text = spec.tokens[i].empty() ? fmt::format("[EMPTY_{}]", i) : spec.tokens[i];
     t.score = spec.scores.empty() ? 0.0f : spec.scores[i];
     t.attr = spec.token_types.empty() ? kAttrNormal : attr_of_token_type(spec.token_types[i]);
-    id_of_text_[t.text] = static_cast<int32_t>(i);
+    // llama.cpp aborts on a repeated text (GGML_ASSERT on the two maps' sizes).
+    if (const auto [it, fresh] = id_of_text_.emplace(t.text, static_cast<int32_t>(i)); !fresh) {
+      fail("{}: tokenizer.ggml.tokens has {} at both id {} and id {}", source_, quoted(t.text), it->second, i);
+    }
   }
   if (!spm_) {
     merge_rank_.reserve(spec.merges.size());
@@ -273,7 +295,7 @@ GgufVocabTokenizer::GgufVocabTokenizer(const VocabSpec& spec) : source_(spec.sou
       }
     } else if (t.attr & kAttrByte) {
       // token_to_byte: strtol of the two characters after "<0x".
-      if (t.text.size() < 3) fail("{}: byte token {} is {}, not <0xXX>", source_, i, t.text);
+      if (t.text.size() < 3) fail("{}: byte token {} is {}, not <0xXX>", source_, i, quoted(t.text));
       const std::string hex = t.text.substr(3, 2);
       piece = std::string(1, static_cast<char>(std::strtol(hex.c_str(), nullptr, 16)));
     }
@@ -303,31 +325,24 @@ void GgufVocabTokenizer::resolve_special_ids(const VocabSpec& spec) {
   take(eot, spec.eot);
   take(eom, spec.eom);
 
-  // Without the file naming them, the first of these texts found becomes the id and is made a
-  // control token. (llama.cpp walks an unordered_map, so when a vocabulary has several of the
-  // candidates which one it picks depends on hashing; here it is the first in this order.)
-  int64_t fim_pad = -1, fim_rep = -1, fim_sep = -1, fim_other = -1;
-  const auto detect = [&](int64_t& id, const auto& names) {
-    if (id >= 0) return;
-    for (const std::string_view name : names) {
-      if (const auto found = find(name)) {
-        id = *found;
-        tokens_[id].attr |= kAttrControl;
-        return;
-      }
-    }
+  // Without the file naming them, llama.cpp walks its text -> id map and takes the first
+  // token found with one of these texts, making it a control token. Which one wins among
+  // several candidates depends on that walk: id_of_text_ is the same kind of std::unordered_map
+  // filled the same way, so with the same standard library the walk is the same.
+  int64_t fim_pre = -1, fim_suf = -1, fim_mid = -1, fim_pad = -1, fim_rep = -1, fim_sep = -1;
+  const std::pair<int64_t*, std::span<const std::string_view>> searches[] = {
+      {&eot, kEotNames},         {&eom, kEomNames},         {&fim_pre, kFimPreNames}, {&fim_suf, kFimSufNames},
+      {&fim_mid, kFimMidNames}, {&fim_pad, kFimPadNames}, {&fim_rep, kFimRepNames}, {&fim_sep, kFimSepNames},
   };
-  detect(eot, kEotNames);
-  detect(eom, kEomNames);
-  // FIM prefix / suffix / middle only become control tokens.
-  detect(fim_other, kFimPreNames);
-  fim_other = -1;
-  detect(fim_other, kFimSufNames);
-  fim_other = -1;
-  detect(fim_other, kFimMidNames);
-  detect(fim_pad, kFimPadNames);
-  detect(fim_rep, kFimRepNames);
-  detect(fim_sep, kFimSepNames);
+  const bool searching = std::any_of(std::begin(searches), std::end(searches), [](const auto& s) { return *s.first < 0; });
+  for (const auto& [text, id] : id_of_text_) {
+    if (!searching) break;
+    for (const auto& [found, names] : searches) {
+      if (*found >= 0 || std::find(names.begin(), names.end(), text) == names.end()) continue;
+      *found = id;
+      tokens_[id].attr |= kAttrControl;
+    }
+  }
 
   std::vector<int32_t> eog;
   for (const int64_t id : {fim_pad, fim_rep, fim_sep}) {

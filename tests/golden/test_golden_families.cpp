@@ -123,9 +123,60 @@ TEST_P(GoldenFamily, GreedyContinuationMatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Dense, GoldenFamily,
                          ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen3_moe_norenorm_tiny", "qwen2_tiny",
-                                           "llama_tiny", "gemma3_tiny"));
+                                           "llama_tiny", "gemma3_tiny", "gemma3_p6_tiny"));
 INSTANTIATE_TEST_SUITE_P(Qwen4Exp, GoldenFamily,
                          ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny"));
+
+}  // namespace
+}  // namespace turbospark
+
+namespace turbospark {
+namespace {
+
+// GGUF files made from the same checkpoints by llama.cpp's converter (tools/fixtures/
+// make_gguf_fixtures.py): the name mapping and the undone converter transforms (Llama q/k
+// permutation, Gemma's +1 norms) must reproduce transformers' logits. BF16 files are exact
+// up to summation order; Q8_0 is held to a quantization-level bound.
+struct GgufCase {
+  const char* fixture;
+  const char* file;
+  double max_rel_error;
+  double min_top1;
+};
+
+class GgufGolden : public ::testing::TestWithParam<GgufCase> {};
+
+TEST_P(GgufGolden, LogitsMatchTransformers) {
+  const GgufCase& c = GetParam();
+  LoadedModel m = load_model(fixture(c.fixture) + "/" + c.file);
+  auto be = make_cpu_backend(2);
+  Golden g = load_golden(c.fixture);
+  const int64_t V = m.model->info().vocab_size, T = int64_t(g.tokens.size());
+  for (int64_t chunk : {int64_t(0), int64_t(3)}) {
+    Session s(*m.model, *be);
+    std::vector<float> logits = s.feed(g.tokens, chunk, true);
+    ASSERT_EQ(logits.size(), g.logits.data.size());
+    EXPECT_LT(max_rel_error(logits.data(), g.logits.data.data(), logits.size()), c.max_rel_error) << c.file;
+    int agree = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      agree += argmax(&logits[size_t(t * V)], V) == argmax(&g.logits.data[size_t(t * V)], V);
+    }
+    EXPECT_GE(double(agree) / double(T), c.min_top1) << c.file;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Converted, GgufGolden,
+    ::testing::Values(GgufCase{"llama_tiny", "llama_tiny-bf16.gguf", kLogitTol, 1.0},
+                      GgufCase{"qwen2_tiny", "qwen2_tiny-bf16.gguf", kLogitTol, 1.0},
+                      GgufCase{"qwen3_tiny", "qwen3_tiny-bf16.gguf", kLogitTol, 1.0},
+                      GgufCase{"gemma3_p6_tiny", "gemma3_p6_tiny-bf16.gguf", kLogitTol, 1.0},
+                      GgufCase{"qwen2_tiny", "qwen2_tiny-q8_0.gguf", 0.05, 0.9}),
+    [](const auto& info) {
+      std::string n = info.param.file;
+      for (char& ch : n) if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return n;
+    });
 
 }  // namespace
 }  // namespace turbospark

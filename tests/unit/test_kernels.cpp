@@ -487,6 +487,22 @@ TEST(Kernels, AttentionRowsAtUnrelatedPositions) {
   check_attention({4, 1, 32, 8, {63, 2, 64}, 10, true}, pool, rng);
 }
 
+TEST(Kernels, AttentionSplitsLongContextsIntoChunks) {
+  // Decode over a long context is split into position chunks whose partial softmax states
+  // are merged; rows far apart leave some chunks without any of a row's positions.
+  std::mt19937 rng(22);
+  for (int threads : {2, 3}) {
+    ThreadPool pool(threads);
+    for (int window : {0, 300}) {
+      for (bool sinks : {false, true}) {
+        check_attention({4, 2, 64, 16, {1000}, window, sinks}, pool, rng);
+        check_attention({4, 4, 32, 7, {5, 900}, window, sinks}, pool, rng);
+        check_attention({8, 2, 16, 16, {1500, 1501}, window, sinks}, pool, rng);
+      }
+    }
+  }
+}
+
 TEST(Kernels, AttentionSingleThreadAndManyThreads) {
   std::mt19937 rng(13);
   for (int threads : {1, 3}) {

@@ -374,7 +374,7 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
     sc.column.resize(size_t(kPosBlock));
     for (int j = 0; j < kPosBlock; ++j) sc.column[size_t(j)] = j;
   }
-  for (auto* v : {&sc.k_rows}) v->resize(size_t(kPosBlock));
+  sc.k_rows.resize(size_t(kPosBlock));
   sc.v_rows.resize(size_t(kPosBlock));
   sc.k_base.resize(size_t(kPosBlock));
   sc.v_base.resize(size_t(kPosBlock));

@@ -1,0 +1,93 @@
+// Microbenchmarks of the CPU matmul at Qwen3-0.6B shapes: decode GEMV (reported as weight
+// GB/s next to this machine's measured DRAM read bandwidth) and prefill GEMM (GFLOP/s).
+// Not built by CMake; from the repository root:
+//
+//   g++ -std=c++20 -O3 -march=native -Isrc bench/kernels_bench.cpp src/backends/cpu/kernels.cpp \
+//       src/backends/cpu/kernels_ref.cpp src/backends/cpu/membw.cpp src/core/dtype.cpp \
+//       src/core/thread_pool.cpp -lbenchmark -lfmt -pthread -o /tmp/kernels_bench
+//   /tmp/kernels_bench --benchmark_min_time=1
+//
+// Small matrices would sit in the 32 MiB L3 after the first call, which measures the cache,
+// not DRAM; GEMV therefore cycles through enough copies of each matrix to span 256 MiB.
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "backends/cpu/kernels.h"
+#include "backends/cpu/membw.h"
+
+namespace turbospark::cpu {
+namespace {
+
+ThreadPool& bench_pool() {
+  static ThreadPool pool(0);
+  return pool;
+}
+
+// `copies` BF16 matrices [rows, cols] with random values.
+struct BF16Matrices {
+  std::vector<std::vector<uint16_t>> storage;
+  std::vector<WeightView> views;
+  BF16Matrices(int64_t rows, int64_t cols, int copies) {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-0.1f, 0.1f);
+    for (int c = 0; c < copies; ++c) {
+      storage.emplace_back(size_t(rows * cols));
+      for (auto& v : storage.back()) v = f32_to_bf16(u(rng));
+      views.push_back(WeightView{DType::BF16, storage.back().data(), rows, cols, cols * 2});
+    }
+  }
+};
+
+// Qwen3-0.6B linear layers: [out, in].
+struct Shape {
+  const char* name;
+  int64_t rows, cols;
+};
+constexpr Shape kShapes[] = {{"q_proj", 2048, 1024}, {"k_proj", 1024, 1024},
+                             {"o_proj", 1024, 2048}, {"gate_proj", 3072, 1024},
+                             {"down_proj", 1024, 3072}, {"lm_head", 151936, 1024}};
+
+void bm_matmul(benchmark::State& state) {
+  const Shape& shape = kShapes[state.range(0)];
+  const int64_t tokens = state.range(1);
+  const int64_t bytes = shape.rows * shape.cols * 2;
+  const int copies = tokens == 1 ? int(std::max<int64_t>(1, (int64_t(256) << 20) / bytes)) : 1;
+  BF16Matrices w(shape.rows, shape.cols, copies);
+  std::vector<float> x(size_t(tokens * shape.cols), 0.5f), y(size_t(tokens * shape.rows));
+  const Mat xm(x.data(), tokens, shape.cols), ym(y.data(), tokens, shape.rows);
+  size_t i = 0;
+  for (auto _ : state) {
+    matmul(bench_pool(), w.views[i++ % w.views.size()], xm, ym);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.SetLabel(shape.name);
+  state.SetBytesProcessed(int64_t(state.iterations()) * bytes);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      double(state.iterations()) * 2.0 * double(tokens * shape.rows * shape.cols) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+
+void matmul_args(benchmark::internal::Benchmark* b) {
+  for (int s = 0; s < int(std::size(kShapes)); ++s)
+    for (int tokens : {1, 64}) b->Args({s, tokens});
+  b->ArgNames({"shape", "tokens"})->UseRealTime();
+}
+BENCHMARK(bm_matmul)->Apply(matmul_args);
+
+}  // namespace
+}  // namespace turbospark::cpu
+
+int main(int argc, char** argv) {
+  using namespace turbospark;
+  std::printf("DRAM read bandwidth (membw, %d threads): %.1f GB/s\n", cpu::bench_pool().size(),
+              cpu::measure_read_bandwidth_gbs(cpu::bench_pool()));
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
