@@ -16,7 +16,7 @@ struct GenOpts {
   std::string model, prompt, tokens, format = "text", device = "cpu", image;
   int64_t max_tokens = 128, ctx = 0;
   int threads = 0;
-  bool raw = false, quiet = false;
+  bool raw = false, quiet = false, verbose_prompt = false;
   SamplingParams sampling;
 };
 
@@ -31,13 +31,7 @@ void add_sampling_options(CLI::App* cmd, GenOpts& o) {
   cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)");
   cmd->add_option("--device", o.device, "cpu (cuda when built with it)");
   cmd->add_option("--image", o.image, "Image input (refused: vision towers are not supported yet)");
-}
-
-// Wraps a single user message in ChatML when the vocabulary has its markers (Qwen); the
-// full Jinja chat-template interpreter replaces this when it lands.
-std::string apply_chat_format(const Tokenizer& tok, const std::string& prompt) {
-  if (!tok.token_id("<|im_start|>") || !tok.token_id("<|im_end|>")) return prompt;
-  return "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n";
+  cmd->add_flag("--verbose-prompt", o.verbose_prompt, "Print the prompt as the model sees it (after the chat template)");
 }
 
 void run_generation(const GenOpts& o, const std::string& model_path, bool chat_format) {
@@ -51,8 +45,10 @@ void run_generation(const GenOpts& o, const std::string& model_path, bool chat_f
     prompt = parse_token_list(o.tokens);
   } else {
     if (!rt.tokenizer) fail("{}: no tokenizer.json beside the model; pass --tokens instead of a text prompt", model_path);
-    std::string text = chat_format ? apply_chat_format(*rt.tokenizer, o.prompt) : o.prompt;
-    prompt = rt.tokenizer->encode(text);
+    prompt = conversation_tokens(rt, {ChatMessage{"user", o.prompt}}, !chat_format);
+    if (o.verbose_prompt) {
+      fmt::print(stderr, "prompt ({} tokens): {}\n[{}]\n", prompt.size(), rt.tokenizer->decode(prompt), join_ids(prompt));
+    }
   }
   if (o.format != "text" && o.format != "ids") fail("--format {}: expected text or ids", o.format);
   if (o.format == "text" && !rt.tokenizer) fail("{}: no tokenizer.json beside the model; use --format ids", model_path);

@@ -17,7 +17,7 @@ void add_logits_command(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand("logits", "Write next-token logits for every prefix of a token list (float32 [T, vocab] .npy)");
-  cmd->add_option("--model", o->model, "Model directory (config.json + safetensors)")->required();
+  cmd->add_option("--model,-m", o->model, "Model directory (config.json + safetensors) or .gguf file")->required();
   cmd->add_option("--tokens", o->tokens, "Comma-separated token ids, e.g. 5,17,9")->required();
   cmd->add_option("--out", o->out, "Output .npy: row t = logits after tokens[0..t]")->required();
   cmd->add_option("--chunk", o->chunk, "Feed the prompt as prefill chunks of N tokens (default: largest micro-batch)")

@@ -10,6 +10,8 @@
 
 #include "core/error.h"
 #include "core/mapped_file.h"
+#include "formats/gguf.h"
+#include "formats/gguf_model.h"
 #include "formats/safetensors.h"
 
 namespace turbospark::cli {
@@ -79,11 +81,36 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
     }
   }
   fs::path tok = dir / "tokenizer.json";
-  if (fs::exists(tok)) {
+  if (rt.model.checkpoint->is_gguf()) {
+    const GgufFile& gguf = *rt.model.checkpoint->gguf();
+    rt.tokenizer.emplace(Tokenizer::from_vocab(vocab_spec_from_gguf(gguf)));
+    for (auto id : {rt.tokenizer->eos_token_id(), rt.tokenizer->eot_token_id()}) {
+      if (id) rt.stop_ids.push_back(*id);
+    }
+    const std::string tmpl = gguf_chat_template(gguf);
+    if (!tmpl.empty()) rt.chat_template.emplace(ChatTemplate::parse(tmpl, path));
+  } else if (fs::exists(tok)) {
     rt.tokenizer.emplace(Tokenizer::from_file(tok.string()));
     for (const char* end : {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"}) {
       if (auto id = rt.tokenizer->token_id(end)) rt.stop_ids.push_back(*id);
     }
+    if (auto eos = rt.tokenizer->eos_token_id()) rt.stop_ids.push_back(*eos);
+    fs::path jinja = dir / "chat_template.jinja", cfg = dir / "tokenizer_config.json";
+    if (fs::exists(jinja)) {
+      rt.chat_template.emplace(ChatTemplate::parse(read_text_file(jinja.string()), jinja.string()));
+    } else if (fs::exists(cfg)) {
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(read_text_file(cfg.string()));
+      } catch (const nlohmann::json::exception& e) {
+        fail("{}: malformed JSON: {}", cfg.string(), e.what());
+      }
+      if (j.contains("chat_template") && j["chat_template"].is_string()) {
+        rt.chat_template.emplace(ChatTemplate::parse(j["chat_template"].get<std::string>(), cfg.string()));
+      }
+    }
+  }
+  if (rt.tokenizer) {
     if (rt.tokenizer->vocab_size() > info.vocab_size) {
       fail("{}: tokenizer has {} tokens but the model's vocab_size is {}", tok.string(), rt.tokenizer->vocab_size(),
            info.vocab_size);
@@ -96,6 +123,26 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
                double(info.weight_bytes) / (1 << 20), rt.load_seconds);
   }
   return rt;
+}
+
+std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vector<ChatMessage>& messages, bool raw) {
+  if (!rt.tokenizer) fail("this model has no tokenizer (no tokenizer.json or GGUF vocabulary): use --tokens");
+  const Tokenizer& tok = *rt.tokenizer;
+  std::string text;
+  if (raw || !rt.chat_template) {
+    for (const auto& m : messages) text += m.content;
+  } else {
+    nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+    auto piece = [&](std::optional<int32_t> id) { return id ? std::string(tok.token_text(*id)) : std::string(); };
+    extra["bos_token"] = piece(tok.bos_token_id());
+    extra["eos_token"] = piece(tok.eos_token_id());
+    extra["enable_thinking"] = false;  // a direct answer; thinking models can be asked with --raw
+    text = apply_chat_template(*rt.chat_template, messages, /*add_generation_prompt=*/true, extra);
+  }
+  std::vector<int32_t> ids = tok.encode(text, /*parse_special=*/true, /*add_special=*/true);
+  // Templates often write the BOS text themselves while the vocabulary also adds one.
+  if (ids.size() >= 2 && tok.bos_token_id() && ids[0] == *tok.bos_token_id() && ids[1] == ids[0]) ids.erase(ids.begin());
+  return ids;
 }
 
 std::vector<int32_t> parse_token_list(const std::string& text) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/chat_template.h"
 #include "formats/tokenizer.h"
 #include "models/registry.h"
 #include "ops/backend.h"
@@ -17,13 +18,19 @@ namespace turbospark::cli {
 struct LoadedRuntime {
   LoadedModel model;
   std::unique_ptr<Backend> backend;
-  std::optional<Tokenizer> tokenizer;  // when the model directory has tokenizer.json
+  std::optional<Tokenizer> tokenizer;  // tokenizer.json beside the model, or the GGUF vocabulary
+  std::optional<ChatTemplate> chat_template;  // tokenizer_config.json / chat_template.jinja / GGUF
   std::vector<int32_t> stop_ids;       // eos ids from config, generation_config and tokenizer
   double load_seconds = 0;
 };
 
 // Loads the model in `path` on `device` (only "cpu" so far; others are refused by name).
 LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet);
+
+// Prompt ids for a conversation: the chat template rendered with a generation prompt (when
+// the model has one and `raw` is false), else the text itself; BOS as the vocabulary says,
+// never twice.
+std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vector<ChatMessage>& messages, bool raw);
 
 // "5,17,9" -> {5, 17, 9}; throws naming the bad entry.
 std::vector<int32_t> parse_token_list(const std::string& text);
