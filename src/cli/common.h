@@ -35,9 +35,10 @@ std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vec
 // "5,17,9" -> {5, 17, 9}; throws naming the bad entry.
 std::vector<int32_t> parse_token_list(const std::string& text);
 
-// The default model directory: $TURBOSPARK_MODEL, then the per-user data folder
-// ($XDG_DATA_HOME or ~/.local/share)/turbospark/default-model. Throws with the install
-// command when none is found.
+// The default model: $TURBOSPARK_MODEL, then in the per-user data folder
+// ($XDG_DATA_HOME or ~/.local/share)/turbospark/ default-model.gguf (installed by
+// scripts/setup.sh) or a default-model directory. Throws with the install command when none
+// is found.
 std::string default_model_path();
 
 // Text of one token for streaming output.

