@@ -22,13 +22,21 @@
 #                      with --temp 0 (or --top-k 1), -n N; single-turn chat: -cnv -st
 #   llama-simple, llama-simple-chat   minimal generation / chat loops
 #   llama-bench        pp/tg throughput (-p N -n N -r 5 -t T)
-#   llama-perplexity   perplexity; with --kl-divergence-base FILE on the reference model it
-#                      SAVES all logits of the evaluated text to FILE (uint16-compressed
-#                      log-probs per token); a second run with --kl-divergence-base FILE
-#                      --kl-divergence on another model compares KLD, top-1 agreement
-#                      ("Same top p") and PPL ratio: that is the teacher-forced top-1 check.
-#   llama-debug        --save-logits [--logits-output-dir DIR]: writes the final logits of a
-#                      prompt (binary + text) plus the prompt token ids, for direct comparison
+#   llama-perplexity   teacher-forced evaluation. `llama-perplexity -m M -f TEXT -c CTX
+#                      [--chunks K] --kl-divergence-base OUT.kld` SAVES the log-probs of every
+#                      scored position to OUT.kld; `llama-perplexity -m OTHER
+#                      --kl-divergence-base OUT.kld --kl-divergence` re-reads the tokens from
+#                      it and prints KLD, top-1 agreement ("Same top p") and the PPL ratio.
+#                      OUT.kld layout (little endian): "_logits_", int32 n_ctx, int32 n_vocab,
+#                      int32 n_chunk, int32 tokens[n_chunk*n_ctx] (BOS replaces token 0 of
+#                      each chunk when the model adds BOS), then per chunk, for positions
+#                      n_ctx/2 .. n_ctx-2 (each predicting the next token), a record of
+#                      nv = 2*((n_vocab+1)/2)+4 uint16: float32 scale, float32 min_logprob,
+#                      then q[n_vocab] with logprob[i] = min_logprob + scale*q[i] (q = 0
+#                      means <= max-16); top-1 = argmax q.
+#   llama-debug        -p PROMPT --save-logits [--logits-output-dir DIR]: float32 logits of
+#                      the LAST prompt position (.bin, and .txt), the prompt and its int32
+#                      token ids (-tokens.bin), for direct comparison
 #   llama-eval-callback  prints every ggml op's tensor (per-layer activation diffing)
 #   llama-tokenize     tokenizer reference (--ids, --no-bos, --stdin, -f FILE)
 #   llama-gguf         dump GGUF metadata / tensors

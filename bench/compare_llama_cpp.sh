@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prompt-processing (pp) and text-generation (tg) throughput of llama.cpp on a GGUF, in a
-# compact table; turbospark's numbers on the same file go next to it once turbospark reads
-# GGUF (see the TURBOSPARK section below).
+# compact table, next to `turbospark bench` on the same file, same threads and lengths
+# (see the TURBOSPARK section below; n/a where turbospark cannot run the file).
 #
 #   bench/compare_llama_cpp.sh GGUF [PROMPT] [THREADS]
 #
@@ -13,7 +13,10 @@
 # Environment: TG (tokens generated, default 64), REPS (llama-bench -r, default 5),
 #   ROUNDS (alternating llama.cpp / turbospark rounds, default 1),
 #   LLAMA_BIN (dir with llama-bench; default: built/reused by bench/build_llama_cpp.sh),
-#   TURBOSPARK (turbospark binary, default build/turbospark).
+#   TURBOSPARK (turbospark binary, default build/turbospark),
+#   OMP_WAIT_POLICY (default PASSIVE: llama.cpp is built with OpenMP, whose default
+#   spin-waiting collapses when the 2 cores are shared with anything else, e.g. 0.6 vs
+#   4.5 tok/s tg for a 1.5B Q4_K_M under a parallel build; set ACTIVE on an idle machine).
 #
 # Rows:  pp<N>       prefill of N prompt tokens from an empty context
 #        tg<T>       T tokens decoded from an empty context (llama-bench's classic tg)
@@ -28,6 +31,7 @@ tg="${TG:-64}"
 reps="${REPS:-5}"
 rounds="${ROUNDS:-1}"
 turbospark="${TURBOSPARK:-build/turbospark}"
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 [[ -f "$gguf" ]] || { echo "compare_llama_cpp: no such file $gguf" >&2; exit 2; }
 
 bin="${LLAMA_BIN:-$(bench/build_llama_cpp.sh)}"
@@ -42,15 +46,20 @@ else
   pp=$((pp + 1))
 fi
 
+load_start="$(cut -d' ' -f1-3 /proc/loadavg)"
 results="$(mktemp)"
-trap 'rm -f "$results"' EXIT
+trap 'rm -f "$results" "$results.err"' EXIT
 
 # Appends "engine<TAB>test<TAB>tok/s" lines to $results.
 run_llama_cpp() {
   local json
   for args in "-p $pp -n $tg" "-p 0 -n $tg -d $pp"; do
     # shellcheck disable=SC2086
-    json=$("$bin/llama-bench" -m "$gguf" -t "$threads" -r "$reps" $args -o json 2>/dev/null)
+    if ! json=$("$bin/llama-bench" -m "$gguf" -t "$threads" -r "$reps" $args -o json 2>"$results.err"); then
+      echo "compare_llama_cpp: llama-bench $args failed:" >&2
+      tail -n 5 "$results.err" >&2
+      exit 1
+    fi
     python3 -c '
 import json, sys
 for r in json.loads(sys.stdin.read()):
@@ -64,10 +73,12 @@ for r in json.loads(sys.stdin.read()):
 }
 
 # ---------------------------------------------------------------------------------------
-# TURBOSPARK: placeholder until `turbospark bench --model GGUF` exists.
-# When it does, this runs in the same rounds as llama.cpp (alternating, so drift in
-# machine load or clocks hits both engines alike) with the same thread count, prompt
-# length and decode length. `turbospark bench` prints
+# TURBOSPARK: `turbospark bench --model GGUF`, for the GGUF families turbospark reads (a
+# file it cannot run yet is reported and skipped, leaving n/a in the table). It runs in the
+# same rounds as llama.cpp (alternating, so drift in machine load or clocks hits both
+# engines alike) with the same thread count, prompt length and decode length. Its prompt
+# is random token ids of the same length; llama-bench also times synthetic tokens.
+# `turbospark bench` prints
 #   prefill      X tok/s  (N tokens, median of R)
 #   decode       Y tok/s  (T tokens after the prompt, median of R)
 # which map to the rows pp<N> and tg<T>@d<N>.
@@ -84,8 +95,8 @@ run_turbospark() {
     return 0
   fi
   awk -v pp="$pp" -v tg="$tg" '
-    $1 == "prefill" { printf "turbospark\tpp%s\t%s\n", pp, $2 }
-    $1 == "decode"  { printf "turbospark\ttg%s@d%s\t%s\n", tg, pp, $2 }' <<<"$out" >>"$results"
+    $1 == "prefill" && $3 == "tok/s" { printf "turbospark\tpp%s\t%s\n", pp, $2 }
+    $1 == "decode"  && $3 == "tok/s" { printf "turbospark\ttg%s@d%s\t%s\n", tg, pp, $2 }' <<<"$out" >>"$results"
 }
 
 for ((r = 1; r <= rounds; r++)); do
@@ -95,7 +106,8 @@ done
 
 # Table: one row per test, one column per engine (mean over rounds), plus the ratio.
 echo "model: $gguf"
-echo "threads: $threads  prompt tokens: $pp  generated: $tg  llama-bench -r $reps  rounds: $rounds"
+echo "threads: $threads  prompt tokens: $pp  generated: $tg  llama-bench -r $reps  rounds: $rounds  OMP_WAIT_POLICY=$OMP_WAIT_POLICY"
+echo "load average before: $load_start  after: $(cut -d' ' -f1-3 /proc/loadavg)  (2 cores: above ~2 the numbers are not an idle machine's)"
 python3 - "$results" <<'EOF'
 import collections, statistics, sys
 vals = collections.defaultdict(list)

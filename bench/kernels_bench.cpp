@@ -2,9 +2,10 @@
 // GB/s next to this machine's measured DRAM read bandwidth) and prefill GEMM (GFLOP/s).
 // Not built by CMake; from the repository root:
 //
-//   g++ -std=c++20 -O3 -march=native -Isrc bench/kernels_bench.cpp src/backends/cpu/kernels.cpp \
-//       src/backends/cpu/kernels_ref.cpp src/backends/cpu/membw.cpp src/core/dtype.cpp \
-//       src/core/thread_pool.cpp -lbenchmark -lfmt -pthread -o /tmp/kernels_bench
+//   g++ -std=c++20 -O3 -march=native -Isrc bench/kernels_bench.cpp
+//       src/backends/cpu/kernels.cpp src/backends/cpu/kernels_ref.cpp
+//       src/backends/cpu/membw.cpp src/core/dtype.cpp src/core/thread_pool.cpp
+//       -lbenchmark -lfmt -pthread -o /tmp/kernels_bench      (one line)
 //   /tmp/kernels_bench --benchmark_min_time=1
 //
 // Small matrices would sit in the 32 MiB L3 after the first call, which measures the cache,

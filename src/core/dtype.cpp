@@ -19,6 +19,8 @@ std::string_view dtype_name(DType t) {
     case DType::Q4_K: return "Q4_K";
     case DType::Q5_K: return "Q5_K";
     case DType::Q6_K: return "Q6_K";
+    case DType::Q5_0: return "Q5_0";
+    case DType::Q5_1: return "Q5_1";
     default: return "?";
   }
 }

@@ -10,10 +10,11 @@
 
 namespace turbospark {
 
-// Q4_0 ... Q6_K are ggml's block-quantized formats (byte layouts in core/quant.h); their
+// Q4_0 ... Q5_1 are ggml's block-quantized formats (byte layouts in core/quant.h); their
 // elements are not whole bytes, so dtype_size is 0 for them and row sizes come from
 // row_bytes() in core/quant.h.
-enum class DType : uint8_t { F32, F16, BF16, I64, I32, U8, U32, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, kCount };
+enum class DType : uint8_t { F32, F16, BF16, I64, I32, U8, U32, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K,
+                            Q5_0, Q5_1, kCount };
 
 std::string_view dtype_name(DType t);
 // Bytes per element for whole-byte dtypes; 0 for block-quantized ones (see core/quant.h).

@@ -130,6 +130,76 @@ void Q4_1::quantize_row(const float* src, void* dst, int64_t n) {
   }
 }
 
+// ---- Q5_0 / Q5_1 ----------------------------------------------------------------------------
+
+namespace {
+// The 5-bit quant of element i of a Q5_0/Q5_1 block.
+inline int q5(const uint8_t* qs, const uint8_t* qh_bytes, int i) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  const int low = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
+  return low | int((qh >> i) & 1) << 4;
+}
+
+// Packs 32 quants (each < 32) into qs and qh.
+void pack_q5(const int* q, uint8_t* qs, uint8_t* qh_bytes) {
+  uint32_t qh = 0;
+  for (int i = 0; i < 16; ++i) qs[i] = uint8_t((q[i] & 0xF) | (q[i + 16] & 0xF) << 4);
+  for (int i = 0; i < 32; ++i) qh |= uint32_t(q[i] >> 4) << i;
+  std::memcpy(qh_bytes, &qh, 4);
+}
+}  // namespace
+
+void Q5_0::dequantize_row(const void* src, float* dst, int64_t n) {
+  check_blocks("Q5_0", n, kBlock);
+  const auto* blocks = static_cast<const Block*>(src);
+  for (int64_t b = 0; b < n / kBlock; ++b, dst += kBlock) {
+    const float d = half(blocks[b].d);
+    for (int i = 0; i < 32; ++i) dst[i] = d * float(q5(blocks[b].qs, blocks[b].qh, i) - 16);
+  }
+}
+
+void Q5_0::quantize_row(const float* src, void* dst, int64_t n) {
+  check_blocks("Q5_0", n, kBlock);
+  auto* blocks = static_cast<Block*>(dst);
+  for (int64_t b = 0; b < n / kBlock; ++b, src += kBlock) {
+    // As Q4_0: the signed extreme maps to -16 exactly.
+    float extreme = 0.f;
+    for (int i = 0; i < 32; ++i) if (std::fabs(src[i]) > std::fabs(extreme)) extreme = src[i];
+    blocks[b].d = f32_to_f16(extreme / -16.f);
+    const float d = half(blocks[b].d);
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int q[32];
+    for (int i = 0; i < 32; ++i) q[i] = clamp_int(round_int(src[i] * id) + 16, 0, 31);
+    pack_q5(q, blocks[b].qs, blocks[b].qh);
+  }
+}
+
+void Q5_1::dequantize_row(const void* src, float* dst, int64_t n) {
+  check_blocks("Q5_1", n, kBlock);
+  const auto* blocks = static_cast<const Block*>(src);
+  for (int64_t b = 0; b < n / kBlock; ++b, dst += kBlock) {
+    const float d = half(blocks[b].d), m = half(blocks[b].m);
+    for (int i = 0; i < 32; ++i) dst[i] = d * float(q5(blocks[b].qs, blocks[b].qh, i)) + m;
+  }
+}
+
+void Q5_1::quantize_row(const float* src, void* dst, int64_t n) {
+  check_blocks("Q5_1", n, kBlock);
+  auto* blocks = static_cast<Block*>(dst);
+  for (int64_t b = 0; b < n / kBlock; ++b, src += kBlock) {
+    float lo = src[0], hi = src[0];
+    for (int i = 1; i < 32; ++i) lo = std::min(lo, src[i]), hi = std::max(hi, src[i]);
+    blocks[b].d = f32_to_f16((hi - lo) / 31.f);
+    blocks[b].m = f32_to_f16(lo);
+    const float d = half(blocks[b].d), m = half(blocks[b].m);
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int q[32];
+    for (int i = 0; i < 32; ++i) q[i] = clamp_int(round_int((src[i] - m) * id), 0, 31);
+    pack_q5(q, blocks[b].qs, blocks[b].qh);
+  }
+}
+
 // ---- Q8_0 -----------------------------------------------------------------------------------
 
 void Q8_0::dequantize_row(const void* src, float* dst, int64_t n) {
@@ -368,7 +438,8 @@ constexpr FormatEntry entry() {
   return {F::kDType, F::kBlock, F::kBlockBytes, &F::dequantize_row, &F::quantize_row};
 }
 
-constexpr FormatEntry kFormats[] = {entry<quant::Q4_0>(), entry<quant::Q4_1>(), entry<quant::Q8_0>(),
+constexpr FormatEntry kFormats[] = {entry<quant::Q4_0>(), entry<quant::Q4_1>(), entry<quant::Q5_0>(),
+                                    entry<quant::Q5_1>(), entry<quant::Q8_0>(),
                                     entry<quant::Q4_K>(), entry<quant::Q5_K>(), entry<quant::Q6_K>()};
 
 const FormatEntry* find_format(DType t) {

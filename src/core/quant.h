@@ -34,6 +34,22 @@ struct BlockQ4_1 {
   uint8_t qs[16];
 };
 
+// 32 weights: w[i] = d * (q[i] - 16), q 5-bit: the low 4 bits as Q4_0, the 5th bit of
+// element i is bit i of qh read as a little-endian u32.
+struct BlockQ5_0 {
+  uint16_t d;  // f16 scale
+  uint8_t qh[4];
+  uint8_t qs[16];
+};
+
+// 32 weights: w[i] = d * q[i] + m, q 5-bit as Q5_0.
+struct BlockQ5_1 {
+  uint16_t d;  // f16 scale
+  uint16_t m;  // f16 minimum
+  uint8_t qh[4];
+  uint8_t qs[16];
+};
+
 // 32 weights: w[i] = d * qs[i].
 struct BlockQ8_0 {
   uint16_t d;  // f16 scale
@@ -75,14 +91,15 @@ struct BlockQ6_K {
 };
 
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34);
+static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24);
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210);
 
 // ---- activation formats (in-memory only) --------------------------------------------------
 
 // 32 activations: x[i] ~= d * qs[i], qs in [-127, 127] (never -128, so the AVX2 sign trick
 // cannot overflow), plus s = d * sum(qs) so a weight format with an offset (Q4_0's -8,
-// Q4_1's m) folds it in with one multiply. ggml's Q8_1 with f32 fields: activations keep
-// their full-precision scale.
+// Q5_0's -16, Q4_1's and Q5_1's m) folds it in with one multiply. ggml's Q8_1 with f32
+// fields: activations keep their full-precision scale.
 struct BlockQ8x32 {
   float d;
   float s;
@@ -124,6 +141,8 @@ namespace quant {
 
 TS_QUANT_FORMAT(Q4_0, BlockQ4_0, 32);
 TS_QUANT_FORMAT(Q4_1, BlockQ4_1, 32);
+TS_QUANT_FORMAT(Q5_0, BlockQ5_0, 32);
+TS_QUANT_FORMAT(Q5_1, BlockQ5_1, 32);
 TS_QUANT_FORMAT(Q8_0, BlockQ8_0, 32);
 TS_QUANT_FORMAT(Q4_K, BlockQ4_K, 256);
 TS_QUANT_FORMAT(Q5_K, BlockQ5_K, 256);

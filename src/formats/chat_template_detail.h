@@ -237,7 +237,6 @@ struct Stmt {
 
 struct Program {
   Body body;
-  std::string name;  // for messages
 };
 
 // ---- lexer / parser (chat_template_lexer.cpp, chat_template_parser.cpp) ----
@@ -254,6 +253,32 @@ struct Token {
 std::vector<Token> tokenize(std::string_view source);
 std::unique_ptr<Program> parse_program(std::string_view source);
 
+inline Value arg_or(const std::optional<Value>& a, Value fallback) { return a ? *a : std::move(fallback); }
+inline Value tuple2(Value a, Value b) {
+  std::vector<Value> items;
+  items.push_back(std::move(a));
+  items.push_back(std::move(b));
+  return Value::make_list(std::move(items), ListKind::Tuple);
+}
+
+// ---- str / dict / list methods and lookups (chat_template_methods.cpp) ----
+void require_defined(const Value& v);  // raises the undefined value's message
+const std::string& require_string(const Value& v, const std::string& what);
+int64_t require_int(const Value& v, const std::string& what);
+Value missing_attribute(const Value& obj, const std::string& name);
+// Appends Python's upper (to_upper) or lower case of c; returns whether c is cased.
+bool map_case(char32_t c, bool to_upper, std::u32string& out);
+std::string change_case(const std::string& s, bool to_upper);
+std::string py_capitalize(const std::string& s);
+std::vector<std::string> py_splitlines(const std::string& s, bool keepends);
+std::string py_replace(const std::string& s, const std::string& old, const std::string& repl, int64_t count);
+Value call_str_method(const Value& self, const std::string& name, CallArgs& args);
+bool escape_changes(const Value& v);               // would markupsafe.escape alter this argument?
+Value keep_markup(const Value& source, Value result);  // Markup in, Markup out
+Value get_attr(const Value& obj, const std::string& name);   // obj.name as the sandbox resolves it
+Value get_item(const Value& obj, const Value& key);          // obj[key]
+Value get_slice(const Value& obj, const Value& start, const Value& stop, const Value& step);  // obj[a:b:c]
+
 // ---- builtins (chat_template_builtins.cpp) ----
 bool is_known_filter(const std::string& name);
 bool is_known_test(const std::string& name);
@@ -262,9 +287,6 @@ bool is_jinja_filter(const std::string& name);
 bool is_jinja_test(const std::string& name);
 Value apply_filter(Evaluator& ev, const std::string& name, const Value& subject, CallArgs& args);
 bool apply_test(Evaluator& ev, const std::string& name, const Value& subject, CallArgs& args);
-Value get_attr(const Value& obj, const std::string& name);   // obj.name as the sandbox resolves it
-Value get_item(const Value& obj, const Value& key);          // obj[key]
-Value get_slice(const Value& obj, const Value& start, const Value& stop, const Value& step);  // obj[a:b:c]
 Value get_global(const std::string& name);                   // range, namespace, raise_exception, ...
 Value call_value(Evaluator& ev, const Value& callee, CallArgs& args);
 

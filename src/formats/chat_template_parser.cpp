@@ -16,7 +16,7 @@ namespace {
 
 const std::set<std::string> kUnsupportedTags = {"call",   "block",   "extends", "include", "import", "from",
                                                  "autoescape", "endautoescape", "do", "trans", "pluralize",
-                                                 "debug", "print"};
+                                                 "debug"};
 
 class Parser {
  public:
@@ -93,7 +93,7 @@ class Parser {
         if (!end_names.empty()) {
           std::string expected;
           for (const auto& e : end_names) expected += (expected.empty() ? "'" : " or '") + e + "'";
-          fail(fmt::format("unexpected end of template, expected {} to close the '{}' at line {}", expected,
+          fail(fmt::format("unexpected end of template, expected {} to close the '{}' from line {}", expected,
                            opener ? opener : "block", opener_line));
         }
         return body;
@@ -651,7 +651,17 @@ class Parser {
         if (!is_op("]")) parts[2] = parse_expression(true);
       }
     }
-    if (is_op(",")) fail("unsupported: tuple subscript");
+    if (is_op(",")) {
+      // obj[a, b] indexes with a tuple, as in Python.
+      if (is_slice) fail("unsupported: slice inside a tuple subscript");
+      auto key = node(ExprKind::TupleLit, line);
+      key->args.push_back(std::move(parts[0]));
+      while (skip_op(",")) {
+        if (is_op("]")) break;
+        key->args.push_back(parse_expression(true));
+      }
+      parts[0] = std::move(key);
+    }
     expect_op("]");
     if (!is_slice) {
       auto n = node(ExprKind::GetItem, line);

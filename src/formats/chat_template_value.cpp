@@ -40,7 +40,7 @@ std::string dict_key(const Value& key) {
     case Kind::Float:
       if (std::isfinite(key.f) && key.f == std::floor(key.f) && std::fabs(key.f) < 9.2e18)
         return "\xffi" + std::to_string(int64_t(key.f));
-      return "\xfff" + float_repr(key.f);
+      return "\xff" "f" + float_repr(key.f);
     case Kind::None: return "\xffn";
     case Kind::List:
       if (key.list->kind == ListKind::Tuple) raise("unsupported: tuple as a dict key");
@@ -171,6 +171,8 @@ std::string float_repr(double d) {
 // is treated as printable (unassigned code points would differ, which no template observes).
 static bool is_printable(char32_t c) {
   if (c < 0x20 || (c >= 0x7f && c <= 0xa0) || c == 0xad) return false;
+  if (c == 0x378 || c == 0x379 || (c >= 0x380 && c <= 0x383) || c == 0x38b || c == 0x38d || c == 0x3a2)
+    return false;  // unassigned in the Greek block
   if (c == 0x1680 || (c >= 0x2000 && c <= 0x200f) || (c >= 0x2028 && c <= 0x202f) ||
       (c >= 0x205f && c <= 0x2064) || (c >= 0x2066 && c <= 0x206f) || c == 0x3000 || c == 0xfeff ||
       (c >= 0xfff9 && c <= 0xfffb) || (c >= 0x600 && c <= 0x605) || c == 0x61c || c == 0x6dd || c == 0x70f ||

@@ -48,6 +48,8 @@ bool dtype_from_ggml(uint32_t ggml_type, DType* out) {
     case 1: *out = DType::F16; return true;
     case 2: *out = DType::Q4_0; return true;
     case 3: *out = DType::Q4_1; return true;
+    case 6: *out = DType::Q5_0; return true;
+    case 7: *out = DType::Q5_1; return true;
     case 8: *out = DType::Q8_0; return true;
     case 12: *out = DType::Q4_K; return true;
     case 13: *out = DType::Q5_K; return true;

@@ -687,10 +687,9 @@ constexpr std::string_view kGpt2Pattern =
 constexpr size_t kMaxCachedWordBytes = 256;
 constexpr size_t kWordCacheCapacity = 65536;
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 
+// A Hugging Face tokenizer.json byte-level BPE.
 struct HfBpeTokenizer final : Tokenizer::Impl {
   // Model vocab: byte-level text -> id. Added tokens are separate, as in the library.
   StringMap<int32_t> vocab;
@@ -764,6 +763,8 @@ struct HfBpeTokenizer final : Tokenizer::Impl {
     }
   }
 };
+
+}  // namespace
 
 void HfBpeTokenizer::load(const Json& root, const JsonReader& reader) {
   if (!root.is_object()) fail("{}: top level must be a JSON object", reader.source());

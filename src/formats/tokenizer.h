@@ -27,6 +27,17 @@
 // ("llama": score-ordered bigram merges, '▁' for spaces, <0xXX> byte fallback) or byte-level
 // BPE ("gpt2", with the pre-tokenizer llama.cpp picks for tokenizer.ggml.pre), its special-token
 // splitting, BOS/EOS rules, and detokenization (including clean_spaces). See VocabSpec.
+// It is checked against llama.cpp's own ids and text (tests/unit/test_tokenizer_vocab.cpp).
+// Refused by name: tokenizer.ggml.model other than "llama"/"gpt2" (bert, t5, rwkv, gemma4, ...)
+// and "gpt2" pre-tokenizers whose patterns need more than the matchers written here
+// (deepseek-*, gpt-4o/llama4, tekken, chameleon, jais-2, kimi-k2, ...; the supported list is in
+// tokenizer_gguf_split.cpp). Known differences from llama.cpp: encode refuses text that is not
+// UTF-8 (llama.cpp reads bad bytes as U+FFFD); decode turns bytes that are not UTF-8 into
+// U+FFFD (llama.cpp returns them raw); tokenizer.ggml.fim_*_token_id keys are not read (FIM
+// tokens are found by text, as llama.cpp does when the keys are absent). Where llama.cpp's
+// choice depends on std::unordered_map walk order or std::sort's order of equal elements (which
+// of several EOT-like tokens becomes EOT; special tokens of equal length), the same containers
+// are used, so with the same standard library (libstdc++) the choice is the same.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +66,9 @@ struct VocabSpec {
   std::vector<std::string> merges;   // tokenizer.ggml.merges, "left right"
   int32_t bos = -1, eos = -1, unk = -1, pad = -1, eot = -1, eom = -1;
   std::optional<bool> add_bos, add_eos, add_space_prefix;
+  // general.name and general.architecture: llama.cpp strips whitespace around special tokens
+  // for some models it recognises by them (Phi-3: after each special token).
+  std::string name, architecture;
   std::string source;  // the file, for error messages
 };
 

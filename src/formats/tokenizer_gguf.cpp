@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <array>
 #include <bitset>
+#include <cctype>
 #include <cstdlib>
+#include <mutex>
 #include <queue>
 #include <span>
 #include <unordered_map>
@@ -29,6 +31,8 @@ constexpr uint16_t kAttrNormal = 1 << 2;
 constexpr uint16_t kAttrControl = 1 << 3;
 constexpr uint16_t kAttrUserDefined = 1 << 4;
 constexpr uint16_t kAttrByte = 1 << 5;
+constexpr uint16_t kAttrLstrip = 1 << 7;
+constexpr uint16_t kAttrRstrip = 1 << 8;
 
 uint16_t attr_of_token_type(int32_t type) {
   switch (type) {
@@ -65,6 +69,9 @@ std::string quoted(std::string_view text) {
   }
   return out + '"';
 }
+
+// isspace() in the C locale, which is what llama.cpp's lstrip / rstrip test.
+bool is_c_space(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
 
 constexpr std::string_view kSpaceEscape = "\xE2\x96\x81";  // U+2581 '▁'
 
@@ -184,9 +191,11 @@ class GgufVocabTokenizer final : public Tokenizer::Impl {
     return it == id_of_text_.end() ? std::nullopt : std::optional<int32_t>(it->second);
   }
   void resolve_special_ids(const VocabSpec& spec);
+  void set_strip_attributes(const VocabSpec& spec);
   void split_special(std::string_view text, bool parse_special, std::vector<Fragment>& out) const;
   void encode_spm(std::string_view text, std::vector<int32_t>& out) const;
   void encode_bpe_word(const std::string& word, std::vector<int32_t>& out) const;
+  void merge_bpe_word(const std::string& word, std::vector<int32_t>& out) const;
 
   bool spm_ = true;  // "llama"; false: "gpt2"
   std::string source_;
@@ -201,6 +210,13 @@ class GgufVocabTokenizer final : public Tokenizer::Impl {
   const GgufPreTokenizer* pre_ = nullptr;  // BPE
   bool add_bos_ = false, add_eos_ = false, add_space_prefix_ = false, clean_spaces_ = false;
   bool ignore_merges_ = false;
+
+  // Words already merged (the ids depend on the word alone). Bounded so that adversarial input
+  // cannot grow it without limit; the mutex lets one tokenizer serve many threads.
+  static constexpr size_t kMaxCachedWordBytes = 256;
+  static constexpr size_t kWordCacheCapacity = 65536;
+  mutable std::mutex cache_mutex_;
+  mutable StringMap<std::vector<int32_t>> word_cache_;
 };
 
 GgufVocabTokenizer::GgufVocabTokenizer(const VocabSpec& spec) : source_(spec.source.empty() ? "vocabulary" : spec.source) {
@@ -271,6 +287,8 @@ GgufVocabTokenizer::GgufVocabTokenizer(const VocabSpec& spec) : source_(spec.sou
   }
   std::sort(special_order_.begin(), special_order_.end(),
             [&](int32_t a, int32_t b) { return tokens_[a].text.size() > tokens_[b].text.size(); });
+
+  set_strip_attributes(spec);
 
   if (spm_) {
     for (int b = 0; b < 256; ++b) {
@@ -392,6 +410,35 @@ void GgufVocabTokenizer::resolve_special_ids(const VocabSpec& spec) {
   (void)unk;  // llama.cpp's tokenizers never emit it: SPM falls back to bytes
 }
 
+// llama.cpp's per-model token attributes ("Handle per token attributes" in load), which make
+// the special-token split eat whitespace beside some tokens.
+void GgufVocabTokenizer::set_strip_attributes(const VocabSpec& spec) {
+  const auto contains_any = [](const std::string& s, std::initializer_list<std::string_view> parts) {
+    return std::any_of(parts.begin(), parts.end(), [&](std::string_view p) { return s.find(p) != std::string::npos; });
+  };
+  const auto set = [&](std::string_view text, uint16_t attr, bool on, bool required) {
+    const auto id = find(text);
+    if (!id) {
+      // llama.cpp's token_to_id.at() throws and the model does not load.
+      if (required) fail("{}: llama.cpp needs a {} token in this vocabulary and it has none", source_, quoted(text));
+      return;
+    }
+    tokens_[*id].attr = on ? (tokens_[*id].attr | attr) : (tokens_[*id].attr & ~attr);
+  };
+  std::string name = spec.name;
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (contains_any(spec.pre, {"jina-v2-de", "jina-v2-es", "jina-v2-code"}) ||
+      contains_any(spec.architecture, {"nomic-bert-moe", "jina-bert-v3"})) {
+    set("<mask>", kAttrLstrip, true, false);
+  } else if (contains_any(name, {"phi-3", "phi3"})) {
+    for (const int32_t id : special_order_) tokens_[id].attr |= kAttrRstrip;
+    set("</s>", kAttrRstrip, true, true);
+    for (const std::string_view text : {"<unk>", "<s>", "<|endoftext|>"}) set(text, kAttrRstrip, false, true);
+  } else if (contains_any(name, {"modern-bert"})) {
+    set("[MASK]", kAttrLstrip, true, false);
+  }
+}
+
 // tokenizer_st_partition: for each special token, longest first, every raw stretch is split at
 // each occurrence of its text. (Not leftmost-longest: a longer token anywhere wins over a
 // shorter one that starts earlier.)
@@ -426,9 +473,17 @@ void GgufVocabTokenizer::split_special(std::string_view text, bool parse_special
       while (true) {
         const size_t at = text.substr(0, f.end).find(t, from);
         if (at == std::string_view::npos) break;
-        if (at > from) next.push_back({from, at, -1});
+        size_t left_end = at;
+        if (token.attr & kAttrLstrip) {
+          while (left_end > from && is_c_space(text[left_end - 1])) --left_end;
+        }
+        if (left_end > from) next.push_back({from, left_end, -1});
         next.push_back({at, at + t.size(), id});
         from = at + t.size();
+        // Only a non-empty rest is stripped (and then searched again), as in llama.cpp.
+        if ((token.attr & kAttrRstrip) && from < f.end) {
+          while (from < f.end && is_c_space(text[from])) ++from;
+        }
       }
       if (from < f.end) next.push_back({from, f.end, -1});
     }
@@ -556,6 +611,23 @@ void GgufVocabTokenizer::encode_bpe_word(const std::string& word, std::vector<in
       return;
     }
   }
+  if (word.size() > kMaxCachedWordBytes) return merge_bpe_word(word, out);
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    if (const auto it = word_cache_.find(word); it != word_cache_.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  const size_t first = out.size();
+  merge_bpe_word(word, out);
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  if (word_cache_.size() < kWordCacheCapacity) {
+    word_cache_.emplace(word, std::vector<int32_t>(out.begin() + static_cast<ptrdiff_t>(first), out.end()));
+  }
+}
+
+void GgufVocabTokenizer::merge_bpe_word(const std::string& word, std::vector<int32_t>& out) const {
   struct Symbol {
     int32_t prev, next;
     uint32_t begin, size;
@@ -740,6 +812,8 @@ VocabSpec vocab_spec_from_gguf(const GgufFile& file) {
   flag("tokenizer.ggml.add_bos_token", spec.add_bos);
   flag("tokenizer.ggml.add_eos_token", spec.add_eos);
   flag("tokenizer.ggml.add_space_prefix", spec.add_space_prefix);
+  spec.name = file.get_str("general.name", "");
+  spec.architecture = file.get_str("general.architecture", "");
   return spec;
 }
 

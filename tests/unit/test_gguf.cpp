@@ -352,7 +352,7 @@ TEST(Gguf, ReadsTheReferenceWritersFile) {
     EXPECT_EQ(got, g.at("values").get<std::vector<float>>()) << name;
     ++checked;
   }
-  EXPECT_EQ(checked, 8);
+  EXPECT_EQ(checked, 10);
   const GgufTensor& plain = f.get("plain.f32");
   EXPECT_EQ(plain.dims, (std::vector<int64_t>{4, 3}));
   std::vector<float> v(12);

@@ -22,7 +22,8 @@
 namespace turbospark {
 namespace {
 
-constexpr DType kQuantTypes[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+constexpr DType kQuantTypes[] = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1,
+                                 DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K};
 
 std::vector<uint8_t> from_hex(const std::string& hex) {
   std::vector<uint8_t> out(hex.size() / 2);
@@ -40,7 +41,7 @@ DType dtype_by_name(const std::string& name) {
 // Byte offsets of the f16 scale fields inside one block (as tools/gguf/make_quant_goldens.py).
 std::vector<int> scale_offsets(DType t) {
   switch (t) {
-    case DType::Q4_1: case DType::Q4_K: case DType::Q5_K: return {0, 2};
+    case DType::Q4_1: case DType::Q5_1: case DType::Q4_K: case DType::Q5_K: return {0, 2};
     case DType::Q6_K: return {208};
     default: return {0};
   }
@@ -75,6 +76,7 @@ std::vector<float> random_normal(size_t n, std::mt19937& rng, float sigma = 1.f)
 TEST(Quant, GeometryAndNames) {
   struct Expect { DType t; int64_t block, bytes; const char* name; };
   const Expect cases[] = {{DType::Q4_0, 32, 18, "Q4_0"},  {DType::Q4_1, 32, 20, "Q4_1"},
+                          {DType::Q5_0, 32, 22, "Q5_0"},  {DType::Q5_1, 32, 24, "Q5_1"},
                           {DType::Q8_0, 32, 34, "Q8_0"},  {DType::Q4_K, 256, 144, "Q4_K"},
                           {DType::Q5_K, 256, 176, "Q5_K"}, {DType::Q6_K, 256, 210, "Q6_K"}};
   for (const auto& c : cases) {
@@ -119,7 +121,7 @@ TEST(Quant, DequantizeMatchesGgufPyGoldens) {
     }
     ++checked;
   }
-  EXPECT_EQ(checked, 8);
+  EXPECT_EQ(checked, 10);
 }
 
 // A corrupted layout must be caught: swapping the two nibble halves of one Q4_0 block
@@ -156,7 +158,8 @@ TEST(Quant, K4ScalePackingRoundTrips) {
 // (about step / sqrt(12) for each format's step), and exact zeros for a zero block.
 TEST(Quant, ReferenceQuantizersRoundTrip) {
   struct Case { DType t; double max_rel_rms; };
-  const Case cases[] = {{DType::Q4_0, 0.13}, {DType::Q4_1, 0.10}, {DType::Q8_0, 0.008},
+  const Case cases[] = {{DType::Q4_0, 0.13}, {DType::Q4_1, 0.10}, {DType::Q5_0, 0.065},
+                        {DType::Q5_1, 0.05}, {DType::Q8_0, 0.008},
                         {DType::Q4_K, 0.11}, {DType::Q5_K, 0.055}, {DType::Q6_K, 0.03},
                         {DType::F16, 1e-3},  {DType::BF16, 5e-3}};
   std::mt19937 rng(11);
@@ -391,8 +394,8 @@ TEST(QuantMatmul, RefusesWhatItCannotDo) {
 
 TEST(QuantEmbedding, DequantizesRowsAndScales) {
   std::mt19937 rng(13);
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::F16,
-                  DType::BF16, DType::F32}) {
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K, DType::Q5_K,
+                  DType::Q6_K, DType::F16, DType::BF16, DType::F32}) {
     const int64_t vocab = 7, dim = 256;
     QuantWeight w;
     const int64_t rb = row_bytes(t, dim);

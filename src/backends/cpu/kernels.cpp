@@ -1,8 +1,8 @@
-// Fast CPU kernels. Decode is bound by weight streaming, so the GEMV path reads each weight
-// exactly once, straight from the (usually memory-mapped) checkpoint, four rows at a time so
-// the FMA latency hides behind the loads. Prefill is bound by FMAs, so the GEMM path widens
-// a few weight rows to f32 once into an L1-resident buffer and reuses them across every
-// token in a register-blocked micro-kernel. Every AVX2 path has a scalar twin below for
+// Fast CPU kernels. matmul reads weights in place in every case, widening BF16/F16 to f32
+// in registers: decode (one activation row) is bound by weight streaming and reads each
+// weight byte from DRAM once, as four long sequential streams per thread; prefill reuses a
+// 4-row weight tile from L1 across all tokens in a 4 x 3 register-blocked micro-kernel.
+// attention reuses that micro-kernel for Q.K^T. Every AVX2 path has a scalar twin for
 // builds without AVX2/FMA; kernels_ref.cpp holds the ground truth both are tested against.
 #include "backends/cpu/kernels.h"
 
@@ -40,9 +40,6 @@ inline float load1(const uint8_t* row, int64_t i) {
     else return f16_to_f32(h);
   }
 }
-
-template <DType D>
-constexpr int64_t kElemBytes = D == DType::F32 ? 4 : 2;
 
 void check_weight_dtype(const WeightView& w, const char* op) {
   if (w.dtype != DType::F32 && w.dtype != DType::BF16 && w.dtype != DType::F16)
@@ -259,8 +256,11 @@ void matmul_typed(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
 // (positions as weight rows, queries as activation rows); P.V is a broadcast tile over
 // output dims.
 
-constexpr int kPosBlock = 32;          // positions per online-softmax step
-constexpr int kGroupQueriesPerUnit = 12;  // target rows x heads per KV head in one unit
+constexpr int kPosBlock = 32;  // positions per online-softmax step
+// Target rows x heads per KV head in one unit: each K/V vector loaded serves this many
+// queries. 24 measured faster than 12 at 4K context (less K/V traffic per FLOP); the unit's
+// scratch (queries and outputs, 2 x 96 KiB at 16 heads x 128 dims) still fits L2.
+constexpr int kGroupQueriesPerUnit = 24;
 constexpr int64_t kMinChunkPositions = 256;  // smallest position chunk worth a thread
 
 // In place: s[i] = exp(s[i] - m); returns the sum.
@@ -294,14 +294,13 @@ void pv_tile(const float* const* v, int np, const float* p, int64_t ldp, float* 
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NV; ++c) acc[q][c] = _mm256_loadu_ps(o + q * ldo + d0 + 8 * c);
   for (int j = 0; j < np; ++j) {
-    __m256 vv[NV];
+    // Registers: NQ x NV accumulators + NQ probabilities + one V vector = 16 at 3 x 4.
+    __m256 pq[NQ];
+    for (int q = 0; q < NQ; ++q) pq[q] = _mm256_broadcast_ss(p + q * ldp + j);
     for (int c = 0; c < NV; ++c) {
-      vv[c] = _mm256_loadu_ps(v[j] + d0 + 8 * c);
-      pin_register(vv[c]);
-    }
-    for (int q = 0; q < NQ; ++q) {
-      const __m256 pq = _mm256_broadcast_ss(p + q * ldp + j);
-      for (int c = 0; c < NV; ++c) acc[q][c] = _mm256_fmadd_ps(pq, vv[c], acc[q][c]);
+      __m256 vv = _mm256_loadu_ps(v[j] + d0 + 8 * c);
+      pin_register(vv);
+      for (int q = 0; q < NQ; ++q) acc[q][c] = _mm256_fmadd_ps(pq[q], vv, acc[q][c]);
     }
   }
   for (int q = 0; q < NQ; ++q)
@@ -336,6 +335,7 @@ struct AttentionScratch {
   std::vector<const uint8_t*> k_rows;  // [kPosBlock] one KV head's K vector per position
   std::vector<const float*> v_rows;    // [kPosBlock] and its V vector
   std::vector<const float*> k_base, v_base;  // [kPosBlock] start of each position's row
+  std::vector<float> state;  // the unit's SoftmaxState when it is not shared across chunks
 };
 
 // Running softmax state of a unit's queries, stored where attention() wants it: queries are
@@ -399,7 +399,6 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
   }
 
   const int64_t row_stride = int64_t(n_kv) * hd;
-  const int64_t row_bytes = row_stride * 4;
   auto row_of = [&](int64_t p, float* const* blocks) {
     return blocks[a.kv.block_table[p / a.kv.block_size]] + (p % a.kv.block_size) * row_stride;
   };
@@ -411,12 +410,13 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
     }
 #if TS_CPU_AVX2
     // One head's walk over positions is strided (head_dim floats out of every
-    // [n_kv_heads, head_dim] row) and hardware prefetchers stop at page boundaries, so the
-    // next block's whole rows - which this unit reads in full - are fetched explicitly.
-    for (int64_t p = b0 + kPosBlock; p < std::min(last + 1, b0 + 2 * kPosBlock); ++p) {
+    // [n_kv_heads, head_dim] row) and hardware prefetchers stop at page boundaries, so when
+    // the unit is memory bound (decode: few queries per K/V vector) the next block's whole
+    // rows - which the unit reads in full - are fetched explicitly.
+    for (int64_t p = b0 + kPosBlock; gq <= 4 && p < std::min(last + 1, b0 + 2 * kPosBlock); ++p) {
       const char* kp = reinterpret_cast<const char*>(row_of(p, a.kv.k_blocks));
       const char* vp = reinterpret_cast<const char*>(row_of(p, a.kv.v_blocks));
-      for (int64_t c = 0; c < row_bytes; c += 64) {
+      for (int64_t c = 0; c < row_stride * 4; c += 64) {
         _mm_prefetch(kp + c, _MM_HINT_T1);
         _mm_prefetch(vp + c, _MM_HINT_T1);
       }
@@ -481,6 +481,37 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
         pv_queries<2>(v, np, sc.s.data() + size_t(i) * kPosBlock, kPosBlock, o + size_t(i) * hd, hd, hd);
       if (gq - i == 1)
         pv_queries<1>(v, np, sc.s.data() + size_t(i) * kPosBlock, kPosBlock, o + size_t(i) * hd, hd, hd);
+    }
+  }
+}
+
+// Writes the attention output of rows [t0, t0 + rows) from the softmax states of their
+// position chunks (chunk c's state at m/l + c * slot, o + c * slot * head_dim): the chunks
+// are combined weighted by exp(their max - the overall max), the sink joins the
+// denominator, and the sum is normalised.
+void merge_chunks(const AttentionArgs& a, const Mat& out, int64_t t0, int rows, const float* m,
+                  const float* l, const float* o, int64_t chunks, int64_t slot) {
+  const int hd = a.kv.head_dim;
+  const int group = a.n_heads / a.kv.n_kv_heads;
+  const int gq = rows * group;
+  for (int r = 0; r < rows; ++r) {
+    for (int h = 0; h < a.n_heads; ++h) {
+      const int64_t qi = (h / group) * gq + r * group + h % group;
+      float m_all = a.sinks ? a.sinks[h] : -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) m_all = std::max(m_all, m[c * slot + qi]);
+      float denom = a.sinks ? std::exp(a.sinks[h] - m_all) : 0.f;
+      float* dst = out.row(t0 + r) + int64_t(h) * hd;
+      std::fill(dst, dst + hd, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float mc = m[c * slot + qi];
+        if (mc == -INFINITY) continue;  // this chunk saw none of the row's positions
+        const float w = std::exp(mc - m_all);
+        denom += l[c * slot + qi] * w;
+        const float* oc = o + (c * slot + qi) * hd;
+        for (int d = 0; d < hd; ++d) dst[d] += oc[d] * w;
+      }
+      const float inv = 1.f / denom;
+      for (int d = 0; d < hd; ++d) dst[d] *= inv;
     }
   }
 }
@@ -616,15 +647,16 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
   const int64_t units = row_blocks * chunks;
   const int64_t unit_queries = rows_per_unit * n_heads;
 
-  // Softmax states, one slot per unit: [units, unit_queries] (m, l), and o likewise x hd.
-  // Owned by the calling thread; workers reach it through these pointers (naming a
-  // thread_local inside the worker lambda would give each worker its own empty copy).
-  thread_local std::vector<float> state_storage;
-  state_storage.resize(size_t(units * unit_queries * (2 + hd)));
-  float* const state_m = state_storage.data();
-  float* const state_l = state_m + units * unit_queries;
-  float* const state_o = state_l + units * unit_queries;
   const AttentionArgs args{q, q_positions, kv, n_heads, scale, window, sinks};
+  // Softmax states of chunked units, [units, unit_queries] (m, l) and [units, unit_queries,
+  // hd] (o), merged after all chunks are done. Owned by the calling thread; workers reach it
+  // through these pointers (naming a thread_local inside the worker lambda would give each
+  // worker its own empty copy). Unchunked units keep their state in per-thread scratch.
+  thread_local std::vector<float> shared_states;
+  shared_states.resize(chunks > 1 ? size_t(units * unit_queries * (2 + hd)) : 0);
+  float* const shared_m = shared_states.data();
+  float* const shared_l = shared_m + (chunks > 1 ? units * unit_queries : 0);
+  float* const shared_o = shared_l + (chunks > 1 ? units * unit_queries : 0);
   // Causal rows cost different amounts, so units are handed out dynamically.
   std::atomic<int64_t> next{0};
   pool.run([&](int, int) {
@@ -633,40 +665,28 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
       const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
       if (u >= units) break;
       const int64_t t0 = (u / chunks) * rows_per_unit;
+      const int64_t t1 = std::min(q.rows, t0 + rows_per_unit);
       const int64_t c0 = first + (u % chunks) * chunk_len;
-      const SoftmaxState st{state_m + u * unit_queries, state_l + u * unit_queries,
-                            state_o + u * unit_queries * hd};
-      attend_unit(args, t0, std::min(q.rows, t0 + rows_per_unit), c0,
-                  std::min(last, c0 + chunk_len - 1), st, scratch);
+      const int64_t c1 = std::min(last, c0 + chunk_len - 1);
+      if (chunks > 1) {
+        const SoftmaxState st{shared_m + u * unit_queries, shared_l + u * unit_queries,
+                              shared_o + u * unit_queries * hd};
+        attend_unit(args, t0, t1, c0, c1, st, scratch);
+      } else {
+        scratch.state.resize(size_t(unit_queries * (2 + hd)));
+        float* m = scratch.state.data();
+        const SoftmaxState st{m, m + unit_queries, m + 2 * unit_queries};
+        attend_unit(args, t0, t1, c0, c1, st, scratch);
+        merge_chunks(args, out, t0, int(t1 - t0), st.m, st.l, st.o, 1, unit_queries);
+      }
     }
   });
-
-  // Merge each row block's chunks (exp-weighted by their maxima) and normalise.
-  for (int64_t rb = 0; rb < row_blocks; ++rb) {
-    const int64_t t0 = rb * rows_per_unit;
-    const int rows = int(std::min(q.rows, t0 + rows_per_unit) - t0);
-    const int gq = rows * group;
-    for (int r = 0; r < rows; ++r) {
-      for (int h = 0; h < n_heads; ++h) {
-        const int64_t qi = (h / group) * gq + r * group + h % group;
-        float m = sinks ? sinks[h] : -INFINITY;
-        for (int64_t c = 0; c < chunks; ++c)
-          m = std::max(m, state_m[size_t((rb * chunks + c) * unit_queries + qi)]);
-        float denom = sinks ? std::exp(sinks[h] - m) : 0.f;
-        float* dst = out.row(t0 + r) + int64_t(h) * hd;
-        std::fill(dst, dst + hd, 0.f);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int64_t slot = (rb * chunks + c) * unit_queries + qi;
-          const float mc = state_m[size_t(slot)];
-          if (mc == -INFINITY) continue;  // this chunk saw none of the row's positions
-          const float w = std::exp(mc - m);
-          denom += state_l[size_t(slot)] * w;
-          const float* o = state_o + slot * hd;
-          for (int d = 0; d < hd; ++d) dst[d] += o[d] * w;
-        }
-        const float inv = 1.f / denom;
-        for (int d = 0; d < hd; ++d) dst[d] *= inv;
-      }
+  if (chunks > 1) {
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t t0 = rb * rows_per_unit;
+      const int64_t slot0 = rb * chunks * unit_queries;
+      merge_chunks(args, out, t0, int(std::min(q.rows, t0 + rows_per_unit) - t0),
+                   shared_m + slot0, shared_l + slot0, shared_o + slot0 * hd, chunks, unit_queries);
     }
   }
 }

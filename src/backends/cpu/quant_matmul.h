@@ -1,5 +1,5 @@
 // Matrix products and embedding lookups with block-quantized weights (ggml formats Q4_0,
-// Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; layouts in core/quant.h).
+// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; layouts in core/quant.h).
 //
 // As in llama.cpp, each call first quantizes the activation rows to 8-bit blocks (BlockQ8x32
 // for the 32-element formats, BlockQ8_K for the k-quants), then every weight block meets its
