@@ -11,7 +11,7 @@
 #   THREADS  threads for both engines (default: nproc)
 #
 # Environment: TG (tokens generated, default 64), REPS (llama-bench -r, default 5),
-#   ROUNDS (alternating llama.cpp / turbospark rounds, default 1),
+#   ROUNDS (alternating llama.cpp / turbospark rounds, default 1; the table shows medians),
 #   LLAMA_BIN (dir with llama-bench; default: built/reused by bench/build_llama_cpp.sh),
 #   TURBOSPARK (turbospark binary, default build/turbospark),
 #   OMP_WAIT_POLICY (default PASSIVE: llama.cpp is built with OpenMP, whose default
@@ -104,7 +104,8 @@ for ((r = 1; r <= rounds; r++)); do
   run_turbospark
 done
 
-# Table: one row per test, one column per engine (mean over rounds), plus the ratio.
+# Table: one row per test, one column per engine (median over rounds: on a shared machine
+# one disturbed round should not move the result), plus the ratio and every round's value.
 echo "model: $gguf"
 echo "threads: $threads  prompt tokens: $pp  generated: $tg  llama-bench -r $reps  rounds: $rounds  OMP_WAIT_POLICY=$OMP_WAIT_POLICY"
 echo "load average before: $load_start  after: $(cut -d' ' -f1-3 /proc/loadavg)  (2 cores: above ~2 the numbers are not an idle machine's)"
@@ -119,12 +120,14 @@ for line in open(sys.argv[1]):
         tests.append(test)
 def cell(eng, test):
     v = vals.get((eng, test))
-    return statistics.mean(v) if v else None
-print(f"{'test':<14}{'llama.cpp t/s':>15}{'turbospark t/s':>16}{'ts/llama':>10}")
+    return statistics.median(v) if v else None
+def rounds(eng, test):
+    return " ".join(f"{x:.1f}" for x in vals.get((eng, test), [])) or "-"
+print(f"{'test':<14}{'llama.cpp t/s':>15}{'turbospark t/s':>16}{'ts/llama':>10}   rounds (llama.cpp | turbospark)")
 for t in tests:
     a, b = cell("llama.cpp", t), cell("turbospark", t)
     fa = f"{a:.2f}" if a is not None else "-"
     fb = f"{b:.2f}" if b is not None else "n/a"
     ratio = f"{b / a:.2f}x" if a and b else "-"
-    print(f"{t:<14}{fa:>15}{fb:>16}{ratio:>10}")
+    print(f"{t:<14}{fa:>15}{fb:>16}{ratio:>10}   {rounds('llama.cpp', t)} | {rounds('turbospark', t)}")
 EOF

@@ -1,24 +1,32 @@
-// Microbenchmarks of the CPU matmul at Qwen3-0.6B shapes: decode GEMV (reported as weight
-// GB/s next to this machine's measured DRAM read bandwidth) and prefill GEMM (GFLOP/s).
-// Not built by CMake; from the repository root:
+// Microbenchmarks of the CPU matmuls: BF16 at Qwen3-0.6B shapes and the quantized formats
+// at Qwen2.5-1.5B Q4_K_M shapes (the default model), decode GEMV (reported as weight GB/s
+// next to this machine's measured DRAM read bandwidth) and prefill GEMM (GFLOP/s; 64 tokens
+// is one prefill micro-batch). Not built by CMake; from the repository root:
 //
 //   g++ -std=c++20 -O3 -march=native -Isrc bench/kernels_bench.cpp
 //       src/backends/cpu/kernels.cpp src/backends/cpu/kernels_ref.cpp
-//       src/backends/cpu/membw.cpp src/core/dtype.cpp src/core/thread_pool.cpp
-//       -lbenchmark -lfmt -pthread -o /tmp/kernels_bench      (one line)
-//   /tmp/kernels_bench --benchmark_min_time=1
+//       src/backends/cpu/membw.cpp src/backends/cpu/quant_matmul.cpp
+//       src/backends/cpu/quant_gemm.cpp src/core/quant.cpp src/core/dtype.cpp
+//       src/core/thread_pool.cpp -lbenchmark -lfmt -pthread -o /tmp/kernels_bench  (one line)
+//   /tmp/kernels_bench --benchmark_min_time=1 [--benchmark_filter=bm_quant]
+//
+// On a shared machine wall time follows the other tenants' load; the "cpu" column (this
+// process's CPU time) is steadier for comparing kernels.
 //
 // Small matrices would sit in the 32 MiB L3 after the first call, which measures the cache,
 // not DRAM; GEMV therefore cycles through enough copies of each matrix to span 256 MiB.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "backends/cpu/kernels.h"
 #include "backends/cpu/membw.h"
+#include "backends/cpu/quant_matmul.h"
+#include "core/quant.h"
 
 namespace turbospark::cpu {
 namespace {
@@ -78,6 +86,74 @@ void matmul_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"shape", "tokens"})->UseRealTime();
 }
 BENCHMARK(bm_matmul)->Apply(matmul_args);
+
+// Qwen2.5-1.5B Q4_K_M linear layers: [out, in] and dtype (ffn_down is Q6_K in half the
+// layers, Q4_K in the others).
+struct QuantShape {
+  const char* name;
+  DType dtype;
+  int64_t rows, cols;
+};
+constexpr QuantShape kQuantShapes[] = {{"attn_q q4_K", DType::Q4_K, 1536, 1536},
+                                       {"ffn_gate q4_K", DType::Q4_K, 8960, 1536},
+                                       {"ffn_down q4_K", DType::Q4_K, 1536, 8960},
+                                       {"ffn_down q6_K", DType::Q6_K, 1536, 8960}};
+
+// `copies` matrices of random block bytes with small finite f16 scales.
+struct QuantMatrices {
+  std::vector<std::vector<uint8_t>> storage;
+  std::vector<WeightView> views;
+  QuantMatrices(DType t, int64_t rows, int64_t cols, int copies) {
+    std::mt19937 rng(1);
+    const int64_t rb = row_bytes(t, cols), bb = block_bytes(t);
+    const uint16_t scale = f32_to_f16(0.01f);
+    for (int c = 0; c < copies; ++c) {
+      storage.emplace_back(size_t(rows * rb));
+      std::vector<uint8_t>& bytes = storage.back();
+      for (auto& b : bytes) b = uint8_t(rng());
+      for (int64_t b = 0; b < rows * cols / block_size(t); ++b) {
+        // f16 scales: Q6_K keeps d last, the other formats start with d (and dmin/m).
+        if (t == DType::Q6_K) {
+          std::memcpy(bytes.data() + b * bb + bb - 2, &scale, 2);
+        } else {
+          std::memcpy(bytes.data() + b * bb, &scale, 2);
+          std::memcpy(bytes.data() + b * bb + 2, &scale, 2);
+        }
+      }
+      views.push_back(WeightView{t, bytes.data(), rows, cols, rb});
+    }
+  }
+};
+
+void bm_quant_matmul(benchmark::State& state) {
+  const QuantShape& shape = kQuantShapes[state.range(0)];
+  const int64_t tokens = state.range(1);
+  const int64_t bytes = shape.rows * row_bytes(shape.dtype, shape.cols);
+  const int copies = tokens == 1 ? int(std::max<int64_t>(1, (int64_t(256) << 20) / bytes)) : 1;
+  QuantMatrices w(shape.dtype, shape.rows, shape.cols, copies);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(size_t(tokens * shape.cols)), y(size_t(tokens * shape.rows));
+  for (auto& v : x) v = normal(rng);
+  const Mat xm(x.data(), tokens, shape.cols), ym(y.data(), tokens, shape.rows);
+  size_t i = 0;
+  for (auto _ : state) {
+    quant_matmul(bench_pool(), w.views[i++ % w.views.size()], xm, ym);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.SetLabel(shape.name);
+  state.SetBytesProcessed(int64_t(state.iterations()) * bytes);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      double(state.iterations()) * 2.0 * double(tokens * shape.rows * shape.cols) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+
+void quant_matmul_args(benchmark::internal::Benchmark* b) {
+  for (int s = 0; s < int(std::size(kQuantShapes)); ++s)
+    for (int tokens : {1, 4, 64}) b->Args({s, tokens});
+  b->ArgNames({"shape", "tokens"})->UseRealTime();
+}
+BENCHMARK(bm_quant_matmul)->Apply(quant_matmul_args);
 
 }  // namespace
 }  // namespace turbospark::cpu

@@ -4,6 +4,8 @@
 //   make_random_checkpoint --preset qwen3-0.6b --out /tmp/qwen3-0.6b-random
 //   make_random_checkpoint --preset qwen3-moe-2b --out /tmp/qwen3-moe-2b-random [--layers 8]
 //   make_random_checkpoint --preset qwen4-exp --out /tmp/qwen4-exp-random [--layers 3]
+//   make_random_checkpoint --preset gemma4-26b-a4b --out /tmp/gemma4-26b-a4b-random [--layers 3]
+//   make_random_checkpoint --preset gpt-oss-20b[-mxfp4] --out /tmp/gpt-oss-20b-random [--layers 2]
 // qwen4-exp has the real widths (hidden 2048, 512 experts top-10, hc_count 4, GDN 16/32 heads
 // of 128) at reduced depth; its QSA sizes are assumptions (the public config leaves them
 // unset) and its n-gram table base is 200k instead of 20M (a ~90 GiB table does not fit
@@ -37,7 +39,15 @@ Shape preset(const std::string& name) {
     return {"qwen3_moe", "Qwen3MoeForCausalLM", 151936, 1024, 3072, 16, 16, 4, 128, 64, 8, 512, false};
   }
   if (name == "qwen4-exp") return {"qwen4_exp_text", "Qwen4ExpForCausalLM", 248320, 2048, 0, 3, 16, 2, 256, 512, 10, 512, false};
-  fail("--preset {}: unknown (qwen3-0.6b, qwen3-moe-2b, qwen4-exp)", name);
+  // Gemma 4 26B-A4B widths (as published: 128 experts top-8 beside a dense GeGLU MLP, 16 heads,
+  // sliding layers 8 KV heads x 256, full layers 2 KV heads x 512 with k_eq_v), reduced depth.
+  if (name == "gemma4-26b-a4b") return {"gemma4_text", "Gemma4ForCausalLM", 262144, 2816, 2112, 3, 16, 8, 256, 128, 8, 704, true};
+  // gpt-oss-20b widths (32 experts top-4, 64 heads, 8 KV heads of 64, YaRN, sliding 128 on
+  // even layers); -mxfp4 stores the experts as the published checkpoint does.
+  if (name == "gpt-oss-20b" || name == "gpt-oss-20b-mxfp4") {
+    return {"gpt_oss", "GptOssForCausalLM", 201088, 2880, 2880, 24, 64, 8, 64, 32, 4, 2880, false};
+  }
+  fail("--preset {}: unknown (qwen3-0.6b, qwen3-moe-2b, qwen4-exp, gemma4-26b-a4b, gpt-oss-20b, gpt-oss-20b-mxfp4)", name);
 }
 
 // Uniform values with the fan-in standard deviation; xorshift keeps multi-GiB writes fast.
@@ -167,6 +177,140 @@ bool write_qwen4_exp(const Shape& s, const std::string& out) {
   return true;
 }
 
+// Gemma 4 MoE text model: 5 sliding layers then 1 full (the last always full); full layers
+// have head_dim 512, 2 KV heads and no v_proj (attention_k_eq_v); no per-layer inputs.
+bool write_gemma4(const Shape& s, const std::string& out) {
+  const int64_t H = s.hidden, global_hd = 512, global_kv = 2;
+  std::vector<std::string> types;
+  for (int64_t i = 0; i < s.layers; ++i) types.push_back((i + 1) % 6 ? "sliding_attention" : "full_attention");
+  types.back() = "full_attention";
+  nlohmann::json rope = {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
+                         {"full_attention", {{"rope_type", "proportional"}, {"partial_rotary_factor", 0.25},
+                                             {"rope_theta", 1000000.0}}}};
+  nlohmann::json cfg = {{"architectures", {s.architecture}}, {"model_type", s.model_type}, {"vocab_size", s.vocab},
+                        {"hidden_size", H}, {"intermediate_size", s.inter}, {"num_hidden_layers", s.layers},
+                        {"num_attention_heads", s.heads}, {"num_key_value_heads", s.kv_heads},
+                        {"head_dim", s.head_dim}, {"global_head_dim", global_hd},
+                        {"num_global_key_value_heads", global_kv}, {"attention_k_eq_v", true},
+                        {"max_position_embeddings", 262144}, {"rms_norm_eps", 1e-6},
+                        {"hidden_activation", "gelu_pytorch_tanh"}, {"sliding_window", 1024},
+                        {"layer_types", types}, {"rope_parameters", rope}, {"final_logit_softcapping", 30.0},
+                        {"hidden_size_per_layer_input", 0}, {"num_kv_shared_layers", 0},
+                        {"enable_moe_block", true}, {"num_experts", s.experts}, {"top_k_experts", s.top_k},
+                        {"moe_intermediate_size", s.moe_inter}, {"tie_word_embeddings", true},
+                        {"eos_token_id", {1, 106}}};
+  write_config(cfg, out);
+  std::vector<TensorWriteSpec> tensors;
+  uint64_t seed = 1;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
+    int64_t fan_in = shape.back();
+    uint64_t sd = seed++;
+    tensors.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
+  };
+  add("model.embed_tokens.weight", {s.vocab, H});
+  add("model.norm.weight", {H}, true);
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    const bool full = types[size_t(i)] == "full_attention";
+    const int64_t hd = full ? global_hd : s.head_dim, kv = full ? global_kv : s.kv_heads;
+    for (const char* n : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                          "post_feedforward_layernorm", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
+                          "post_feedforward_layernorm_2"}) {
+      add(p + n + ".weight", {H}, true);
+    }
+    add(p + "layer_scalar", {1}, true);
+    add(p + "self_attn.q_proj.weight", {s.heads * hd, H});
+    add(p + "self_attn.k_proj.weight", {kv * hd, H});
+    if (!full) add(p + "self_attn.v_proj.weight", {kv * hd, H});
+    add(p + "self_attn.o_proj.weight", {H, s.heads * hd});
+    add(p + "self_attn.q_norm.weight", {hd}, true);
+    add(p + "self_attn.k_norm.weight", {hd}, true);
+    add(p + "mlp.gate_proj.weight", {s.inter, H});
+    add(p + "mlp.up_proj.weight", {s.inter, H});
+    add(p + "mlp.down_proj.weight", {H, s.inter});
+    add(p + "router.proj.weight", {s.experts, H});
+    add(p + "router.scale", {H}, true);
+    add(p + "router.per_expert_scale", {s.experts}, true);
+    add(p + "experts.gate_up_proj", {s.experts, 2 * s.moe_inter, H});
+    add(p + "experts.down_proj", {s.experts, H, s.moe_inter});
+  }
+  fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", tensors.size(), out);
+  write_safetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  return true;
+}
+
+// gpt-oss: biased attention with sinks, biased router, experts [E, in, out] in bf16 (gate/up
+// columns interleaved) or MXFP4 _blocks/_scales [E, out, in/32, 16] / [E, out, in/32].
+bool write_gpt_oss(const Shape& s, const std::string& out, bool mxfp4) {
+  const int64_t H = s.hidden, I = s.inter, E = s.experts, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  std::vector<std::string> types;
+  for (int64_t i = 0; i < s.layers; ++i) types.push_back(i % 2 ? "full_attention" : "sliding_attention");
+  nlohmann::json cfg = {{"architectures", {s.architecture}}, {"model_type", s.model_type}, {"vocab_size", s.vocab},
+                        {"hidden_size", H}, {"intermediate_size", I}, {"num_hidden_layers", s.layers},
+                        {"num_attention_heads", s.heads}, {"num_key_value_heads", s.kv_heads},
+                        {"head_dim", s.head_dim}, {"num_local_experts", E}, {"num_experts_per_tok", s.top_k},
+                        {"max_position_embeddings", 131072}, {"rms_norm_eps", 1e-5}, {"sliding_window", 128},
+                        {"layer_types", types}, {"attention_bias", true}, {"tie_word_embeddings", false},
+                        {"rope_parameters", {{"rope_type", "yarn"}, {"rope_theta", 150000.0}, {"factor", 32.0},
+                                             {"beta_fast", 32.0}, {"beta_slow", 1.0}, {"truncate", false},
+                                             {"original_max_position_embeddings", 4096}}},
+                        {"eos_token_id", 200002}};
+  if (mxfp4) cfg["quantization_config"] = {{"quant_method", "mxfp4"}};
+  write_config(cfg, out);
+  std::vector<TensorWriteSpec> tensors;
+  uint64_t seed = 1;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
+    int64_t fan_in = shape.back();
+    uint64_t sd = seed++;
+    tensors.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
+  };
+  // Random FP4 codes; scales near 2^-5 so weights stay in the fan-in range.
+  auto add_u8 = [&](const std::string& name, std::vector<int64_t> shape, bool scales) {
+    uint64_t sd = seed++;
+    tensors.push_back({name, DType::U8, shape, [sd, scales](uint8_t* d, size_t n) {
+                         uint64_t x = sd * 0x9E3779B97F4A7C15ull + 1;
+                         for (size_t i = 0; i < n; ++i) {
+                           x ^= x << 13;
+                           x ^= x >> 7;
+                           x ^= x << 17;
+                           d[i] = scales ? uint8_t(120 + (x >> 61)) : uint8_t(x >> 56);
+                         }
+                       }});
+  };
+  add("model.embed_tokens.weight", {s.vocab, H});
+  add("lm_head.weight", {s.vocab, H});
+  add("model.norm.weight", {H}, true);
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    add(p + "input_layernorm.weight", {H}, true);
+    add(p + "post_attention_layernorm.weight", {H}, true);
+    for (auto [n, rows] : {std::pair<const char*, int64_t>{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}}) {
+      add(p + "self_attn." + n + ".weight", {rows, H});
+      add(p + "self_attn." + n + ".bias", {rows});
+    }
+    add(p + "self_attn.o_proj.weight", {H, q});
+    add(p + "self_attn.o_proj.bias", {H});
+    add(p + "self_attn.sinks", {s.heads});
+    add(p + "mlp.router.weight", {E, H});
+    add(p + "mlp.router.bias", {E});
+    const std::string x = p + "mlp.experts.";
+    if (mxfp4) {
+      add_u8(x + "gate_up_proj_blocks", {E, 2 * I, H / 32, 16}, false);
+      add_u8(x + "gate_up_proj_scales", {E, 2 * I, H / 32}, true);
+      add_u8(x + "down_proj_blocks", {E, H, I / 32, 16}, false);
+      add_u8(x + "down_proj_scales", {E, H, I / 32}, true);
+    } else {
+      add(x + "gate_up_proj", {E, H, 2 * I});
+      add(x + "down_proj", {E, I, H});
+    }
+    add(x + "gate_up_proj_bias", {E, 2 * I});
+    add(x + "down_proj_bias", {E, H});
+  }
+  fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", tensors.size(), out);
+  write_safetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -191,6 +335,8 @@ int main(int argc, char** argv) {
     if (s.model_type == "qwen4_exp_text") {
       return write_qwen4_exp(s, out) ? 0 : 1;
     }
+    if (s.model_type == "gemma4_text") return write_gemma4(s, out) ? 0 : 1;
+    if (s.model_type == "gpt_oss") return write_gpt_oss(s, out, preset_name.find("mxfp4") != std::string::npos) ? 0 : 1;
     if (s.experts) {
       cfg["num_experts"] = s.experts;
       cfg["num_experts_per_tok"] = s.top_k;

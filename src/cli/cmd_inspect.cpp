@@ -5,6 +5,8 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "formats/gguf.h"
+#include "formats/gguf_model.h"
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
 #include "models/registry.h"
@@ -18,12 +20,18 @@ void add_inspect_command(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand("inspect", "Show a checkpoint's config, tensor table and bytes by dtype");
-  cmd->add_option("--model,-m", o->model, "Model directory")->required();
+  cmd->add_option("--model,-m", o->model, "Model directory or .gguf file")->required();
   cmd->add_flag("--tensors", o->tensors, "List every tensor (name, dtype, shape, bytes)");
   cmd->callback([o] {
-    HfConfig config = HfConfig::load(o->model);
     Checkpoint ckpt(o->model);
+    // A GGUF's metadata maps onto the Hugging Face config the families read.
+    HfConfig config = ckpt.is_gguf() ? HfConfig::from_json(gguf_hf_config(*ckpt.gguf()), o->model)
+                                     : HfConfig::load(o->model);
     fmt::print("model      {}\n", o->model);
+    if (ckpt.is_gguf()) {
+      const bool has_template = !gguf_chat_template(*ckpt.gguf()).empty();
+      fmt::print("format     GGUF ({} chat template)\n", has_template ? "with a" : "without a");
+    }
     fmt::print("arch       {} (model_type {})\n", config.architecture(), config.model_type());
     for (const char* f : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                           "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",

@@ -1,6 +1,11 @@
 // turbospark logits: teacher-forced next-token logits for a token list, as .npy.
 #include <fmt/format.h>
 
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "core/error.h"
@@ -11,7 +16,7 @@ namespace turbospark::cli {
 
 void add_logits_command(CLI::App& app) {
   struct Opts {
-    std::string model, tokens, out, router_out, device = "cpu";
+    std::string model, tokens, out, router_out, trace_out, device = "cpu";
     int64_t chunk = 0;
     int threads = 0;
   };
@@ -23,6 +28,8 @@ void add_logits_command(CLI::App& app) {
   cmd->add_option("--chunk", o->chunk, "Feed the prompt as prefill chunks of N tokens (default: largest micro-batch)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--router-out", o->router_out, "Also write router probabilities [layers, T, n_experts] .npy (MoE models)");
+  cmd->add_option("--trace-out", o->trace_out,
+                  "Also write every traced activation as DIR/<name>_<layer>.npy [T, cols] (dump-and-diff)");
   cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->callback([o] {
@@ -35,10 +42,22 @@ void add_logits_command(CLI::App& app) {
     SessionOptions so;
     so.max_context = model.info().max_context;
     Session session(model, *rt.backend, so);
+    std::map<std::string, std::pair<int64_t, std::vector<float>>> traced;  // name -> (cols, rows)
+    if (!o->trace_out.empty()) {
+      session.trace = [&](const char* name, int layer, const Mat& m) {
+        auto& [cols, data] = traced[fmt::format("{}_{}", name, layer)];
+        cols = m.cols;
+        for (int64_t r = 0; r < m.rows; ++r) data.insert(data.end(), m.row(r), m.row(r) + m.cols);
+      };
+    }
     std::vector<float> router;
     std::vector<float> logits = session.feed(tokens, o->chunk, /*all_logits=*/true, o->router_out.empty() ? nullptr : &router);
     const int64_t T = int64_t(tokens.size());
     write_npy_f32(o->out, {T, model.info().vocab_size}, logits.data());
+    for (const auto& [key, value] : traced) {
+      const auto& [cols, data] = value;
+      write_npy_f32(o->trace_out + "/" + key + ".npy", {int64_t(data.size()) / cols, cols}, data.data());
+    }
     if (!o->router_out.empty()) {
       write_npy_f32(o->router_out, {model.info().n_layers, T, model.n_experts()}, router.data());
     }

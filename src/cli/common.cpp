@@ -61,6 +61,23 @@ static void prefault_weights(const Checkpoint& ckpt, bool quiet) {
   if (show) fmt::print(stderr, "\n");
 }
 
+// A chat format for checkpoints that ship without a template (many GGUF conversions): the
+// family's documented turn format for Gemma, ChatML when the vocabulary has its markers.
+static const char* builtin_chat_template(const ModelInfo& info, const Tokenizer& tok) {
+  if (info.family.rfind("gemma", 0) == 0 && tok.token_id("<start_of_turn>")) {
+    return "{{ bos_token }}{% set ns = namespace(sys='') %}"
+           "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.sys = m['content'] + '\n\n' %}"
+           "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+           "{{ ns.sys }}{{ m['content'] | trim }}<end_of_turn>\n{% set ns.sys = '' %}{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+  }
+  if (tok.token_id("<|im_start|>") && tok.token_id("<|im_end|>")) {
+    return "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  }
+  return nullptr;
+}
+
 LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet) {
   if (device != "cpu") fail("--device {}: not available in this build (only cpu)", device);
   auto t0 = std::chrono::steady_clock::now();
@@ -87,6 +104,8 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
     for (auto id : {rt.tokenizer->eos_token_id(), rt.tokenizer->eot_token_id()}) {
       if (id) rt.stop_ids.push_back(*id);
     }
+    // Every end-of-generation token the vocabulary marks (<end_of_turn>, <|im_end|>, ...).
+    for (int32_t id : rt.tokenizer->end_of_generation_ids()) rt.stop_ids.push_back(id);
     const std::string tmpl = gguf_chat_template(gguf);
     if (!tmpl.empty()) rt.chat_template.emplace(ChatTemplate::parse(tmpl, path));
   } else if (fs::exists(tok)) {
@@ -108,6 +127,12 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
       if (j.contains("chat_template") && j["chat_template"].is_string()) {
         rt.chat_template.emplace(ChatTemplate::parse(j["chat_template"].get<std::string>(), cfg.string()));
       }
+    }
+  }
+  if (rt.tokenizer && !rt.chat_template) {
+    if (const char* builtin = builtin_chat_template(info, *rt.tokenizer)) {
+      rt.chat_template.emplace(ChatTemplate::parse(builtin, "built-in template"));
+      if (!quiet) fmt::print(stderr, "no chat template in {}: using the built-in {} format\n", path, info.family);
     }
   }
   if (rt.tokenizer) {

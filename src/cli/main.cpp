@@ -12,10 +12,13 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "turbospark 0.1.0");
   turbospark::cli::add_run_command(app);
+  turbospark::cli::add_chat_command(app);
   turbospark::cli::add_generate_command(app);
   turbospark::cli::add_logits_command(app);
   turbospark::cli::add_inspect_command(app);
   turbospark::cli::add_bench_command(app);
+  turbospark::cli::add_perplexity_command(app);
+  turbospark::cli::add_convert_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

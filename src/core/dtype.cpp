@@ -21,6 +21,8 @@ std::string_view dtype_name(DType t) {
     case DType::Q6_K: return "Q6_K";
     case DType::Q5_0: return "Q5_0";
     case DType::Q5_1: return "Q5_1";
+    case DType::MXFP4: return "MXFP4";
+    case DType::INT4_AFFINE: return "INT4_AFFINE";
     default: return "?";
   }
 }

@@ -14,7 +14,10 @@ namespace turbospark {
 // elements are not whole bytes, so dtype_size is 0 for them and row sizes come from
 // row_bytes() in core/quant.h.
 enum class DType : uint8_t { F32, F16, BF16, I64, I32, U8, U32, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K,
-                            Q5_0, Q5_1, kCount };
+                            Q5_0, Q5_1,
+                            // Grouped formats whose scales (and biases) live in separate planes of
+                            // the checkpoint (WeightView::scales/biases; core/quant_grouped.h).
+                            MXFP4, INT4_AFFINE, kCount };
 
 std::string_view dtype_name(DType t);
 // Bytes per element for whole-byte dtypes; 0 for block-quantized ones (see core/quant.h).

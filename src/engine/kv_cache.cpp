@@ -17,8 +17,10 @@ void KvCache::reserve(int64_t n_tokens) {
     for (size_t i = 0; i < spec_.size(); ++i) {
       const int64_t floats = int64_t(block_size_) * spec_[i].n_kv_heads * spec_[i].head_dim;
       LayerBlocks& L = layers_[i];
-      L.k_storage.push_back(backend_.alloc(floats));
-      L.v_storage.push_back(backend_.alloc(floats));
+      // A layer without a cache of its own (0 KV heads: linear attention, or KV shared with
+      // an earlier layer) gets null blocks, never storage.
+      L.k_storage.push_back(floats > 0 ? backend_.alloc(floats) : nullptr);
+      L.v_storage.push_back(floats > 0 ? backend_.alloc(floats) : nullptr);
       L.k.push_back(L.k_storage.back().get());
       L.v.push_back(L.v_storage.back().get());
     }

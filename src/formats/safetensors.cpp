@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/quant.h"
+#include "core/quant_grouped.h"
 #include "formats/gguf.h"
 #include "formats/gguf_model.h"
 
@@ -95,6 +96,196 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
   }
 }
 
+// ---- packed weight formats (MXFP4, INT4_AFFINE): see the comment on Checkpoint ----------
+
+static bool is_weight_dtype(DType t) { return t == DType::BF16 || t == DType::F16 || t == DType::F32 || is_quantized(t); }
+
+// NAME without a trailing ".weight": the prefix MLX's .scales/.biases and gpt-oss's
+// _blocks/_scales hang off.
+static std::string weight_stem(const std::string& name) {
+  static const std::string kSuffix = ".weight";
+  if (name.size() > kSuffix.size() && name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0)
+    return name.substr(0, name.size() - kSuffix.size());
+  return name;
+}
+
+static int64_t checked_group_size(const json& v, const std::string& where) {
+  if (!v.is_number_integer()) fail("{}.group_size must be an integer, got {}", where, v.dump());
+  const int64_t g = v.get<int64_t>();
+  if (g != 32 && g != 64 && g != 128) fail("{}.group_size {} is not supported (32, 64 or 128)", where, g);
+  return g;
+}
+
+static void check_affine_bits(const json& q, const std::string& where) {
+  if (!q.contains("bits")) fail("{}: no bits field", where);
+  if (!q["bits"].is_number_integer() || q["bits"].get<int64_t>() != 4)
+    fail("{}.bits {} is not supported (only 4-bit affine)", where, q["bits"].dump());
+}
+
+QuantConfig read_quant_config(const std::string& dir) {
+  QuantConfig qc;
+  const fs::path path = fs::path(dir) / "config.json";
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return qc;
+  json j;
+  try {
+    j = json::parse(read_text_file(path.string()));
+  } catch (const json::exception&) {
+    return qc;  // the config reader reports malformed JSON with its own message
+  }
+  if (!j.is_object()) return qc;
+  const char* key = nullptr;
+  for (const char* k : {"quantization_config", "quantization"}) {
+    if (j.contains(k) && j[k].is_object()) {
+      key = k;
+      break;
+    }
+  }
+  if (!key) return qc;
+  const json& q = j[key];
+  const std::string where = path.string() + ": " + key;
+  qc.source = where;
+  if (q.contains("quant_method")) {
+    const std::string m = q["quant_method"].is_string() ? q["quant_method"].get<std::string>() : q["quant_method"].dump();
+    if (m == "mxfp4") {
+      qc.method = QuantConfig::Method::kMxfp4;
+      return qc;
+    }
+    if (m != "mlx" && m != "affine") fail("{}.quant_method {} is not supported (mxfp4, or MLX affine 4-bit)", where, m);
+  }
+  const std::string mode = q.contains("mode") && q["mode"].is_string() ? q["mode"].get<std::string>() : "affine";
+  if (mode != "affine") fail("{}.mode {} is not supported (only affine)", where, mode);
+  check_affine_bits(q, where);
+  if (!q.contains("group_size")) fail("{}: no group_size field", where);
+  qc.method = QuantConfig::Method::kInt4Affine;
+  qc.group_size = checked_group_size(q["group_size"], where);
+  // MLX per-module overrides: "model.layers.0.mlp.gate": {"group_size": 64, "bits": 4} or false.
+  for (auto it = q.begin(); it != q.end(); ++it) {
+    if (it.value().is_boolean() && !it.value().get<bool>()) {
+      qc.group_overrides[it.key()] = 0;
+    } else if (it.value().is_object()) {
+      const std::string w = where + "." + it.key();
+      check_affine_bits(it.value(), w);
+      qc.group_overrides[it.key()] =
+          it.value().contains("group_size") ? checked_group_size(it.value()["group_size"], w) : qc.group_size;
+    }
+  }
+  return qc;
+}
+
+bool Checkpoint::has(const std::string& name) const {
+  if (find(name)) return true;
+  return quant_.method == QuantConfig::Method::kMxfp4 && find(weight_stem(name) + "_blocks") != nullptr;
+}
+
+// The packed view of NAME (expert `index` of `n` when index >= 0), or a view with null data
+// when NAME is stored as a plain tensor.
+WeightView Checkpoint::packed_view(const std::string& name, int64_t index, int64_t n, int64_t rows,
+                                   int64_t cols) const {
+  const std::string stem = weight_stem(name);
+  auto lead = [&](std::vector<int64_t> tail) {
+    if (index >= 0) tail.insert(tail.begin(), n);
+    return tail;
+  };
+  const int64_t k = index < 0 ? 0 : index;
+  WeightView w;
+  const TensorInfo* t = find(name);
+  if (!t && quant_.method == QuantConfig::Method::kMxfp4 && find(stem + "_blocks")) {
+    const TensorInfo& blocks = get(stem + "_blocks");
+    const TensorInfo* scales = find(stem + "_scales");
+    if (!scales) fail("{}: tensor {}_blocks has no {}_scales beside it", *blocks.file, stem, stem);
+    if (blocks.dtype != DType::U8 || scales->dtype != DType::U8)
+      fail("{}: tensor {}_blocks/_scales: dtypes {}/{} where U8/U8 is expected", *blocks.file, stem,
+           dtype_name(blocks.dtype), dtype_name(scales->dtype));
+    if (blocks.shape.empty() || std::vector<int64_t>(blocks.shape.begin(), blocks.shape.end() - 1) != scales->shape)
+      fail("{}: tensor {}_blocks: shape {} disagrees with {}_scales {}", *blocks.file, stem, blocks.shape_str(), stem,
+           scales->shape_str());
+    if (cols % mxfp4::kGroup != 0)
+      fail("{}: tensor {}_blocks: MXFP4 rows of {} elements are not whole 32-element blocks", *blocks.file, stem, cols);
+    const auto want = lead({rows, cols / mxfp4::kGroup, mxfp4::kGroupBytes});
+    if (blocks.shape != want)
+      fail("{}: tensor {}_blocks: shape {} where {} is expected", *blocks.file, stem, blocks.shape_str(), shape_str(want));
+    w.dtype = DType::MXFP4;
+    w.rows = rows;
+    w.cols = cols;
+    w.row_bytes = cols / 2;
+    w.data = blocks.data + k * rows * w.row_bytes;
+    w.group_size = int32_t(mxfp4::kGroup);
+    w.scales_dtype = DType::U8;
+    w.scales_row_bytes = cols / mxfp4::kGroup;
+    w.scales = scales->data + k * rows * w.scales_row_bytes;
+    return w;
+  }
+  if (!t || t->dtype != DType::U32 || quant_.method != QuantConfig::Method::kInt4Affine) return w;
+  int64_t gs = quant_.group_size;
+  // MLX keys overrides by module path (the stem without "model." variations kept verbatim).
+  if (auto it = quant_.group_overrides.find(stem); it != quant_.group_overrides.end()) {
+    if (it->second == 0) fail("{}: tensor {} is uint32 but {} marks {} as not quantized", *t->file, name, quant_.source, stem);
+    gs = it->second;
+  }
+  if (cols % gs != 0)
+    fail("{}: tensor {}: group_size {} ({}) does not divide its rows of {} elements", *t->file, name, gs, quant_.source,
+         cols);
+  const auto want = lead({rows, cols / int4_affine::kPerWord});
+  if (t->shape != want)
+    fail("{}: tensor {}: INT4_AFFINE packed shape {} where {} is expected (uint32, 8 codes per word)", *t->file, name,
+         t->shape_str(), shape_str(want));
+  const TensorInfo& scales = get(stem + ".scales");
+  const TensorInfo& biases = get(stem + ".biases");
+  const auto want_plane = lead({rows, cols / gs});
+  for (const TensorInfo* p : {&scales, &biases}) {
+    if (!int4_affine::is_plane_dtype(p->dtype))
+      fail("{}: tensor {}: dtype {} where BF16, F16 or F32 is expected", *p->file, p->name, dtype_name(p->dtype));
+    if (p->shape != want_plane)
+      fail("{}: tensor {}: shape {} where {} is expected (group_size {})", *p->file, p->name, p->shape_str(),
+           shape_str(want_plane), gs);
+  }
+  if (scales.dtype != biases.dtype)
+    fail("{}: tensors {} and {} have different dtypes ({}, {})", *scales.file, scales.name, biases.name,
+         dtype_name(scales.dtype), dtype_name(biases.dtype));
+  w.dtype = DType::INT4_AFFINE;
+  w.rows = rows;
+  w.cols = cols;
+  w.row_bytes = cols / 2;
+  w.data = t->data + k * rows * w.row_bytes;
+  w.group_size = int32_t(gs);
+  w.scales_dtype = scales.dtype;
+  w.scales_row_bytes = cols / gs * int64_t(dtype_size(scales.dtype));
+  w.biases_row_bytes = w.scales_row_bytes;
+  w.scales = scales.data + k * rows * w.scales_row_bytes;
+  w.biases = biases.data + k * rows * w.biases_row_bytes;
+  return w;
+}
+
+WeightView Checkpoint::expert_matrix(const std::string& name, int64_t index, int64_t n, int64_t rows, int64_t cols,
+                                     StackLayout layout) const {
+  const bool transposed = layout == StackLayout::kInOut;
+  record_use(name, MatrixUse{true, transposed, rows, cols});
+  if (index < 0 || index >= n) fail("{}: expert {} of tensor {} out of range [0, {})", dir_, index, name, n);
+  WeightView packed = packed_view(name, index, n, rows, cols);
+  if (packed.data) return packed;
+  if (!transposed) return matrix_in_stack(name, index, n, rows, cols);
+  const TensorInfo& t = get(name);
+  if (!is_weight_dtype(t.dtype) || is_quantized(t.dtype))
+    fail("{}: tensor {}: dtype {} where a float dtype is expected", *t.file, name, dtype_name(t.dtype));
+  if (t.shape != std::vector<int64_t>{n, cols, rows})
+    fail("{}: tensor {}: shape {} where [{}, {}, {}] ([experts, in, out]) is expected", *t.file, name, t.shape_str(), n,
+         cols, rows);
+  const size_t es = dtype_size(t.dtype);
+  auto owned = std::make_unique<uint8_t[]>(size_t(rows * cols) * es);
+  const uint8_t* src = t.data + size_t(index * rows * cols) * es;
+  for (int64_t i = 0; i < cols; ++i)
+    for (int64_t o = 0; o < rows; ++o) std::memcpy(owned.get() + size_t(o * cols + i) * es, src + size_t(i * rows + o) * es, es);
+  WeightView w;
+  w.dtype = t.dtype;
+  w.data = owned.get();
+  w.rows = rows;
+  w.cols = cols;
+  w.row_bytes = cols * int64_t(es);
+  transposed_.push_back(std::move(owned));
+  return w;
+}
+
 Checkpoint::~Checkpoint() = default;
 
 Checkpoint::Checkpoint(const std::string& path) {
@@ -144,6 +335,7 @@ Checkpoint::Checkpoint(const std::string& path) {
       if (!index_.emplace(name, &info).second) fail("{}: tensor {} appears in two shards", p, name);
     }
   }
+  quant_ = read_quant_config(dir_);
 }
 
 int64_t Checkpoint::total_bytes() const {
@@ -174,9 +366,10 @@ const TensorInfo& Checkpoint::get(const std::string& name) const {
   return *t;
 }
 
-static bool is_weight_dtype(DType t) { return t == DType::BF16 || t == DType::F16 || t == DType::F32 || is_quantized(t); }
 
 WeightView Checkpoint::matrix(const std::string& name, int64_t rows, int64_t cols) const {
+  record_use(name, MatrixUse{false, false, rows, cols});
+  if (WeightView packed = packed_view(name, -1, 0, rows, cols); packed.data) return packed;
   const TensorInfo& t = get(name);
   if (!is_weight_dtype(t.dtype)) fail("{}: tensor {}: dtype {} where a float or quantized dtype is expected", *t.file, name, dtype_name(t.dtype));
   if (t.shape != std::vector<int64_t>{rows, cols}) {
@@ -193,6 +386,8 @@ WeightView Checkpoint::matrix(const std::string& name, int64_t rows, int64_t col
 
 WeightView Checkpoint::matrix_in_stack(const std::string& name, int64_t index, int64_t n, int64_t rows,
                                        int64_t cols) const {
+  record_use(name, MatrixUse{true, false, rows, cols});
+  if (WeightView packed = packed_view(name, index, n, rows, cols); packed.data) return packed;
   const TensorInfo& t = get(name);
   if (!is_weight_dtype(t.dtype)) fail("{}: tensor {}: dtype {} where a float or quantized dtype is expected", *t.file, name, dtype_name(t.dtype));
   if (t.shape != std::vector<int64_t>{n, rows, cols}) {

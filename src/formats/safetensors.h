@@ -44,7 +44,54 @@ class SafetensorsFile {
   std::map<std::string, TensorInfo> tensors_;
 };
 
+// Quantization a checkpoint declares in the config.json beside it (read when the
+// checkpoint opens; see Checkpoint below for the tensors each method implies).
+struct QuantConfig {
+  enum class Method : uint8_t { kNone, kMxfp4, kInt4Affine };
+  Method method = Method::kNone;
+  int64_t group_size = 0;                        // INT4_AFFINE default group size
+  std::map<std::string, int64_t> group_overrides;  // MLX per-module entries; 0 = not quantized
+  std::string source;                            // "DIR/config.json: quantization", for errors
+};
+
+// The quantization entry of DIR/config.json (kNone without one); an unsupported quant_method,
+// mode, bits or group size is refused naming the field.
+QuantConfig read_quant_config(const std::string& dir);
+
+// Routed-expert stacks come in two layouts: [n, out, in] (Qwen-MoE fused experts, every
+// packed format) and [n, in, out] (gpt-oss's bf16 gate_up_proj/down_proj).
+enum class StackLayout : uint8_t { kOutIn, kInOut };
+
+// What a model asked the checkpoint for, by name (Checkpoint::matrix_uses): a plain matrix
+// [rows, cols] or a routed-expert stack [n, rows, cols] (transposed: stored [n, cols, rows]).
+// `turbospark convert` quantizes exactly these tensors.
+struct MatrixUse {
+  bool expert_stack = false;
+  bool transposed = false;
+  int64_t rows = 0, cols = 0;
+};
+
 // All tensors of a checkpoint directory (or a single .safetensors file), by name.
+//
+// Packed weight formats (core/quant_grouped.h) are resolved here, once, for every family:
+// matrix(), matrix_in_stack() and expert_matrix() return a WeightView of dtype MXFP4 or
+// INT4_AFFINE whose scale (and bias) planes point into the mapped file, and the backends run
+// them directly. Given a requested NAME and its stem (NAME without a trailing ".weight"):
+//   - config "quantization" or "quantization_config" {"group_size": 32|64|128, "bits": 4,
+//     "mode": "affine"} (MLX): NAME is uint32 [.., rows, cols / 8] with STEM.scales and
+//     STEM.biases [.., rows, cols / group_size]; tensors still stored as floats load as before.
+//   - config "quantization_config" {"quant_method": "mxfp4"} (gpt-oss): when NAME is absent,
+//     STEM_blocks uint8 [.., rows, cols / 32, 16] and STEM_scales uint8 [.., rows, cols / 32]
+//     stand for it, always in [out, in] order; has(NAME) is true for them.
+// Any other quant_method, bits or mode is refused by name when the checkpoint opens.
+//
+// Loader API for routed experts (gpt-oss, Qwen-MoE, ...): expert e of a fused stack as a
+// [rows = out, cols = in] matrix, bf16 or packed alike:
+//   Weight w;
+//   w.view = ckpt.expert_matrix("model.layers.3.mlp.experts.gate_up_proj", e, n_experts,
+//                               2 * inter, hidden, StackLayout::kInOut);  // gpt-oss bf16 layout
+//   w.expert = e; w.residency = Residency::kStreamedExpert;
+// and view.rows_slice() for a row range of it (e.g. the up half of a gate-first gate_up).
 class Checkpoint {
  public:
   // `path` is a directory holding model.safetensors.index.json or *.safetensors, one
@@ -58,7 +105,8 @@ class Checkpoint {
 
   const std::string& dir() const { return dir_; }
   const TensorInfo* find(const std::string& name) const;
-  bool has(const std::string& name) const { return find(name) != nullptr; }
+  // True when NAME is stored, or stands for an MXFP4 NAME_blocks/NAME_scales pair.
+  bool has(const std::string& name) const;
   // Throws "missing tensor NAME in DIR" when absent.
   const TensorInfo& get(const std::string& name) const;
   const std::map<std::string, const TensorInfo*>& all() const { return index_; }
@@ -74,6 +122,15 @@ class Checkpoint {
   // A slice of a 3-D [n, rows, cols] tensor as matrix `index` (fused expert stacks).
   WeightView matrix_in_stack(const std::string& name, int64_t index, int64_t n, int64_t rows,
                              int64_t cols) const;
+  // Routed expert `index` of a stack `name` as a [rows, cols] (out, in) matrix, whatever the
+  // storage: packed MXFP4/INT4_AFFINE ([n, rows, ...]), or floats in `layout` (kInOut float
+  // stacks are transposed once into memory this checkpoint owns).
+  WeightView expert_matrix(const std::string& name, int64_t index, int64_t n, int64_t rows, int64_t cols,
+                           StackLayout layout = StackLayout::kOutIn) const;
+
+  const QuantConfig& quantization() const { return quant_; }
+  // Every name requested through matrix(), matrix_in_stack() or expert_matrix() so far.
+  const std::map<std::string, MatrixUse>& matrix_uses() const { return uses_; }
 
  private:
   std::string dir_;
@@ -82,6 +139,12 @@ class Checkpoint {
   std::unique_ptr<GgufFile> gguf_;
   std::vector<TensorInfo> gguf_tensors_;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;  // rewritten tensor data (GGUF)
+
+  void record_use(const std::string& name, const MatrixUse& use) const { uses_[name] = use; }
+  WeightView packed_view(const std::string& name, int64_t index, int64_t n, int64_t rows, int64_t cols) const;
+  QuantConfig quant_;
+  mutable std::map<std::string, MatrixUse> uses_;
+  mutable std::vector<std::unique_ptr<uint8_t[]>> transposed_;  // kInOut float experts, [rows, cols]
 };
 
 }  // namespace turbospark

@@ -131,10 +131,9 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
       for (int e = 0; e < E; ++e) {
         ExpertWeights ew;
         if (fused) {
-          ew.gate.view = ck.matrix_in_stack(p + names.fused_gate_up, e, E, 2 * I, H);
-          ew.gate.view.rows = I;  // gate rows first, then up rows
-          ew.up.view = ew.gate.view;
-          ew.up.view.data = ew.gate.view.row(I);
+          const WeightView gate_up = ck.matrix_in_stack(p + names.fused_gate_up, e, E, 2 * I, H);
+          ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows
+          ew.up.view = gate_up.rows_slice(I, I);
           ew.down.view = ck.matrix_in_stack(p + names.fused_down, e, E, H, I);
           ew.gate.name = ew.up.name = p + names.fused_gate_up;
           ew.down.name = p + names.fused_down;

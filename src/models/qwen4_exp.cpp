@@ -382,10 +382,9 @@ class Qwen4Exp final : public Model {
     for (int e = 0; e < E; ++e) {
       ExpertWeights ew;
       if (fused) {
-        ew.gate.view = ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H);
-        ew.gate.view.rows = I;
-        ew.up.view = ew.gate.view;
-        ew.up.view.data = ew.gate.view.row(I);
+        const WeightView gate_up = ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H);
+        ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows
+        ew.up.view = gate_up.rows_slice(I, I);
         ew.down.view = ck.matrix_in_stack(p + "experts.down_proj", e, E, H, I);
         ew.gate.name = ew.up.name = p + "experts.gate_up_proj";
         ew.down.name = p + "experts.down_proj";

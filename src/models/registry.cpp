@@ -13,6 +13,8 @@ std::unique_ptr<Model> make_qwen4_exp(const HfConfig&, const Checkpoint&);
 std::unique_ptr<Model> make_llama(const HfConfig&, const Checkpoint&);
 std::unique_ptr<Model> make_qwen2(const HfConfig&, const Checkpoint&);
 std::unique_ptr<Model> make_gemma3(const HfConfig&, const Checkpoint&);
+std::unique_ptr<Model> make_gpt_oss(const HfConfig&, const Checkpoint&);
+std::unique_ptr<Model> make_gemma4(const HfConfig&, const Checkpoint&);
 
 const std::vector<FamilyEntry>& families() {
   static const std::vector<FamilyEntry> kFamilies = {
@@ -20,7 +22,10 @@ const std::vector<FamilyEntry>& families() {
       {"qwen2", "Qwen2ForCausalLM", make_qwen2},
       {"qwen3", "Qwen3ForCausalLM", make_qwen3},
       {"gemma3_text", "Gemma3ForCausalLM", make_gemma3},
+      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4},
+      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4},
       {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe},
+      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss},
       {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp},
       {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp},
   };

@@ -33,11 +33,24 @@ struct Weight {
   int64_t cols() const { return view.cols; }
 };
 
-// One routed expert: SwiGLU FFN [hidden] -> [inter] -> [hidden].
+// Elementwise activations for Backend::unary and Backend::mul_act.
+enum class Act : uint8_t { kIdentity, kSilu, kSigmoid, kGeluTanh, kTanh };
+
+// One routed expert: gated FFN [hidden] -> [inter] -> [hidden], act(gate) * up: SwiGLU, or
+// GeGLU (GELU-tanh) for Gemma 4.
 struct ExpertWeights {
   Weight gate;  // [inter, hidden]
   Weight up;    // [inter, hidden]
   Weight down;  // [hidden, inter]
+  Act act = Act::kSilu;
+  // gpt-oss: biases after each projection (host f32 owned by the model; null when absent),
+  // and when glu_limit > 0 its clamped GLU in place of act(gate) * up:
+  // (clamp(up, -limit, limit) + 1) * g * sigmoid(glu_alpha * g), g = min(gate, limit).
+  const float* gate_bias = nullptr;  // [inter]
+  const float* up_bias = nullptr;    // [inter]
+  const float* down_bias = nullptr;  // [hidden]
+  float glu_alpha = 0.f;
+  float glu_limit = 0.f;
 };
 
 // One layer's paged KV cache as the backend sees it (see engine/kv_cache.h).
@@ -49,9 +62,6 @@ struct KvLayerView {
   int n_kv_heads = 0;
   int head_dim = 0;
 };
-
-// Elementwise activations for Backend::unary and Backend::mul_act.
-enum class Act : uint8_t { kIdentity, kSilu, kSigmoid, kGeluTanh, kTanh };
 
 // One layer's QSA indexer state as the backend sees it (see models/blocks/qsa.h).
 struct QsaView {

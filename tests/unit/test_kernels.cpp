@@ -511,6 +511,19 @@ TEST(Kernels, AttentionSingleThreadAndManyThreads) {
   }
 }
 
+TEST(Kernels, AttentionWideHeadsOneKvHead) {
+  // Gemma 3 270M's shape: 4 query heads over 1 KV head of 256 dims.
+  std::mt19937 rng(14);
+  for (int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    for (int window : {0, 512}) {
+      check_attention({4, 1, 256, 16, chunk_positions(0, 19), window, false}, pool, rng);
+      check_attention({4, 1, 256, 16, chunk_positions(8, 8), window, false}, pool, rng);
+      check_attention({4, 1, 256, 16, chunk_positions(13, 1), window, false}, pool, rng);
+    }
+  }
+}
+
 TEST(Kernels, AttentionOfOnePositionReturnsItsValue) {
   // At position 0 with no sink, softmax over one logit is 1: out == v[0] exactly in the ref
   // and to rounding in the fast path. With a sink, out == v[0] * 1 / (1 + e^(sink - s)).

@@ -3,6 +3,8 @@
 #include <cstring>
 
 #include "backends/cpu/hybrid_ops.h"
+#include "backends/cpu/int4_affine.h"
+#include "backends/cpu/mxfp4.h"
 #include "backends/cpu/kernels.h"
 #include "backends/cpu/quant_matmul.h"
 #include "core/quant.h"
@@ -84,7 +86,11 @@ class CpuBackend final : public Backend {
   void swiglu(const Mat& gate, const Mat& up, const Mat& out) override { cpu::swiglu(gate, up, out); }
 
   void embedding(const Weight& table, const int32_t* ids, int64_t n, float scale, const Mat& out) override {
-    if (is_quantized(table.view.dtype)) {
+    if (table.view.dtype == DType::MXFP4) {
+      cpu::mxfp4_embedding(table.view, ids, n, scale, out);
+    } else if (table.view.dtype == DType::INT4_AFFINE) {
+      cpu::int4_affine_embedding(table.view, ids, n, scale, out);
+    } else if (is_quantized(table.view.dtype)) {
       cpu::quant_embedding(table.view, ids, n, scale, out);
     } else {
       cpu::embedding(table.view, ids, n, scale, out);
@@ -160,8 +166,18 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < n; ++i) std::memcpy(xs.row(i), x.row(rows[size_t(i)].first), size_t(hidden) * 4);
       matmul_view(ew.gate.view, xs, gate);
       matmul_view(ew.up.view, xs, up);
-      cpu::swiglu(gate, up, gate);
+      if (ew.gate_bias) cpu::add_bias(gate, ew.gate_bias);
+      if (ew.up_bias) cpu::add_bias(up, ew.up_bias);
+      if (ew.glu_limit > 0) {
+        cpu::clamped_swiglu(gate, up, ew.glu_alpha, ew.glu_limit, gate);
+      } else if (ew.act == Act::kSilu) {
+        cpu::swiglu(gate, up, gate);
+      } else {
+        cpu::unary(gate, ew.act, 1.f, 1.f, gate);
+        cpu::mul_act(gate, up, Act::kIdentity);
+      }
       matmul_view(ew.down.view, gate, y);
+      if (ew.down_bias) cpu::add_bias(y, ew.down_bias);
       for (int64_t i = 0; i < n; ++i) {
         float* dst = out.row(rows[size_t(i)].first);
         const float* src = y.row(i);
@@ -174,7 +190,11 @@ class CpuBackend final : public Backend {
  private:
   // Quantized formats have their own kernels; models never see the difference.
   void matmul_view(const WeightView& w, const Mat& x, const Mat& y) {
-    if (is_quantized(w.dtype)) {
+    if (w.dtype == DType::MXFP4) {
+      cpu::mxfp4_matmul(pool_, w, x, y);
+    } else if (w.dtype == DType::INT4_AFFINE) {
+      cpu::int4_affine_matmul(pool_, w, x, y);
+    } else if (is_quantized(w.dtype)) {
       cpu::quant_matmul(pool_, w, x, y);
     } else {
       cpu::matmul(pool_, w, x, y);

@@ -711,6 +711,27 @@ void swiglu(const Mat& gate, const Mat& up, const Mat& out) {
   }
 }
 
+void clamped_swiglu(const Mat& gate, const Mat& up, float alpha, float limit, const Mat& out) {
+  for (int64_t t = 0; t < gate.rows; ++t) {
+    const float* g = gate.row(t);
+    const float* u = up.row(t);
+    float* o = out.row(t);
+    for (int64_t i = 0; i < gate.cols; ++i) {
+      const float gc = std::min(g[i], limit);
+      const float uc = std::clamp(u[i], -limit, limit);
+      const float glu = gc * (1.f / (1.f + std::exp(-(gc * alpha))));
+      o[i] = (uc + 1.f) * glu;
+    }
+  }
+}
+
+void add_bias(const Mat& y, const float* bias) {
+  for (int64_t r = 0; r < y.rows; ++r) {
+    float* row = y.row(r);
+    for (int64_t c = 0; c < y.cols; ++c) row[c] += bias[c];
+  }
+}
+
 void embedding(const WeightView& table, const int32_t* ids, int64_t n, float scale, const Mat& out) {
   check_weight_dtype(table, "embedding");
   TS_CHECK(out.cols == table.cols && out.rows >= n, "embedding: out [{}, {}] for {} ids of dim {}",

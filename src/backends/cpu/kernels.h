@@ -55,6 +55,13 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
 // out[t, i] = silu(gate[t, i]) * up[t, i]. out may alias gate or up.
 void swiglu(const Mat& gate, const Mat& up, const Mat& out);
 
+// gpt-oss's clamped GLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+// out = (u + 1) * g * sigmoid(alpha * g). out may alias gate or up.
+void clamped_swiglu(const Mat& gate, const Mat& up, float alpha, float limit, const Mat& out);
+
+// y[t, :] += bias (length y.cols).
+void add_bias(const Mat& y, const float* bias);
+
 // out[t, :] = dequantized row ids[t] of `table` ([vocab, dim]), times `scale`.
 void embedding(const WeightView& table, const int32_t* ids, int64_t n, float scale, const Mat& out);
 

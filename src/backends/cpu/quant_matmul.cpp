@@ -4,7 +4,9 @@
 //   2. split output rows across the pool; each weight row is unpacked once per group of up
 //      to kMaxTokens activation rows and dotted with all of them, so prefill reuses the
 //      nibble unpacking and the scale decoding across tokens while decode streams each
-//      weight byte exactly once, a thread's rows read as kDecodeStreams interleaved runs.
+//      weight byte exactly once, a thread's rows read as kDecodeStreams interleaved runs;
+//   3. except for batches of kTiledMinTokens or more with a format that has a tiled kernel
+//      (all but Q8_0), which go to quant_gemm.h (8 rows x 4 tokens per call).
 // Every kernel is a template over the number of tokens NT (1..4) so the per-token
 // accumulators stay in registers.
 #include "backends/cpu/quant_matmul.h"
@@ -15,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "backends/cpu/quant_gemm.h"
 #include "core/error.h"
 #include "core/quant.h"
 
@@ -29,6 +32,13 @@ namespace turbospark::cpu {
 namespace {
 
 constexpr int kMaxTokens = 4;
+// From this many tokens on, formats with a tiled kernel (quant_gemm.h) take it: packing a
+// tile reads the weights once more and costs a few tokens' worth of its kernel, so it pays
+// off only across a batch. Measured on the 2-core EPYC dev VM (one thread, CPU time, Qwen2.5
+// 1.5B shapes): at 4-8 tokens the tiled path loses on ffn_gate Q4_K [8960 x 1536] and
+// ffn_down Q6_K [1536 x 8960], at 12 it still loses on Q6_K, from 16 it wins on all (and by
+// ~1.3-2x at 32-64, the prefill micro-batch).
+constexpr int64_t kTiledMinTokens = 16;
 // Decode reads a thread's rows as this many interleaved sequential streams: one stream per
 // core leaves DRAM bandwidth unused (the prefetchers track several streams). Measured on
 // the 2-core EPYC dev VM, paired A/B, Q4_K and Q8_0 [151936 x 1024] GEMV, 2 threads:
@@ -697,6 +707,12 @@ void quant_matmul(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
     });
   } else {
     for (int64_t t = 0; t < x.rows; ++t) quantize_act_row<true>(f, x.row(t), xq_data + t * xq_stride, w.cols);
+  }
+  if (x.rows >= kTiledMinTokens && quant_gemm::has_tiled_kernel(w.dtype)) {
+    pool.parallel_for(w.rows, quant_gemm::kTileRows, [&](int64_t b, int64_t e) {
+      quant_gemm::matmul_rows(w, xq_data, xq_stride, x.rows, y, b, e, /*fast=*/true);
+    });
+    return;
   }
   pool.parallel_for(w.rows, 8, [&](int64_t b, int64_t e) { matmul_rows(f, w, xq_data, xq_stride, x.rows, y, b, e); });
 }

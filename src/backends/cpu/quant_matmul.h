@@ -7,7 +7,8 @@
 // block. So results differ from "dequantize, then float matmul" by the activation rounding:
 // per block of x, at most amax(block) / 254 per element, times |w| summed over the block.
 // Decode (one activation row) is bound by streaming the weights, which are read once, in
-// place, split by output rows across the pool.
+// place, split by output rows across the pool. Prefill batches of every format but Q8_0 run
+// tiled kernels (quant_gemm.h) that repack 8 weight rows at a time into per-thread scratch.
 #pragma once
 
 #include <cstdint>

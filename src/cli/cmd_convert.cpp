@@ -1,0 +1,262 @@
+// turbospark convert: rewrites a safetensors checkpoint with its weights quantized to a
+// packed format the engine runs in place (core/quant_grouped.h):
+//   --quant int4-affine  every weight matrix the model multiplies by (linear layers, routed
+//                        experts, the embedding) becomes MLX-style affine 4-bit with
+//                        --group-size columns per scale/bias; matrices whose rows are not a
+//                        whole number of groups stay as they are (as MLX does) and are counted.
+//   --quant mxfp4        routed-expert weights only become MXFP4 (NAME_blocks/NAME_scales, the
+//                        gpt-oss layout); everything else stays as it is.
+// Which tensors are weight matrices is not guessed from names: the model is loaded first and
+// the checkpoint reports what it was asked for (Checkpoint::matrix_uses).
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/mapped_file.h"
+#include "core/quant.h"
+#include "core/quant_grouped.h"
+#include "formats/gguf_model.h"
+#include "formats/safetensors.h"
+#include "models/registry.h"
+
+namespace turbospark::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// Files beside the weights that a converted checkpoint keeps.
+constexpr const char* kCopiedFiles[] = {"tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json",
+                                        "generation_config.json", "chat_template.jinja", "chat_template.json",
+                                        "vocab.json",         "merges.txt",            "tokenizer.model",
+                                        "added_tokens.json"};
+
+std::string weight_stem(const std::string& name) {
+  const std::string suffix = ".weight";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+    return name.substr(0, name.size() - suffix.size());
+  return name;
+}
+
+// "...experts.<digit>..." : an unfused routed expert's own matrix.
+bool is_routed_expert_name(const std::string& name) {
+  for (size_t p = name.find(".experts."); p != std::string::npos; p = name.find(".experts.", p + 1)) {
+    const size_t d = p + 9;
+    if (d < name.size() && name[d] >= '0' && name[d] <= '9') return true;
+  }
+  return false;
+}
+
+bool is_float(DType t) { return t == DType::BF16 || t == DType::F16 || t == DType::F32; }
+
+// A tensor to quantize: n matrices (1 for a plain matrix) of [rows, cols], stored
+// [n, cols, rows] when transposed.
+struct Plan {
+  const TensorInfo* src = nullptr;
+  int64_t n = 1, rows = 0, cols = 0;
+  bool stacked = false, transposed = false;
+};
+
+// Row r of matrix k of the plan as floats.
+void source_row(const Plan& p, int64_t k, int64_t r, float* dst, std::vector<float>& scratch) {
+  const size_t es = dtype_size(p.src->dtype);
+  const uint8_t* base = p.src->data + size_t(k * p.rows * p.cols) * es;
+  if (!p.transposed) return dequantize_row(p.src->dtype, base + size_t(r * p.cols) * es, dst, p.cols);
+  scratch.resize(1);
+  for (int64_t i = 0; i < p.cols; ++i) {
+    dequantize_row(p.src->dtype, base + size_t(i * p.rows + r) * es, scratch.data(), 1);
+    dst[i] = scratch[0];
+  }
+}
+
+std::vector<int64_t> with_lead(const Plan& p, std::vector<int64_t> tail) {
+  if (p.stacked) tail.insert(tail.begin(), p.n);
+  return tail;
+}
+
+void copy_into(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+  if (ec) fail("convert: cannot copy {} to {}: {}", from.string(), to.string(), ec.message());
+}
+
+int64_t dir_bytes(const fs::path& dir) {
+  int64_t total = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file()) total += int64_t(e.file_size());
+  return total;
+}
+
+}  // namespace
+
+void add_convert_command(CLI::App& app) {
+  struct Opts {
+    std::string model, quant, out;
+    int64_t group_size = 64;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand("convert", "Quantize a safetensors checkpoint (int4-affine or mxfp4) into a new directory");
+  cmd->add_option("--model,-m", o->model, "Checkpoint directory (config.json + *.safetensors)")->required();
+  cmd->add_option("--quant", o->quant, "int4-affine (all weight matrices) or mxfp4 (routed experts)")->required();
+  cmd->add_option("--group-size", o->group_size, "int4-affine: columns per scale/bias (32, 64 or 128)")->capture_default_str();
+  cmd->add_option("--out,-o", o->out, "Output directory (created; must not hold files)")->required();
+  cmd->callback([o] {
+    const bool int4 = o->quant == "int4-affine";
+    if (!int4 && o->quant != "mxfp4") fail("convert: --quant {} is not supported (int4-affine, mxfp4)", o->quant);
+    if (int4 && o->group_size != 32 && o->group_size != 64 && o->group_size != 128)
+      fail("convert: --group-size {} is not supported (32, 64 or 128)", o->group_size);
+    std::error_code ec;
+    if (is_gguf_path(o->model) || !fs::is_directory(o->model, ec))
+      fail("convert: --model {} is not a safetensors checkpoint directory", o->model);
+    const fs::path in_dir(o->model), out_dir(o->out);
+    json config;
+    try {
+      config = json::parse(read_text_file((in_dir / "config.json").string()));
+    } catch (const json::exception& e) {
+      fail("{}: malformed JSON: {}", (in_dir / "config.json").string(), e.what());
+    }
+    if (config.contains("quantization") || config.contains("quantization_config"))
+      fail("convert: {} is already quantized (config.json has a quantization entry)", o->model);
+    if (fs::exists(out_dir, ec) && !fs::is_empty(out_dir, ec)) fail("convert: --out {} exists and is not empty", o->out);
+
+    // Load the model so the checkpoint records which tensors are weight matrices.
+    LoadedModel loaded = load_model(o->model);
+    const Checkpoint& ck = *loaded.checkpoint;
+    const auto& uses = ck.matrix_uses();
+
+    std::vector<TensorWriteSpec> specs;
+    int64_t n_quantized = 0, n_kept_ragged = 0;
+    std::string first_ragged;
+    const int64_t group = int4 ? o->group_size : mxfp4::kGroup;
+    for (const auto& [name, t] : ck.all()) {
+      Plan plan;
+      plan.src = t;
+      bool quantize = false;
+      if (auto it = uses.find(name); it != uses.end() && is_float(t->dtype)) {
+        const MatrixUse& u = it->second;
+        plan.rows = u.rows;
+        plan.cols = u.cols;
+        plan.stacked = u.expert_stack;
+        plan.transposed = u.transposed;
+        plan.n = u.expert_stack && !t->shape.empty() ? t->shape[0] : 1;
+        const std::vector<int64_t> want = u.expert_stack ? (u.transposed ? std::vector<int64_t>{plan.n, u.cols, u.rows}
+                                                                          : std::vector<int64_t>{plan.n, u.rows, u.cols})
+                                                         : std::vector<int64_t>{u.rows, u.cols};
+        const bool wanted = int4 || u.expert_stack || is_routed_expert_name(name);
+        if (wanted && t->shape == want) {
+          if (u.cols % group == 0) {
+            quantize = true;
+          } else {
+            ++n_kept_ragged;
+            if (first_ragged.empty()) first_ragged = name;
+          }
+        }
+      }
+      if (!quantize) {
+        specs.push_back({name, t->dtype, t->shape, [t](uint8_t* dst, size_t n) { std::memcpy(dst, t->data, n); }});
+        continue;
+      }
+      ++n_quantized;
+      const std::string stem = weight_stem(name);
+      const int64_t rows_total = plan.n * plan.rows;
+      if (int4) {
+        const DType plane = t->dtype == DType::F32 ? DType::F32 : t->dtype;  // scales in the source precision
+        const int64_t groups = plan.cols / group;
+        const size_t plane_row = size_t(groups) * dtype_size(plane);
+        // The packed tensor's fill quantizes and leaves the planes here for the next two fills.
+        auto planes = std::make_shared<std::pair<std::vector<uint8_t>, std::vector<uint8_t>>>();
+        specs.push_back({name, DType::U32, with_lead(plan, {plan.rows, plan.cols / int4_affine::kPerWord}),
+                         [plan, planes, plane, plane_row, group, rows_total](uint8_t* dst, size_t) {
+                           planes->first.resize(plane_row * size_t(rows_total));
+                           planes->second.resize(plane_row * size_t(rows_total));
+                           std::vector<float> row(size_t(plan.cols)), scratch;
+                           for (int64_t k = 0; k < plan.n; ++k) {
+                             for (int64_t r = 0; r < plan.rows; ++r) {
+                               const int64_t rr = k * plan.rows + r;
+                               source_row(plan, k, r, row.data(), scratch);
+                               int4_affine::quantize_row(row.data(), plan.cols, group, plane, dst + rr * plan.cols / 2,
+                                                         planes->first.data() + size_t(rr) * plane_row,
+                                                         planes->second.data() + size_t(rr) * plane_row);
+                             }
+                           }
+                         }});
+        specs.push_back({stem + ".scales", plane, with_lead(plan, {plan.rows, groups}), [planes](uint8_t* dst, size_t n) {
+                           std::memcpy(dst, planes->first.data(), n);
+                           std::vector<uint8_t>().swap(planes->first);
+                         }});
+        specs.push_back({stem + ".biases", plane, with_lead(plan, {plan.rows, groups}), [planes](uint8_t* dst, size_t n) {
+                           std::memcpy(dst, planes->second.data(), n);
+                           std::vector<uint8_t>().swap(planes->second);
+                         }});
+      } else {
+        auto scales = std::make_shared<std::vector<uint8_t>>();
+        const int64_t blocks = plan.cols / mxfp4::kGroup;
+        specs.push_back({stem + "_blocks", DType::U8, with_lead(plan, {plan.rows, blocks, mxfp4::kGroupBytes}),
+                         [plan, scales, blocks, rows_total](uint8_t* dst, size_t) {
+                           scales->resize(size_t(blocks * rows_total));
+                           std::vector<float> row(size_t(plan.cols)), scratch;
+                           for (int64_t k = 0; k < plan.n; ++k) {
+                             for (int64_t r = 0; r < plan.rows; ++r) {
+                               const int64_t rr = k * plan.rows + r;
+                               source_row(plan, k, r, row.data(), scratch);
+                               mxfp4::quantize_row(row.data(), dst + rr * plan.cols / 2, scales->data() + rr * blocks,
+                                                   plan.cols);
+                             }
+                           }
+                         }});
+        specs.push_back({stem + "_scales", DType::U8, with_lead(plan, {plan.rows, blocks}), [scales](uint8_t* dst, size_t n) {
+                           std::memcpy(dst, scales->data(), n);
+                           std::vector<uint8_t>().swap(*scales);
+                         }});
+      }
+    }
+    if (n_quantized == 0) fail("convert: {} has no weight matrix that {} applies to", o->model, o->quant);
+
+    // Progress on stderr, one line rewritten per tensor.
+    const size_t total = specs.size();
+    for (size_t i = 0; i < total; ++i) {
+      auto fill = std::move(specs[i].fill);
+      const std::string name = specs[i].name;
+      specs[i].fill = [fill, i, total, name](uint8_t* dst, size_t n) {
+        fmt::print(stderr, "\rconvert: {:>5}/{} {:<60.60}", i + 1, total, name);
+        std::fflush(stderr);
+        fill(dst, n);
+      };
+    }
+    fs::create_directories(out_dir, ec);
+    if (ec) fail("convert: cannot create {}: {}", o->out, ec.message());
+    write_safetensors((out_dir / "model.safetensors").string(), specs, {{"format", "pt"}});
+    fmt::print(stderr, "\n");
+
+    if (int4) {
+      // MLX's key; "quantization_config" is left to methods transformers knows by name.
+      config["quantization"] = {{"group_size", o->group_size}, {"bits", 4}, {"mode", "affine"}};
+    } else {
+      config["quantization_config"] = {{"quant_method", "mxfp4"}};
+    }
+    {
+      const std::string text = config.dump(2) + "\n";
+      std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen((out_dir / "config.json").c_str(), "w"), std::fclose);
+      if (!f || std::fwrite(text.data(), 1, text.size(), f.get()) != text.size())
+        fail("convert: cannot write {}", (out_dir / "config.json").string());
+    }
+    for (const char* file : kCopiedFiles)
+      if (fs::exists(in_dir / file, ec)) copy_into(in_dir / file, out_dir / file);
+
+    const int64_t before = ck.total_bytes(), after = dir_bytes(out_dir);
+    if (n_kept_ragged > 0)
+      fmt::print(stderr, "convert: kept {} matrices as they were: rows not a multiple of {} (e.g. {})\n", n_kept_ragged,
+                 group, first_ragged);
+    fmt::print("converted {} -> {} ({}{}): {} tensors quantized, {:.1f} MiB of weights -> {:.1f} MiB on disk ({:.0f}%)\n",
+               o->model, o->out, o->quant, int4 ? fmt::format(", group size {}", o->group_size) : std::string(),
+               n_quantized, double(before) / (1 << 20), double(after) / (1 << 20), 100.0 * double(after) / double(before));
+  });
+}
+
+}  // namespace turbospark::cli

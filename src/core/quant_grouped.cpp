@@ -1,0 +1,162 @@
+#include "core/quant_grouped.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/quant.h"
+
+namespace turbospark {
+
+namespace mxfp4 {
+
+void dequantize_row(const uint8_t* blocks, const uint8_t* scales, float* dst, int64_t cols) {
+  for (int64_t g = 0; g < cols / kGroup; ++g) {
+    const float s = e8m0_to_float(scales[g]);
+    const uint8_t* b = blocks + g * kGroupBytes;
+    float* d = dst + g * kGroup;
+    for (int k = 0; k < kGroupBytes; ++k) {
+      d[2 * k] = kFp4Values[b[k] & 0xF] * s;
+      d[2 * k + 1] = kFp4Values[b[k] >> 4] * s;
+    }
+  }
+}
+
+namespace {
+
+// Nearest FP4 magnitude code (0..7) for a >= 0 already divided by the scale; ties go to the
+// code with an even mantissa bit (0, 1, 2, 4, 6 are "even": codes 0, 2, 4, 6).
+uint8_t fp4_magnitude_code(float a) {
+  if (a <= 0.25f) return 0;
+  if (a < 0.75f) return 1;
+  if (a <= 1.25f) return 2;
+  if (a < 1.75f) return 3;
+  if (a <= 2.5f) return 4;
+  if (a < 3.5f) return 5;
+  if (a <= 5.0f) return 6;
+  return 7;
+}
+
+}  // namespace
+
+void quantize_row(const float* src, uint8_t* blocks, uint8_t* scales, int64_t cols) {
+  for (int64_t g = 0; g < cols / kGroup; ++g) {
+    const float* x = src + g * kGroup;
+    float amax = 0.f;
+    for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+    int e = -127;
+    if (amax > 0.f && std::isfinite(amax)) {
+      int k;
+      const float m = std::frexp(amax, &k) * 2.f;  // amax = m * 2^(k-1), m in [1, 2)
+      e = (k - 1) - 2 + (m > 1.5f ? 1 : 0);           // smallest e with 6 * 2^e >= amax
+      e = std::clamp(e, -127, 127);
+    }
+    scales[g] = uint8_t(e + 127);
+    const float inv = std::ldexp(1.0f, -e);
+    uint8_t* b = blocks + g * kGroupBytes;
+    for (int k = 0; k < kGroupBytes; ++k) {
+      uint8_t code[2];
+      for (int h = 0; h < 2; ++h) {
+        const float v = x[2 * k + h] * inv;
+        const uint8_t mag = fp4_magnitude_code(std::fabs(v));
+        code[h] = uint8_t(v < 0.f && mag != 0 ? mag | 8 : mag);
+      }
+      b[k] = uint8_t(code[0] | code[1] << 4);
+    }
+  }
+}
+
+}  // namespace mxfp4
+
+namespace int4_affine {
+
+bool is_plane_dtype(DType t) { return t == DType::BF16 || t == DType::F16 || t == DType::F32; }
+
+float plane_value(DType t, const void* plane, int64_t i) {
+  const auto* p = static_cast<const uint8_t*>(plane);
+  switch (t) {
+    case DType::F32: {
+      float f;
+      std::memcpy(&f, p + 4 * i, 4);
+      return f;
+    }
+    case DType::F16: {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      return f16_to_f32(h);
+    }
+    case DType::BF16: {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      return bf16_to_f32(h);
+    }
+    default: fail("INT4_AFFINE: scale/bias dtype {} is not BF16, F16 or F32", dtype_name(t));
+  }
+}
+
+void set_plane_value(DType t, void* plane, int64_t i, float v) {
+  auto* p = static_cast<uint8_t*>(plane);
+  switch (t) {
+    case DType::F32: std::memcpy(p + 4 * i, &v, 4); return;
+    case DType::F16: {
+      const uint16_t h = f32_to_f16(v);
+      std::memcpy(p + 2 * i, &h, 2);
+      return;
+    }
+    case DType::BF16: {
+      const uint16_t h = f32_to_bf16(v);
+      std::memcpy(p + 2 * i, &h, 2);
+      return;
+    }
+    default: fail("INT4_AFFINE: scale/bias dtype {} is not BF16, F16 or F32", dtype_name(t));
+  }
+}
+
+void dequantize_row(const uint8_t* packed, const void* scales, const void* biases, DType plane_dtype,
+                    int64_t group_size, float* dst, int64_t cols) {
+  for (int64_t g = 0; g < cols / group_size; ++g) {
+    const float s = plane_value(plane_dtype, scales, g), b = plane_value(plane_dtype, biases, g);
+    for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
+      const int q = (packed[i / 2] >> (4 * (i & 1))) & 0xF;
+      dst[i] = s * float(q) + b;
+    }
+  }
+}
+
+void quantize_row(const float* src, int64_t cols, int64_t group_size, DType plane_dtype, uint8_t* packed,
+                  void* scales, void* biases) {
+  std::memset(packed, 0, size_t(cols / 2));
+  for (int64_t g = 0; g < cols / group_size; ++g) {
+    const float* x = src + g * group_size;
+    float lo = x[0], hi = x[0];
+    for (int64_t i = 1; i < group_size; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+    set_plane_value(plane_dtype, scales, g, (hi - lo) / 15.f);
+    set_plane_value(plane_dtype, biases, g, lo);
+    const float s = plane_value(plane_dtype, scales, g), b = plane_value(plane_dtype, biases, g);
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    for (int64_t i = 0; i < group_size; ++i) {
+      const int q = int(std::clamp(std::nearbyint((x[i] - b) * inv), 0.f, 15.f));
+      const int64_t c = g * group_size + i;
+      packed[c / 2] = uint8_t(packed[c / 2] | q << (4 * (c & 1)));
+    }
+  }
+}
+
+}  // namespace int4_affine
+
+int64_t grouped_row_bytes(DType t, int64_t cols) {
+  TS_CHECK(is_grouped(t), "grouped_row_bytes: {} is not a grouped format", dtype_name(t));
+  return cols / 2;
+}
+
+void dequantize_weight_row(const WeightView& w, int64_t r, float* dst) {
+  switch (w.dtype) {
+    case DType::MXFP4: return mxfp4::dequantize_row(w.row(r), w.scales_row(r), dst, w.cols);
+    case DType::INT4_AFFINE:
+      return int4_affine::dequantize_row(w.row(r), w.scales_row(r), w.biases_row(r), w.scales_dtype, w.group_size,
+                                         dst, w.cols);
+    default: return dequantize_row(w.dtype, w.row(r), dst, w.cols);
+  }
+}
+
+}  // namespace turbospark

@@ -1,0 +1,227 @@
+// turbospark convert: each fixture family converted to int4-affine (and a MoE fixture to
+// mxfp4) loads and tracks the bf16 model on the fixture's golden tokens: top-1 agreement
+// and mean KL(bf16 || quantized) from our own engine's logits, printed for the record.
+// Bad input is refused with one line.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.h"
+#include "core/quant_grouped.h"
+#include "engine/sampler.h"
+#include "engine/session.h"
+#include "formats/safetensors.h"
+#include "models/registry.h"
+#include "test_util.h"
+
+namespace turbospark {
+namespace {
+
+using testing::fixture;
+
+struct Agreement {
+  double top1 = 0, mean_kl = 0;
+  double top1_decided = 1;  // over positions whose bf16 top-1 leads by >= kDecidedMargin
+  int decided = 0;
+};
+
+// The tiny random fixtures without tied embeddings have near-flat logits (std ~1, median
+// top-1 lead ~0.2): there any 4-bit noise flips the argmax, so agreement is also reported
+// over the positions where bf16 itself has a clear winner.
+constexpr double kDecidedMargin = 1.0;
+
+std::vector<float> all_logits(const std::string& model_dir, const std::vector<int32_t>& tokens) {
+  LoadedModel m = load_model(model_dir);
+  auto be = make_cpu_backend(2);
+  Session s(*m.model, *be);
+  return s.feed(tokens, 0, /*all_logits=*/true);
+}
+
+Agreement compare(const std::vector<float>& ref, const std::vector<float>& got, int64_t vocab) {
+  const int64_t T = int64_t(ref.size()) / vocab;
+  Agreement a;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* p = ref.data() + t * vocab;
+    const float* q = got.data() + t * vocab;
+    const int32_t best = argmax(p, vocab);
+    const bool same = best == argmax(q, vocab);
+    a.top1 += same;
+    double second = -1e30;
+    for (int64_t i = 0; i < vocab; ++i)
+      if (i != best) second = std::max(second, double(p[i]));
+    if (p[best] - second >= kDecidedMargin) {
+      ++a.decided;
+      a.top1_decided += same;
+    }
+    double mp = p[0], mq = q[0];
+    for (int64_t i = 1; i < vocab; ++i) mp = std::max(mp, double(p[i])), mq = std::max(mq, double(q[i]));
+    double zp = 0, zq = 0;
+    for (int64_t i = 0; i < vocab; ++i) zp += std::exp(p[i] - mp), zq += std::exp(q[i] - mq);
+    double kl = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const double lp = p[i] - mp - std::log(zp), lq = q[i] - mq - std::log(zq);
+      kl += std::exp(lp) * (lp - lq);
+    }
+    a.mean_kl += kl;
+  }
+  a.top1 /= double(T);
+  a.mean_kl /= double(T);
+  a.top1_decided = a.decided ? (a.top1_decided - 1) / double(a.decided) : 1.0;
+  return a;
+}
+
+struct Case {
+  std::string fixture, quant;
+  int group_size;
+  double min_top1;
+};
+
+class ConvertFixture : public ::testing::TestWithParam<Case> {};
+
+// The converted checkpoint with every packed matrix dequantized (through the loader's own
+// views) into F32 tensors under the original names: a float model with exactly the
+// quantized weights, which the packed kernels must reproduce to float rounding.
+void write_dequantized(const std::string& qdir, const std::string& out) {
+  std::filesystem::create_directories(out);
+  auto cfg = testing::read_json(qdir + "/config.json");
+  cfg.erase("quantization");
+  cfg.erase("quantization_config");
+  std::ofstream(out + "/config.json") << cfg.dump(2);
+  // Loading the model first tells which stacks the family reads transposed ([n, in, out]).
+  auto ck = load_model(qdir).checkpoint;
+  const auto uses = ck->matrix_uses();
+  auto ends_with = [](const std::string& s, const std::string& suf) {
+    return s.size() > suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+  };
+  std::vector<TensorWriteSpec> specs;
+  for (const auto& [name, t] : ck->all()) {
+    if (ends_with(name, ".scales") || ends_with(name, ".biases") || ends_with(name, "_scales")) continue;
+    std::string logical = name;
+    int64_t rows = 0, cols = 0;
+    const size_t nd = t->shape.size();
+    if (t->dtype == DType::U32) {
+      rows = t->shape[nd - 2], cols = t->shape[nd - 1] * 8;
+    } else if (ends_with(name, "_blocks")) {
+      logical = name.substr(0, name.size() - 7);
+      if (nd == 3) logical += ".weight";  // an unfused expert's own matrix (fused stacks have no suffix)
+      rows = t->shape[nd - 3], cols = t->shape[nd - 2] * 32;
+    } else {
+      specs.push_back({name, t->dtype, t->shape, [t = t](uint8_t* dst, size_t n) { std::memcpy(dst, t->data, n); }});
+      continue;
+    }
+    const bool stacked = t->dtype == DType::U32 ? nd == 3 : nd == 4;
+    const int64_t n = stacked ? t->shape[0] : 1;
+    const bool transposed = uses.count(logical) && uses.at(logical).transposed;
+    std::vector<int64_t> shape = transposed ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{rows, cols};
+    if (stacked) shape.insert(shape.begin(), n);
+    specs.push_back({logical, DType::F32, shape, [ck, logical, stacked, transposed, n, rows, cols](uint8_t* dst, size_t) {
+                       float* f = reinterpret_cast<float*>(dst);
+                       std::vector<float> row(static_cast<size_t>(cols));
+                       for (int64_t k = 0; k < n; ++k) {
+                         WeightView v = stacked ? ck->matrix_in_stack(logical, k, n, rows, cols) : ck->matrix(logical, rows, cols);
+                         for (int64_t r = 0; r < rows; ++r) {
+                           dequantize_weight_row(v, r, row.data());
+                           for (int64_t i = 0; i < cols; ++i)
+                             f[k * rows * cols + (transposed ? i * rows + r : r * cols + i)] = row[size_t(i)];
+                         }
+                       }
+                     }});
+  }
+  write_safetensors(out + "/model.safetensors", specs);
+}
+
+TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
+  const Case& c = GetParam();
+  testing::TempDir dir;
+  const std::string out = dir.str() + "/converted";
+  auto r = testing::run_cli("convert --model " + fixture(c.fixture) + " --quant " + c.quant + " --group-size " +
+                            std::to_string(c.group_size) + " --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("MiB on disk"), std::string::npos) << r.out;
+  ASSERT_TRUE(std::filesystem::exists(out + "/config.json"));
+  {
+    Checkpoint ck(out);
+    EXPECT_NE(ck.quantization().method, QuantConfig::Method::kNone);
+  }
+  const auto golden = testing::read_json(fixture(c.fixture) + "/golden.json");
+  const auto tokens = golden["tokens"].get<std::vector<int32_t>>();
+  LoadedModel probe = load_model(fixture(c.fixture));
+  const int64_t vocab = probe.model->info().vocab_size;
+  const std::vector<float> quantized = all_logits(out, tokens);
+  // The packed kernels compute exactly the quantized model: to float rounding for MXFP4
+  // (float activations), to the int8 activation rounding for INT4_AFFINE (as the ggml
+  // formats, backends/cpu/int4_affine.h).
+  write_dequantized(out, dir.str() + "/dequantized");
+  const std::vector<float> fake = all_logits(dir.str() + "/dequantized", tokens);
+  const double kernel_err = testing::max_rel_error(quantized.data(), fake.data(), fake.size());
+  // With routed experts that rounding can also flip a near-tied router choice, which moves
+  // the logits by more than rounding (qwen3_moe 7e-2, qwen4_exp 1.7e-1, gpt_oss 8e-2
+  // measured), so there the bound only catches gross errors (a wrong nibble order is O(1)).
+  const bool routed = c.fixture.find("moe") != std::string::npos || c.fixture.find("qwen4_exp") != std::string::npos ||
+                      c.fixture.find("gpt_oss") != std::string::npos;
+  EXPECT_LT(kernel_err, c.quant == "mxfp4" ? 2e-4 : (routed ? 0.3 : 2e-2)) << c.fixture;
+  // And the quantized model tracks bf16.
+  const Agreement a = compare(all_logits(fixture(c.fixture), tokens), quantized, vocab);
+  std::printf("[convert] %-15s %-11s g%-3d top-1 agreement with bf16 %5.1f%% of %zu tokens (%5.1f%% of the %d with a "
+              "lead >= %.0f), mean KL(bf16||quant) %.5f nats; kernels vs dequantized float model %.1e\n",
+              c.fixture.c_str(), c.quant.c_str(), c.group_size, 100 * a.top1, tokens.size(), 100 * a.top1_decided,
+              a.decided, kDecidedMargin, a.mean_kl, kernel_err);
+  EXPECT_GE(a.top1, c.min_top1);
+  if (a.decided >= 10) EXPECT_GE(a.top1_decided, 0.95);  // fewer positions say nothing
+  EXPECT_LT(a.mean_kl, 0.5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, ConvertFixture,
+    // Floors are what the overall agreement measured, less a margin; the flat-logit fixtures
+    // (qwen2, qwen3_moe, qwen4_exp: median top-1 lead ~0.2) sit far below 95% overall.
+    ::testing::Values(Case{"qwen3_tiny", "int4-affine", 32, 0.85}, Case{"qwen3_tiny", "int4-affine", 64, 0.85},
+                      Case{"qwen2_tiny", "int4-affine", 32, 0.65}, Case{"llama_tiny", "int4-affine", 32, 0.95},
+                      Case{"gemma3_tiny", "int4-affine", 32, 0.95}, Case{"qwen3_moe_tiny", "int4-affine", 32, 0.65},
+                      Case{"qwen3_moe_tiny", "mxfp4", 32, 0.85}, Case{"qwen4_exp_tiny", "int4-affine", 32, 0.6},
+                      Case{"gpt_oss_tiny", "mxfp4", 32, 0.5}, Case{"gpt_oss_tiny", "int4-affine", 32, 0.35}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      std::string n = info.param.fixture + "_" + info.param.quant + "_g" + std::to_string(info.param.group_size);
+      for (char& ch : n)
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return n;
+    });
+
+TEST(Convert, RefusesBadInput) {
+  testing::TempDir dir;
+  const std::string q = fixture("qwen3_tiny");
+  auto r = testing::run_cli("convert --model " + q + " --quant int4-affine --group-size 48 --out " + dir.str() + "/a");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--group-size 48"), std::string::npos) << r.out;
+  r = testing::run_cli("convert --model " + q + " --quant nf4 --out " + dir.str() + "/b");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--quant nf4"), std::string::npos) << r.out;
+  r = testing::run_cli("convert --model " + q + "/qwen3_tiny-bf16.gguf --quant int4-affine --out " + dir.str() + "/c");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("not a safetensors checkpoint directory"), std::string::npos) << r.out;
+  // A converted checkpoint is not converted again.
+  r = testing::run_cli("convert --model " + q + " --quant int4-affine --group-size 32 --out " + dir.str() + "/d");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  r = testing::run_cli("convert --model " + dir.str() + "/d --quant int4-affine --out " + dir.str() + "/e");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("already quantized"), std::string::npos) << r.out;
+  // The output directory must not hold files already.
+  r = testing::run_cli("convert --model " + q + " --quant int4-affine --out " + dir.str() + "/d");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("not empty"), std::string::npos) << r.out;
+}
+
+TEST(Convert, ConvertedCheckpointRunsThroughTheCli) {
+  testing::TempDir dir;
+  const std::string out = dir.str() + "/q";
+  auto r = testing::run_cli("convert --model " + fixture("qwen3_moe_tiny") + " --quant int4-affine --group-size 32 --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  r = testing::run_cli("generate --model " + out + " --tokens 5,17,9 --max-tokens 4 --temperature 0 --format ids");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+}
+
+}  // namespace
+}  // namespace turbospark

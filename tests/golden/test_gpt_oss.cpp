@@ -1,0 +1,288 @@
+// gpt-oss against transformers 5.17 on tiny random checkpoints
+// (tools/fixtures/make_gpt_oss_fixtures.py): bf16 experts, MXFP4 experts (the reference
+// computed on exactly the dequantized values), and a scaled-down YaRN whose prompt runs past
+// original_max_position_embeddings and the sliding window. Plus the engine invariants
+// (chunking, cached decode), the YaRN table itself, proof that the sliding window and YaRN
+// are live (changing them moves the logits exactly where they should), and refusals.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "backends/cpu/kernels.h"
+#include "core/npy.h"
+#include "engine/generate.h"
+#include "engine/sampler.h"
+#include "engine/session.h"
+#include "formats/hf_config.h"
+#include "models/blocks/rope.h"
+#include "models/registry.h"
+#include "test_util.h"
+
+namespace turbospark {
+namespace {
+
+using testing::fixture;
+using testing::max_rel_error;
+
+// bf16 (or exactly dequantized MXFP4) weights, float32 activations on both sides: the
+// differences are summation order only.
+constexpr double kLogitTol = 2e-5;  // measured: <= 2.1e-6 on all three fixtures
+
+struct Golden {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> greedy;
+  int64_t greedy_prompt_len = 0;
+  NpyArray logits;  // [T, vocab]
+  NpyArray hidden;  // [layers, T, hidden]
+  std::vector<float> inv_freq;
+  double attention_scaling = 0;
+};
+
+Golden load_golden(const std::string& name) {
+  Golden g;
+  auto j = testing::read_json(fixture(name) + "/golden.json");
+  g.tokens = j["tokens"].get<std::vector<int32_t>>();
+  g.greedy = j["greedy"].get<std::vector<int32_t>>();
+  g.greedy_prompt_len = j["greedy_prompt_len"].get<int64_t>();
+  g.inv_freq = j["rope_inv_freq"].get<std::vector<float>>();
+  g.attention_scaling = j["rope_attention_scaling"].get<double>();
+  g.logits = read_npy_f32(fixture(name) + "/logits.npy");
+  g.hidden = read_npy_f32(fixture(name) + "/hidden.npy");
+  return g;
+}
+
+std::vector<float> run_logits(const Model& m, Backend& be, const std::vector<int32_t>& tokens, int64_t chunk) {
+  Session s(m, be);
+  return s.feed(tokens, chunk, /*all_logits=*/true);
+}
+
+class GptOss : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    loaded_ = load_model(fixture(GetParam()));
+    backend_ = make_cpu_backend(2);
+    golden_ = load_golden(GetParam());
+  }
+  const Model& model() const { return *loaded_.model; }
+  int64_t vocab() const { return model().info().vocab_size; }
+
+  LoadedModel loaded_;
+  std::unique_ptr<Backend> backend_;
+  Golden golden_;
+};
+
+TEST_P(GptOss, LogitsMatchTransformersAtChunkSizes) {
+  const int64_t T = int64_t(golden_.tokens.size());
+  ASSERT_EQ(golden_.logits.shape, (std::vector<int64_t>{T, vocab()}));
+  for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(3)}) {  // 0 = the whole prompt at once
+    std::vector<float> logits = run_logits(model(), *backend_, golden_.tokens, chunk);
+    ASSERT_EQ(int64_t(logits.size()), T * vocab());
+    EXPECT_LT(max_rel_error(logits.data(), golden_.logits.data.data(), logits.size()), kLogitTol)
+        << GetParam() << " chunk " << chunk;
+  }
+}
+
+TEST_P(GptOss, HiddenStatesMatchTransformersPerLayer) {
+  const int64_t T = int64_t(golden_.tokens.size());
+  const int L = model().info().n_layers;
+  const int64_t H = model().info().hidden_size;
+  ASSERT_EQ(golden_.hidden.shape, (std::vector<int64_t>{L, T, H}));
+  std::vector<float> ours(size_t(L * T * H), std::nanf(""));
+  Session s(model(), *backend_);
+  s.trace = [&](const char* name, int layer, const Mat& m) {
+    if (std::strcmp(name, "layer_in") != 0) return;
+    for (int64_t r = 0; r < m.rows; ++r) std::memcpy(&ours[size_t((layer * T + r) * H)], m.row(r), size_t(H) * 4);
+  };
+  s.feed(golden_.tokens, 0, true);
+  for (int l = 0; l < L; ++l) {
+    double err = max_rel_error(&ours[size_t(l * T * H)], &golden_.hidden.data[size_t(l * T * H)], size_t(T * H));
+    EXPECT_LT(err, kLogitTol) << GetParam() << " input of layer " << l;
+  }
+}
+
+TEST_P(GptOss, CachedDecodeEqualsFullRecompute) {
+  const int64_t T = int64_t(golden_.tokens.size());
+  Session decode(model(), *backend_);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<float> step = decode.feed(std::span<const int32_t>(&golden_.tokens[size_t(t)], 1));
+    if (t % 9 != 4 && t != T - 1) continue;  // recompute a handful of prefixes from scratch
+    Session full(model(), *backend_);
+    std::vector<float> again = full.feed(std::span<const int32_t>(golden_.tokens.data(), size_t(t + 1)));
+    EXPECT_LT(max_rel_error(step.data(), again.data(), step.size()), 1e-5) << GetParam() << " position " << t;
+    EXPECT_LT(max_rel_error(step.data(), &golden_.logits.data[size_t(t * vocab())], size_t(vocab())), kLogitTol)
+        << GetParam() << " position " << t;
+  }
+}
+
+TEST_P(GptOss, GreedyContinuationMatchesTransformers) {
+  Session s(model(), *backend_);
+  SamplingParams sp;
+  sp.temperature = 0;
+  Sampler sampler(sp);
+  std::vector<int32_t> out;
+  std::span<const int32_t> prompt(golden_.tokens.data(), size_t(golden_.greedy_prompt_len));
+  generate(s, sampler, prompt, int64_t(golden_.greedy.size()), {}, [&](int32_t tok, bool) {
+    out.push_back(tok);
+    return true;
+  });
+  EXPECT_EQ(out, golden_.greedy) << GetParam();
+}
+
+// The YaRN table from the config equals the one transformers built (recorded in golden.json).
+TEST_P(GptOss, YarnTableMatchesTransformers) {
+  HfConfig c = HfConfig::load(fixture(GetParam()));
+  const auto& rp = c.text()["rope_parameters"];
+  ASSERT_EQ(rp["rope_type"], "yarn");
+  YarnParams y;
+  y.theta = rp["rope_theta"].get<double>();
+  y.factor = rp["factor"].get<double>();
+  y.original_max_positions = rp["original_max_position_embeddings"].get<int64_t>();
+  y.beta_fast = rp["beta_fast"].get<double>();
+  y.beta_slow = rp["beta_slow"].get<double>();
+  y.truncate = rp.value("truncate", true);
+  RopeTable t = rope_yarn(y, int(c.get_int("head_dim")));
+  ASSERT_EQ(t.inv_freq.size(), golden_.inv_freq.size());
+  for (size_t i = 0; i < t.inv_freq.size(); ++i) {
+    EXPECT_NEAR(t.inv_freq[i], golden_.inv_freq[i], 1e-6 * std::fabs(golden_.inv_freq[i])) << "inv_freq " << i;
+  }
+  EXPECT_NEAR(t.attention_factor, golden_.attention_scaling, 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GptOss, ::testing::Values("gpt_oss_tiny", "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny"));
+
+// The clamped GLU on both sides of the clamps: gate above the limit is cut to it (below,
+// never), up is cut to [-limit, limit]; then (up + 1) * gate * sigmoid(alpha * gate).
+TEST(GptOssGlu, ClampedSwigluMatchesTheReferenceFormula) {
+  const float alpha = 1.702f, limit = 7.f;
+  std::vector<float> g = {-30.f, -7.5f, -1.f, 0.f, 0.5f, 6.99f, 7.f, 7.01f, 12.f, 100.f};
+  std::vector<float> u = {3.f, -9.f, 8.f, -7.f, 0.25f, 100.f, -100.f, 1.f, -2.f, 7.5f};
+  const int64_t n = int64_t(g.size());
+  std::vector<float> out(g.size());
+  cpu::clamped_swiglu(Mat(g.data(), 1, n), Mat(u.data(), 1, n), alpha, limit, Mat(out.data(), 1, n));
+  for (int64_t i = 0; i < n; ++i) {
+    const double gc = std::min(double(g[size_t(i)]), double(limit));
+    const double uc = std::clamp(double(u[size_t(i)]), -double(limit), double(limit));
+    const double want = (uc + 1) * gc / (1 + std::exp(-alpha * gc));
+    EXPECT_NEAR(out[size_t(i)], want, 1e-5 * std::max(1.0, std::fabs(want))) << "element " << i;
+  }
+  EXPECT_NEAR(out[9], 8.f * 7.f / (1.f + std::exp(-alpha * 7.f)), 1e-4);  // both clamps active
+}
+
+// A fixture copy with config.json edited.
+struct EditedFixture {
+  testing::TempDir tmp;
+  std::string dir;
+  EditedFixture(const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    testing::copy_fixture(name, tmp.path / "m");
+    dir = (tmp.path / "m").string();
+    auto cfg = testing::read_json(dir + "/config.json");
+    edit(cfg);
+    std::ofstream(dir + "/config.json") << cfg.dump(2);
+  }
+};
+
+// Largest relative error over rows [r0, r1) of [T, V] logits.
+double rows_error(const std::vector<float>& a, const NpyArray& golden, int64_t V, int64_t r0, int64_t r1) {
+  return max_rel_error(&a[size_t(r0 * V)], &golden.data[size_t(r0 * V)], size_t((r1 - r0) * V));
+}
+
+// Past the window the sliding layers must forget: with the window widened, the first
+// `window` rows are unchanged (nothing to forget yet) and every later one moves.
+TEST(GptOssWindow, SlidingWindowIsHonouredPastTheWindow) {
+  const std::string name = "gpt_oss_tiny";
+  Golden g = load_golden(name);
+  auto be = make_cpu_backend(2);
+  HfConfig c = HfConfig::load(fixture(name));
+  const int64_t window = c.get_int("sliding_window"), T = int64_t(g.tokens.size());
+  ASSERT_LT(window + 8, T);
+  EditedFixture wide(name, [](nlohmann::json& j) { j["sliding_window"] = 4096; });
+  LoadedModel m = load_model(wide.dir);
+  const int64_t V = m.model->info().vocab_size;
+  for (int64_t chunk : {int64_t(0), int64_t(1)}) {
+    std::vector<float> logits = run_logits(*m.model, *be, g.tokens, chunk);
+    EXPECT_LT(rows_error(logits, g.logits, V, 0, window), kLogitTol) << "chunk " << chunk;
+    for (int64_t t = window; t < T; ++t) {
+      EXPECT_GT(rows_error(logits, g.logits, V, t, t + 1), 50 * kLogitTol) << "row " << t << " chunk " << chunk;
+    }
+  }
+  // And the real window reproduces every row, decoded one token at a time past the window.
+  LoadedModel real = load_model(fixture(name));
+  std::vector<float> logits = run_logits(*real.model, *be, g.tokens, 1);
+  EXPECT_LT(rows_error(logits, g.logits, V, window, T), kLogitTol);
+}
+
+// YaRN past the original context: rows beyond original_max_position_embeddings match, and
+// plain RoPE (same theta) does not reproduce them.
+TEST(GptOssYarn, PastOriginalContext) {
+  const std::string name = "gpt_oss_yarn_tiny";
+  Golden g = load_golden(name);
+  auto be = make_cpu_backend(2);
+  HfConfig c = HfConfig::load(fixture(name));
+  const int64_t original = c.text()["rope_parameters"]["original_max_position_embeddings"].get<int64_t>();
+  const int64_t T = int64_t(g.tokens.size());
+  ASSERT_LT(original + 8, T);
+  ASSERT_GT(g.greedy_prompt_len + int64_t(g.greedy.size()), original);  // greedy runs past it too
+  LoadedModel m = load_model(fixture(name));
+  const int64_t V = m.model->info().vocab_size;
+  for (int64_t chunk : {int64_t(0), int64_t(3)}) {
+    std::vector<float> logits = run_logits(*m.model, *be, g.tokens, chunk);
+    EXPECT_LT(rows_error(logits, g.logits, V, original, T), kLogitTol) << "chunk " << chunk;
+  }
+  EditedFixture plain(name, [](nlohmann::json& j) {
+    j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", j["rope_parameters"]["rope_theta"]}};
+  });
+  LoadedModel p = load_model(plain.dir);
+  std::vector<float> logits = run_logits(*p.model, *be, g.tokens, 0);
+  EXPECT_GT(rows_error(logits, g.logits, V, original, T), 50 * kLogitTol);
+}
+
+// Config errors: a non-zero exit and one line naming the field (and the value).
+void expect_config_error(const std::string& name, const std::function<void(nlohmann::json&)>& edit,
+                         const std::vector<std::string>& needles) {
+  EditedFixture f(name, edit);
+  auto r = testing::run_cli("logits --model " + f.dir + " --tokens 1,2 --out " + f.tmp.str() + "/x.npy");
+  EXPECT_NE(r.exit_code, 0) << r.out;
+  for (const auto& needle : needles) EXPECT_NE(r.out.find(needle), std::string::npos) << needle << " in: " << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+}
+
+TEST(GptOssConfig, UnknownQuantMethodIsRefusedByName) {
+  expect_config_error("gpt_oss_mxfp4_tiny", [](auto& c) { c["quantization_config"]["quant_method"] = "fp8"; },
+                      {"quant_method", "fp8"});
+  expect_config_error("gpt_oss_tiny", [](auto& c) { c["quantization_config"] = {{"quant_method", "bitsandbytes_4bit"}}; },
+                      {"quant_method", "bitsandbytes_4bit"});
+}
+
+TEST(GptOssConfig, MalformedFieldsAreNamed) {
+  const std::string n = "gpt_oss_tiny";
+  expect_config_error(n, [](auto& c) { c["layer_types"][1] = "chunked_attention"; }, {"layer_types[1]", "chunked_attention"});
+  expect_config_error(n, [](auto& c) { c["layer_types"].erase(0); }, {"layer_types has 2 entries for 3 layers"});
+  expect_config_error(n, [](auto& c) { c["sliding_window"] = -4; }, {"sliding_window"});
+  expect_config_error(n, [](auto& c) { c["num_experts_per_tok"] = 9; }, {"num_experts_per_tok 9"});
+  expect_config_error(n, [](auto& c) { c["rope_parameters"]["rope_type"] = "longrope"; }, {"rope_type longrope"});
+  expect_config_error(n, [](auto& c) { c["rope_parameters"]["factor"] = "big"; }, {"rope_parameters.factor"});
+  expect_config_error(n, [](auto& c) { c["rope_parameters"]["truncate"] = 1; }, {"rope_parameters.truncate"});
+  expect_config_error(n, [](auto& c) { c["swiglu_limit"] = 5.0; }, {"swiglu_limit 5"});
+}
+
+// The MXFP4 checkpoint's experts are read packed: its expert bytes are about a quarter of
+// bf16 (4.25 bits per weight with the scales, against 16).
+TEST(GptOssMxfp4, ExpertsStayPacked) {
+  LoadedModel q = load_model(fixture("gpt_oss_mxfp4_tiny"));
+  HfConfig c = HfConfig::load(fixture("gpt_oss_mxfp4_tiny"));
+  const int64_t E = c.get_int("num_local_experts"), H = c.get_int("hidden_size"), I = c.get_int("intermediate_size");
+  const int64_t L = c.get_int("num_hidden_layers");
+  const int64_t bf16_expert_bytes = L * E * 3 * H * I * 2;
+  const int64_t packed_expert_bytes = bf16_expert_bytes * 17 / 64;  // 4.25 / 16
+  const int64_t total = q.model->info().weight_bytes;
+  const int64_t rest = total - packed_expert_bytes;
+  // Everything else (embeddings, head, attention, routers) is bf16 and known from the shapes.
+  const int64_t V = c.get_int("vocab_size"), heads = c.get_int("num_attention_heads"), kv = c.get_int("num_key_value_heads");
+  const int64_t hd = c.get_int("head_dim");
+  const int64_t dense = 2 * V * H * 2 + L * (2 * heads * hd * H + 2 * kv * hd * H + E * H) * 2;
+  EXPECT_EQ(rest, dense);
+}
+
+}  // namespace
+}  // namespace turbospark

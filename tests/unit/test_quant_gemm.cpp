@@ -1,0 +1,156 @@
+// The tiled multi-token kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) (backends/cpu/quant_gemm.h): the AVX2 kernels and
+// the scalar tile kernels against the scalar row-at-a-time integer reference
+// (cpu::ref::quant_matmul), on random block bytes (every quant and scale bit pattern), for
+// token counts around the kernel's 4-token groups and row counts around its 8-row tiles;
+// and quant_matmul, which picks the tiled path for batches, against the same reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cpu/quant_gemm.h"
+#include "backends/cpu/quant_matmul.h"
+#include "core/error.h"
+#include "core/quant.h"
+
+namespace turbospark {
+namespace {
+
+// Random block bytes with finite, moderate f16 scales at the given byte offsets.
+std::vector<uint8_t> random_rows(DType t, int64_t rows, int64_t cols, std::mt19937& rng) {
+  const int64_t bb = block_bytes(t), nb = rows * cols / block_size(t);
+  std::vector<uint8_t> bytes(size_t(nb * bb));
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
+  for (auto& b : bytes) b = uint8_t(byte(rng));
+  std::vector<int> offsets{0, 2};  // d and dmin (k-quants) or d and m (Q4_1, Q5_1)
+  if (t == DType::Q6_K) offsets = {208};
+  if (t == DType::Q4_0 || t == DType::Q5_0) offsets = {0};
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int off : offsets) {
+      const uint16_t h = f32_to_f16(scale(rng));
+      std::memcpy(bytes.data() + b * bb + off, &h, 2);
+    }
+  }
+  return bytes;
+}
+
+std::vector<float> random_normal(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+constexpr DType kTiledTypes[] = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1,
+                                 DType::Q4_K, DType::Q5_K, DType::Q6_K};
+
+// Float rounding scale of one output: sum over blocks of max|w_block| * sum|x_block| (the
+// per-block integer terms partly cancel, so rounding is relative to this, not to |y|).
+double rounding_scale(const std::vector<float>& wdeq, int64_t cols, int64_t blk, int64_t o, const float* xt) {
+  double scale = 0;
+  for (int64_t b0 = 0; b0 < cols; b0 += blk) {
+    double wmax = 0, xsum = 0;
+    for (int64_t i = b0; i < b0 + blk; ++i)
+      wmax = std::max(wmax, double(std::fabs(wdeq[size_t(o * cols + i)]))), xsum += std::fabs(xt[i]);
+    scale += wmax * xsum;
+  }
+  return scale + 1e-30;
+}
+
+TEST(QuantGemm, TiledKernelsMatchScalarReference) {
+  ThreadPool pool(2);
+  std::mt19937 rng(2024);
+  for (DType t : kTiledTypes) {
+    ASSERT_TRUE(cpu::quant_gemm::has_tiled_kernel(t));
+    for (int64_t cols : {256, 768}) {
+      for (int64_t rows : {1, 7, 8, 9, 17, 30}) {
+        const std::vector<uint8_t> bytes = random_rows(t, rows, cols, rng);
+        const int64_t rb = row_bytes(t, cols);
+        const WeightView w{t, bytes.data(), rows, cols, rb};
+        std::vector<float> wdeq(size_t(rows * cols));
+        for (int64_t r = 0; r < rows; ++r) dequantize_row(t, bytes.data() + r * rb, wdeq.data() + r * cols, cols);
+        for (int64_t T : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64}) {
+          const std::string label = std::string(dtype_name(t)) + " [" + std::to_string(rows) + ", " +
+                                    std::to_string(cols) + "] T " + std::to_string(T);
+          const std::vector<float> x = random_normal(size_t(T * cols), rng);
+          const Mat xm(const_cast<float*>(x.data()), T, cols);
+          // Outputs with a stride wider than the row: the padding must stay untouched.
+          const int64_t ys = rows + 3;
+          std::vector<float> yfast(size_t(T * ys), -7.f), yscalar(size_t(T * ys), -7.f), ydispatch(size_t(T * ys), -7.f);
+          std::vector<float> yref(size_t(T * rows));
+          cpu::quant_gemm::matmul(&pool, w, xm, Mat(yfast.data(), T, rows, ys), /*fast=*/true);
+          cpu::quant_gemm::matmul(nullptr, w, xm, Mat(yscalar.data(), T, rows, ys), /*fast=*/false);
+          cpu::quant_matmul(pool, w, xm, Mat(ydispatch.data(), T, rows, ys));
+          cpu::ref::quant_matmul(w, xm, Mat(yref.data(), T, rows));
+          for (int64_t i = 0; i < T; ++i) {
+            for (int64_t k = rows; k < ys; ++k) {
+              ASSERT_EQ(yfast[size_t(i * ys + k)], -7.f) << label << " (fast wrote padding)";
+              ASSERT_EQ(yscalar[size_t(i * ys + k)], -7.f) << label << " (scalar wrote padding)";
+              ASSERT_EQ(ydispatch[size_t(i * ys + k)], -7.f) << label << " (quant_matmul wrote padding)";
+            }
+            for (int64_t o = 0; o < rows; ++o) {
+              const double want = yref[size_t(i * rows + o)];
+              const double tol = 4e-6 * rounding_scale(wdeq, cols, block_size(t), o, x.data() + i * cols);
+              ASSERT_NEAR(yfast[size_t(i * ys + o)], want, tol) << label << " t " << i << " o " << o << " (AVX2 tile)";
+              ASSERT_NEAR(yscalar[size_t(i * ys + o)], want, tol) << label << " t " << i << " o " << o << " (scalar tile)";
+              ASSERT_NEAR(ydispatch[size_t(i * ys + o)], want, tol) << label << " t " << i << " o " << o << " (quant_matmul)";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Weights whose every quant is at its maximum (and activations at +-127) drive the int16
+// partial sums to their bound: a kernel that summed one maddubs too many per int16 lane
+// would saturate and differ from the reference here.
+TEST(QuantGemm, SaturationBoundIsRespected) {
+  std::mt19937 rng(7);
+  for (DType t : kTiledTypes) {
+    const int64_t rows = 9, cols = 512, T = 5;
+    std::vector<uint8_t> bytes = random_rows(t, rows, cols, rng);
+    const int64_t bb = block_bytes(t);
+    for (int64_t b = 0; b < rows * cols / block_size(t); ++b) {
+      uint8_t* blk = bytes.data() + b * bb;
+      if (t == DType::Q4_K) {
+        std::memset(blk + 4, 0xFF, 12);   // every scale and minimum 63
+        std::memset(blk + 16, 0xFF, 128);  // every quant 15
+      } else if (t == DType::Q5_K) {
+        std::memset(blk + 4, 0xFF, 12);   // every scale and minimum 63
+        std::memset(blk + 16, 0xFF, 160);  // every quant 31
+      } else if (t == DType::Q6_K) {
+        std::memset(blk, 0xFF, 192);       // every quant 63
+        std::memset(blk + 192, 127, 16);   // every scale 127
+      } else {
+        // The 32-element formats: every quant at its maximum (15 or 31), scales kept.
+        const int head = t == DType::Q4_1 || t == DType::Q5_1 ? 4 : 2;
+        std::memset(blk + head, 0xFF, size_t(bb - head));
+      }
+    }
+    const WeightView w{t, bytes.data(), rows, cols, row_bytes(t, cols)};
+    std::vector<float> x(size_t(T * cols));
+    for (int64_t i = 0; i < T * cols; ++i) x[size_t(i)] = (i / cols) % 2 ? -1.f : 1.f;
+    std::vector<float> yfast(size_t(T * rows)), yref(size_t(T * rows));
+    cpu::quant_gemm::matmul(nullptr, w, Mat(x.data(), T, cols), Mat(yfast.data(), T, rows), /*fast=*/true);
+    cpu::ref::quant_matmul(w, Mat(x.data(), T, cols), Mat(yref.data(), T, rows));
+    for (int64_t i = 0; i < T * rows; ++i)
+      ASSERT_NEAR(yfast[size_t(i)], yref[size_t(i)], 1e-5 * std::fabs(yref[size_t(i)]) + 1e-6)
+          << dtype_name(t) << " output " << i;
+  }
+}
+
+TEST(QuantGemm, RefusesFormatsWithoutTiledKernel) {
+  std::vector<uint8_t> bytes(size_t(row_bytes(DType::Q8_0, 32)));
+  const WeightView w{DType::Q8_0, bytes.data(), 1, 32, int64_t(bytes.size())};
+  std::vector<float> x(32), y(1);
+  EXPECT_FALSE(cpu::quant_gemm::has_tiled_kernel(DType::Q8_0));
+  EXPECT_THROW(cpu::quant_gemm::matmul(nullptr, w, Mat(x.data(), 1, 32), Mat(y.data(), 1, 1), true), Error);
+}
+
+}  // namespace
+}  // namespace turbospark
