@@ -15,6 +15,12 @@
 # 3. `llama-perplexity --kl-divergence` re-reads turbospark's tokens and log-probs, runs
 #    llama.cpp on exactly those tokens and prints both perplexities, their ratio, the KL
 #    divergence and "Same top p" (how often both engines' top-1 tokens agree).
+# 4. With FLOOR=1, llama.cpp against itself: its default run (flash attention, f16 KV cache;
+#    with flash attention llama.cpp casts an f32 cache to f16, so -ctk/-ctv f32 alone change
+#    nothing) as the base, re-run with -fa off -ctk f32 -ctv f32. This is the noise floor:
+#    Qwen2.5's massive activations (one channel ~3800 on the first token) make the 8-bit
+#    activation quantization of both engines (Q8_K, one scale per 256 values) flip roundings
+#    on ulp-level differences, so any two correct implementations land about this far apart.
 # Threads: THREADS (default nproc) for both engines. LLAMA_BIN: dir with llama-perplexity
 # (default: built/reused by bench/build_llama_cpp.sh).
 set -euo pipefail
@@ -46,6 +52,17 @@ echo "== llama.cpp on turbospark's tokens: KL divergence and top-1 agreement (ba
   --kl-divergence-base "$work/ts.kld" --kl-divergence >"$work/kld.txt" 2>&1 ||
   { tail -n 20 "$work/kld.txt" >&2; exit 1; }
 sed -n '/====== Perplexity statistics/,$p' "$work/kld.txt" | grep -E "PPL|KLD|Same top|Mean|=====" | head -20
+
+if [[ "${FLOOR:-0}" == 1 ]]; then
+  echo "== noise floor: llama.cpp default (base) vs llama.cpp -fa off -ctk f32 -ctv f32, same tokens"
+  "$bin/llama-perplexity" -m "$gguf" -f "$text" -c "$ctx" --chunks "$chunks" -t "$threads" -b "$ctx" \
+    --kl-divergence-base "$work/llama.kld" >"$work/floor_base.txt" 2>&1 ||
+    { tail -n 20 "$work/floor_base.txt" >&2; exit 1; }
+  "$bin/llama-perplexity" -m "$gguf" -c "$ctx" -t "$threads" -b "$ctx" -fa off -ctk f32 -ctv f32 \
+    --kl-divergence-base "$work/llama.kld" --kl-divergence >"$work/floor.txt" 2>&1 ||
+    { tail -n 20 "$work/floor.txt" >&2; exit 1; }
+  sed -n '/====== Perplexity statistics/,$p' "$work/floor.txt" | grep -E "Mean    KLD|RMS Δp|Same top" || true
+fi
 
 python3 - "$work/ts.txt" "$work/llama.txt" "$work/kld.txt" <<'EOF'
 import re, sys

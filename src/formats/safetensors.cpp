@@ -446,4 +446,27 @@ void write_safetensors(const std::string& path, const std::vector<TensorWriteSpe
   }
 }
 
+int64_t Checkpoint::n_parameters() const {
+  auto ends_with = [](const std::string& s, std::string_view suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  int64_t params = 0;
+  for (const auto& [name, t] : index_) {
+    int64_t n = t->numel();
+    if (quant_.method == QuantConfig::Method::kInt4Affine) {
+      const std::string stem = ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : name;
+      if ((ends_with(name, ".scales") || ends_with(name, ".biases")) && t->dtype != DType::U32) {
+        const std::string base = name.substr(0, name.size() - 7);
+        if (has(base + ".weight") || has(base)) continue;
+      }
+      if (t->dtype == DType::U32 && has(stem + ".scales")) n *= 8;
+    } else if (quant_.method == QuantConfig::Method::kMxfp4) {
+      if (ends_with(name, "_scales") && has(name.substr(0, name.size() - 7) + "_blocks")) continue;
+      if (ends_with(name, "_blocks") && t->dtype == DType::U8) n *= 2;
+    }
+    params += n;
+  }
+  return params;
+}
+
 }  // namespace turbospark

@@ -129,6 +129,9 @@ class Checkpoint {
                            StackLayout layout = StackLayout::kOutIn) const;
 
   const QuantConfig& quantization() const { return quant_; }
+  // Logical parameters: packed INT4 words count 8 each, MXFP4 block bytes 2 each, and the
+  // scale/bias planes of packed weights count nothing.
+  int64_t n_parameters() const;
   // Every name requested through matrix(), matrix_in_stack() or expert_matrix() so far.
   const std::map<std::string, MatrixUse>& matrix_uses() const { return uses_; }
 

@@ -163,9 +163,7 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
   info_.max_context = hp_.max_context;
   info_.weight_bytes = bytes;
   info_.active_weight_bytes = active;
-  int64_t params = 0;
-  for (const auto& [name, t] : ck.all()) params += t->numel();
-  info_.n_params = params;
+  info_.n_params = ck.n_parameters();
 }
 
 std::vector<KvLayerSpec> DecoderModel::kv_spec() const {

@@ -380,10 +380,10 @@ class Gemma4Model final : public Model {
         const std::string gate_up = p + "experts.gate_up_proj", down = p + "experts.down_proj";
         for (int e = 0; e < E; ++e) {
           ExpertWeights ew;
-          ew.gate.view = ck.matrix_in_stack(gate_up, e, E, 2 * I, H);
-          ew.gate.view.rows = I;  // gate rows first, then up rows
-          ew.up.view = ew.gate.view;
-          ew.up.view.data = ew.gate.view.row(I);
+          // Gate rows first, then up rows; rows_slice moves packed formats' scale planes too.
+          const WeightView fused = ck.matrix_in_stack(gate_up, e, E, 2 * I, H);
+          ew.gate.view = fused.rows_slice(0, I);
+          ew.up.view = fused.rows_slice(I, I);
           ew.down.view = ck.matrix_in_stack(down, e, E, H, I);
           ew.gate.name = ew.up.name = gate_up;
           ew.down.name = down;

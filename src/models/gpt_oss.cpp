@@ -333,14 +333,7 @@ GptOssModel::GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck)
   info_.max_context = hp_.max_context;
   info_.weight_bytes = bytes;
   info_.active_weight_bytes = active;
-  int64_t params = 0;
-  for (const auto& [name, t] : ck.all()) {
-    // An MXFP4 byte holds two parameters; its scales are not parameters.
-    const bool blocks = name.size() > 7 && name.compare(name.size() - 7, 7, "_blocks") == 0;
-    const bool scales = name.size() > 7 && name.compare(name.size() - 7, 7, "_scales") == 0;
-    params += blocks ? 2 * t->numel() : scales ? 0 : t->numel();
-  }
-  info_.n_params = params;
+  info_.n_params = ck.n_parameters();  // MXFP4 bytes hold two, their scales none
 }
 
 struct GptOssWorkspace : ModelWorkspace {

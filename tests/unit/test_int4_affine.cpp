@@ -75,12 +75,12 @@ TEST(Int4Affine, MatmulMatchesScalarReference) {
   std::mt19937 rng(11);
   for (DType plane : {DType::BF16, DType::F16, DType::F32}) {
     for (int64_t group : {32, 64, 128}) {
-      for (int64_t rows : {1, 5, 33}) {
+      for (int64_t rows : {1, 4, 5, 13, 33}) {  // the decode kernel takes rows four at a time
         for (int64_t cols : {128, 160, 384}) {
           if (cols % group) continue;
           AffineMatrix w(rows, cols, group, plane, rng);
           std::vector<float> wrow(static_cast<size_t>(cols));
-          for (int64_t tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 64}) {
+          for (int64_t tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64}) {
             std::vector<float> x = random_floats(size_t(tokens * cols), rng);
             std::vector<float> y(size_t(tokens * rows)), y_ref(static_cast<size_t>(tokens * rows));
             cpu::int4_affine_matmul(pool, w.view, Mat(x.data(), tokens, cols), Mat(y.data(), tokens, rows));

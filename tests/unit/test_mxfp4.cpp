@@ -3,6 +3,7 @@
 // the loader's packed _blocks/_scales views and refusals.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -73,7 +74,8 @@ TEST(Mxfp4, DequantizeMatchesTransformersLayout) {
   EXPECT_EQ(got[4], 0.0f);
 }
 
-TEST(Mxfp4, MatmulMatchesScalarReference) {
+// The exact float path: weights decoded exactly, so only the summation order differs.
+TEST(Mxfp4, ExactMatmulMatchesScalarReference) {
   ThreadPool pool(2);
   std::mt19937 rng(2);
   for (int64_t rows : {1, 7, 33, 100}) {
@@ -83,7 +85,7 @@ TEST(Mxfp4, MatmulMatchesScalarReference) {
       for (int64_t tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 64}) {
         std::vector<float> x = random_floats(size_t(tokens * cols), rng);
         std::vector<float> y(size_t(tokens * rows)), y_ref(static_cast<size_t>(tokens * rows));
-        cpu::mxfp4_matmul(pool, w.view, Mat(x.data(), tokens, cols), Mat(y.data(), tokens, rows));
+        cpu::mxfp4_matmul_exact(pool, w.view, Mat(x.data(), tokens, cols), Mat(y.data(), tokens, rows));
         cpu::ref::mxfp4_matmul(w.view, Mat(x.data(), tokens, cols), Mat(y_ref.data(), tokens, rows));
         for (int64_t r = 0; r < rows; ++r) {
           dequantize_weight_row(w.view, r, wrow.data());
@@ -99,18 +101,67 @@ TEST(Mxfp4, MatmulMatchesScalarReference) {
   }
 }
 
+// The int8 fast path: against its scalar twin (same activation rounding) to float rounding,
+// and against "dequantize, then float matmul" within the activation step: each element of
+// x moves by at most amax(its 32-block) / 254, so the dot by at most the sum of |w| times that.
+TEST(Mxfp4, Int8MatmulWithinActivationStepOfFloatReference) {
+  ThreadPool pool(2);
+  std::mt19937 rng(12);
+  for (int64_t rows : {1, 3, 7, 33, 100}) {
+    for (int64_t cols : {32, 64, 96, 288, 2880}) {
+      Mxfp4Matrix w(rows, cols, rng);
+      std::vector<float> wrow(static_cast<size_t>(cols));
+      for (int64_t tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64}) {
+        std::vector<float> x = random_floats(size_t(tokens * cols), rng);
+        if (tokens == 3) std::fill(x.begin(), x.begin() + 32, 0.f);  // an all-zero block
+        std::vector<float> y(size_t(tokens * rows)), y_ref(size_t(tokens * rows)), y_int(size_t(tokens * rows));
+        cpu::mxfp4_matmul_int8(pool, w.view, Mat(x.data(), tokens, cols), Mat(y.data(), tokens, rows));
+        cpu::ref::mxfp4_matmul(w.view, Mat(x.data(), tokens, cols), Mat(y_ref.data(), tokens, rows));
+        cpu::ref::mxfp4_matmul_int8(w.view, Mat(x.data(), tokens, cols), Mat(y_int.data(), tokens, rows));
+        for (int64_t r = 0; r < rows; ++r) {
+          dequantize_weight_row(w.view, r, wrow.data());
+          for (int64_t t = 0; t < tokens; ++t) {
+            const float* xt = x.data() + t * cols;
+            double mag = 0, bound = 0;
+            for (int64_t b = 0; b < cols / 32; ++b) {
+              double amax = 0, wsum = 0;
+              for (int64_t i = 32 * b; i < 32 * b + 32; ++i) {
+                amax = std::max(amax, std::fabs(double(xt[i])));
+                wsum += std::fabs(double(wrow[size_t(i)]));
+                mag += std::fabs(double(wrow[size_t(i)]) * xt[i]);
+              }
+              bound += wsum * amax / 254.0;
+            }
+            const size_t o = size_t(t * rows + r);
+            ASSERT_LE(std::fabs(double(y[o]) - y_int[o]), 1e-5 * (mag + bound) + 1e-6)
+                << "rows " << rows << " cols " << cols << " tokens " << tokens;
+            ASSERT_LE(std::fabs(double(y[o]) - y_ref[o]), bound * (1 + 1e-4) + 1e-5 * mag + 1e-6)
+                << "rows " << rows << " cols " << cols << " tokens " << tokens;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Mxfp4, ExtremeScalesDecodeLikeLdexp) {
-  // The kernel builds 2^(e-127) from bits; e = 0 (subnormal) and large e must agree.
+  // The kernels build 2^(e-127) from bits or a table; e = 0 (subnormal) and large e must
+  // agree. x in {-1, 0, 1} is exact in int8 up to the scale's own rounding.
   ThreadPool pool(1);
   std::mt19937 rng(3);
   for (auto range : {std::pair{0, 3}, std::pair{200, 220}}) {
     Mxfp4Matrix w(4, 64, rng, range.first, range.second);
     std::vector<float> x(64, 0.f);
     for (int i = 0; i < 64; ++i) x[size_t(i)] = (i % 3) - 1.f;
-    std::vector<float> y(4), y_ref(4);
-    cpu::mxfp4_matmul(pool, w.view, Mat(x.data(), 1, 64), Mat(y.data(), 1, 4));
+    std::vector<float> y(4), y_ref(4), y_int(4);
+    cpu::mxfp4_matmul_exact(pool, w.view, Mat(x.data(), 1, 64), Mat(y.data(), 1, 4));
+    cpu::mxfp4_matmul_int8(pool, w.view, Mat(x.data(), 1, 64), Mat(y_int.data(), 1, 4));
     cpu::ref::mxfp4_matmul(w.view, Mat(x.data(), 1, 64), Mat(y_ref.data(), 1, 4));
-    for (int r = 0; r < 4; ++r) EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * std::fabs(y_ref[size_t(r)]) + 1e-40f);
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * std::fabs(y_ref[size_t(r)]) + 1e-40f);
+      // d * 2^-128 is subnormal for the smallest scales: a few bits of the scale go.
+      EXPECT_NEAR(y_int[size_t(r)], y_ref[size_t(r)], 1e-3 * std::fabs(y_ref[size_t(r)]) + 1e-40f);
+    }
   }
 }
 
@@ -275,9 +326,15 @@ TEST(Mxfp4Backend, MoeExpertsMatchDequantizedFloats) {
   const float wt[T * k] = {0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f, 0.3f, 0.7f, 0.2f, 0.8f};
   auto be = make_cpu_backend(2);
   std::vector<float> yq(size_t(T * H)), yf(size_t(T * H));
-  be->moe_experts(q_experts, Mat(x.data(), T, H), idx, wt, k, Mat(yq.data(), T, H));
   be->moe_experts(f_experts, Mat(x.data(), T, H), idx, wt, k, Mat(yf.data(), T, H));
+  const bool was = cpu::mxfp4_int8_activations();
+  cpu::mxfp4_set_int8_activations(false);
+  be->moe_experts(q_experts, Mat(x.data(), T, H), idx, wt, k, Mat(yq.data(), T, H));
   EXPECT_LT(testing::max_rel_error(yq.data(), yf.data(), yq.size()), 1e-4);
+  cpu::mxfp4_set_int8_activations(true);
+  be->moe_experts(q_experts, Mat(x.data(), T, H), idx, wt, k, Mat(yq.data(), T, H));
+  cpu::mxfp4_set_int8_activations(was);
+  EXPECT_LT(testing::max_rel_error(yq.data(), yf.data(), yq.size()), 5e-2);  // two int8-rounded products deep
 }
 
 }  // namespace

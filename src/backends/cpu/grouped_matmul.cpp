@@ -44,6 +44,13 @@ void matmul_rows(const RowDots& dots, const WeightView& w, const uint8_t* xp, in
       const int nt = int(std::min<int64_t>(kMaxTokens, n_tokens - t0));
       const uint8_t* xt = xp + t0 * xp_stride;
       const int64_t n = r1 - r0;
+      if (nt == 1 && dots.dot1_rows4) {  // decode: four rows per pass, then the rest one by one
+        float* yr = y.row(t0);
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) dots.dot1_rows4(w, r, xt, yr + r);
+        for (; r < r1; ++r) dots.dot1(w, r, xt, xp_stride, yr + r);
+        continue;
+      }
       const int64_t streams = n_tokens <= kMaxTokens && n >= 4 * kDecodeStreams ? kDecodeStreams : 1;
       const int64_t per = (n + streams - 1) / streams;
       for (int64_t i = 0; i < per * streams; ++i) {

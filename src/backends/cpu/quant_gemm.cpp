@@ -5,8 +5,9 @@
 //      superblock, TileB32 per 32-column block);
 //   2. every group of up to 4 tokens runs one kernel over the tile, producing 8 outputs per
 //      token in the 8 float lanes of one register (no horizontal sums).
-// Packing costs about as much as one token's worth of the kernel, so the caller uses this
-// path only for batches of tokens (prefill); decode keeps the in-place row kernels.
+// Packing reads the weights and costs a few tokens' worth of the kernel, so the caller uses
+// this path only for batches of tokens (prefill; see kTiledMinTokens in quant_matmul.cpp);
+// decode keeps the in-place row kernels.
 #include "backends/cpu/quant_gemm.h"
 
 #include <algorithm>
