@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
+#include "models/arena.h"
 #include "models/blocks/rope.h"
 
 namespace turbospark {
@@ -188,29 +189,10 @@ std::unique_ptr<ModelWorkspace> DecoderModel::new_workspace(Backend& be, int64_t
   const int64_t qw = int64_t(hp_.n_heads) * hp_.head_dim, kvw = int64_t(hp_.n_kv_heads) * hp_.head_dim;
   const int64_t inter = std::max(hp_.intermediate, hp_.moe_intermediate);
   const int64_t E = std::max(hp_.n_experts, 1);
-  const int64_t sizes[] = {R * H, R * H, R * H, R * hp_.vocab_size, R * qw, R * kvw, R * kvw, R * qw,
-                           R * inter, R * inter, R * E};
-  int64_t total = 0;
-  for (int64_t s : sizes) total += (s + 15) / 16 * 16;
-  ws->storage = be.alloc(total);
+  ws->storage = allocate_mats(be, R, {{&ws->x, H}, {&ws->xn, H}, {&ws->branch, H}, {&ws->logits, hp_.vocab_size},
+                                      {&ws->attn.q, qw}, {&ws->attn.k, kvw}, {&ws->attn.v, kvw}, {&ws->attn.attn, qw},
+                                      {&ws->ffn.gate, inter}, {&ws->ffn.up, inter}, {&ws->ffn.router_logits, E}});
   ws->capacity = R;
-  float* p = ws->storage.get();
-  auto take = [&](int64_t cols) {
-    Mat m(p, R, cols);
-    p += (R * cols + 15) / 16 * 16;
-    return m;
-  };
-  ws->x = take(H);
-  ws->xn = take(H);
-  ws->branch = take(H);
-  ws->logits = take(hp_.vocab_size);
-  ws->attn.q = take(qw);
-  ws->attn.k = take(kvw);
-  ws->attn.v = take(kvw);
-  ws->attn.attn = take(qw);
-  ws->ffn.gate = take(inter);
-  ws->ffn.up = take(inter);
-  ws->ffn.router_logits = take(E);
   return ws;
 }
 

@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
+#include "models/arena.h"
 #include "models/blocks/ffn.h"
 #include "models/blocks/gemma4_attention.h"
 #include "models/blocks/gemma4_moe.h"
@@ -448,34 +449,13 @@ class Gemma4Model final : public Model {
       inter = std::max(inter, s.intermediate);
     }
     const int64_t E = std::max(hp_.n_experts, 1), P = hp_.per_layer_dim, LP = int64_t(hp_.n_layers) * P;
-    const int64_t sizes[] = {H, H, H, H, hp_.vocab, qw, kvw, kvw, qw, inter, inter, H, E, LP, LP, P, P};
-    int64_t total = 0;
-    for (int64_t s : sizes) total += (R * s + 15) / 16 * 16;
-    ws->storage = be.alloc(total);
+    ws->storage = allocate_mats(be, R, {{&ws->x, H}, {&ws->xn, H}, {&ws->branch, H}, {&ws->branch2, H},
+                                        {&ws->logits, hp_.vocab}, {&ws->attn.q, qw}, {&ws->attn.k, kvw},
+                                        {&ws->attn.v, kvw}, {&ws->attn.attn, qw}, {&ws->ffn.gate, inter},
+                                        {&ws->ffn.up, inter}, {&ws->moe.normed, H}, {&ws->moe.router_logits, E},
+                                        {&ws->per_layer, LP}, {&ws->per_layer_context, LP}, {&ws->pl_gate, P},
+                                        {&ws->pl_gated, P}});
     ws->capacity = R;
-    float* p = ws->storage.get();
-    auto take = [&](int64_t cols) {
-      Mat m(p, R, cols);
-      p += (R * cols + 15) / 16 * 16;
-      return m;
-    };
-    ws->x = take(H);
-    ws->xn = take(H);
-    ws->branch = take(H);
-    ws->branch2 = take(H);
-    ws->logits = take(hp_.vocab);
-    ws->attn.q = take(qw);
-    ws->attn.k = take(kvw);
-    ws->attn.v = take(kvw);
-    ws->attn.attn = take(qw);
-    ws->ffn.gate = take(inter);
-    ws->ffn.up = take(inter);
-    ws->moe.normed = take(H);
-    ws->moe.router_logits = take(E);
-    ws->per_layer = take(LP);
-    ws->per_layer_context = take(LP);
-    ws->pl_gate = take(P);
-    ws->pl_gated = take(P);
     return ws;
   }
 

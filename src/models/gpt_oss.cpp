@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
+#include "models/arena.h"
 #include "models/blocks/attention.h"
 #include "models/blocks/gpt_oss_moe.h"
 #include "models/blocks/rope.h"
@@ -348,26 +349,10 @@ std::unique_ptr<ModelWorkspace> GptOssModel::new_workspace(Backend& be, int64_t 
   auto ws = std::make_unique<GptOssWorkspace>();
   const int64_t H = hp_.hidden, R = max_rows;
   const int64_t qw = int64_t(hp_.n_heads) * hp_.head_dim, kvw = int64_t(hp_.n_kv_heads) * hp_.head_dim;
-  const int64_t cols[] = {H, H, H, hp_.vocab, qw, kvw, kvw, qw, hp_.n_experts};
-  int64_t total = 0;
-  for (int64_t c : cols) total += (R * c + 15) / 16 * 16;
-  ws->storage = be.alloc(total);
+  ws->storage = allocate_mats(be, R, {{&ws->x, H}, {&ws->xn, H}, {&ws->branch, H}, {&ws->logits, hp_.vocab},
+                                      {&ws->attn.q, qw}, {&ws->attn.k, kvw}, {&ws->attn.v, kvw}, {&ws->attn.attn, qw},
+                                      {&ws->ffn.router_logits, hp_.n_experts}});
   ws->capacity = R;
-  float* p = ws->storage.get();
-  auto take = [&](int64_t c) {
-    Mat m(p, R, c);
-    p += (R * c + 15) / 16 * 16;
-    return m;
-  };
-  ws->x = take(H);
-  ws->xn = take(H);
-  ws->branch = take(H);
-  ws->logits = take(hp_.vocab);
-  ws->attn.q = take(qw);
-  ws->attn.k = take(kvw);
-  ws->attn.v = take(kvw);
-  ws->attn.attn = take(qw);
-  ws->ffn.router_logits = take(hp_.n_experts);
   return ws;
 }
 

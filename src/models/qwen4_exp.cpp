@@ -16,6 +16,7 @@
 #include "models/blocks/hyper_connection.h"
 #include "models/blocks/ple.h"
 #include "models/blocks/qsa_attention.h"
+#include "models/arena.h"
 #include "models/blocks/rope.h"
 #include "models/model.h"
 
@@ -253,23 +254,6 @@ struct State : SequenceState {
   }
 };
 
-// Carves Mats out of one backend allocation.
-class Arena {
- public:
-  void plan(int64_t rows, int64_t cols) { total_ += (rows * cols + 15) / 16 * 16; }
-  void allocate(Backend& be) { storage_ = be.alloc(total_); next_ = storage_.get(); }
-  Mat take(int64_t rows, int64_t cols) {
-    Mat m(next_, rows, cols);
-    next_ += (rows * cols + 15) / 16 * 16;
-    return m;
-  }
-  std::shared_ptr<float> storage() const { return storage_; }
-
- private:
-  int64_t total_ = 0;
-  std::shared_ptr<float> storage_;
-  float* next_ = nullptr;
-};
 
 class Qwen4Exp final : public Model {
  public:
@@ -482,7 +466,7 @@ std::unique_ptr<ModelWorkspace> Qwen4Exp::new_workspace(Backend& be, int64_t R) 
   const int64_t iw = (int64_t(hp_.qsa.n_heads) + 1) * hp_.qsa.head_dim;
   const int64_t inter = std::max(hp_.moe_inter, hp_.shared_inter);
   const int64_t conv_dim = hp_.gdn.conv_dim(), vdim = hp_.gdn.value_dim(), nv = hp_.gdn.n_v_heads;
-  const std::vector<std::pair<Mat*, int64_t>> mats = {
+  ws->storage = allocate_mats(be, R, {
       {&ws->streams, CH}, {&ws->mixed, H}, {&ws->branch, H}, {&ws->inject, C}, {&ws->shared_out, H},
       {&ws->shared_gate, 1}, {&ws->logits, hp_.vocab}, {&ws->hc.normed, CH}, {&ws->hc.low, hp_.hc_rank},
       {&ws->hc.gate, CH}, {&ws->gdn.qkv, conv_dim}, {&ws->gdn.qkv_conv, conv_dim}, {&ws->gdn.z, vdim},
@@ -491,12 +475,7 @@ std::unique_ptr<ModelWorkspace> Qwen4Exp::new_workspace(Backend& be, int64_t R) 
       {&ws->qsa.index_q, iw - hp_.qsa.head_dim}, {&ws->qsa.index_k, hp_.qsa.head_dim}, {&ws->ffn.gate, inter}, {&ws->ffn.up, inter},
       {&ws->ffn.router_logits, hp_.n_experts}, {&ws->ple.emb, std::max<int64_t>(hp_.ple_dim, 1)},
       {&ws->ple.key, CH}, {&ws->ple.query, CH}, {&ws->ple.gated, CH}, {&ws->ple.normed, CH}, {&ws->ple.conv, CH},
-      {&ws->ple.value, H}};
-  Arena arena;
-  for (const auto& [m, cols] : mats) arena.plan(R, std::max<int64_t>(cols, 1));
-  arena.allocate(be);
-  for (const auto& [m, cols] : mats) *m = arena.take(R, std::max<int64_t>(cols, 1));
-  ws->storage = arena.storage();
+      {&ws->ple.value, H}});
   ws->capacity = R;
   return ws;
 }

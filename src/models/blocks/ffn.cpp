@@ -19,13 +19,10 @@ void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& 
   be.matmul(w.down, gate, out);
 }
 
-void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs) {
-  const int64_t rows = x.rows;
-  const int64_t n_experts = int64_t(w.experts.size());
-  Mat logits = s.router_logits.rows_slice(0, rows);
-  be.matmul(w.router, x, logits);
+void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, std::vector<int32_t>& idx,
+                  std::vector<float>& weight, float* router_probs) {
+  const int64_t rows = logits.rows, n_experts = logits.cols;
   if (router_probs) {
-    // Capture path (logits --router-out): an explicit download, off the normal decode path.
     std::vector<float> host(size_t(rows * n_experts));
     be.download(logits, host.data());
     for (int64_t t = 0; t < rows; ++t) {
@@ -35,9 +32,16 @@ void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, cons
       for (int64_t e = 0; e < n_experts; ++e) router_probs[t * n_experts + e] = std::exp(l[e] - mx) / sum;
     }
   }
-  s.topk_idx.resize(size_t(rows * w.top_k));
-  s.topk_weight.resize(size_t(rows * w.top_k));
-  be.router_softmax_topk(logits, w.top_k, w.renormalize, s.topk_idx.data(), s.topk_weight.data());
+  idx.resize(size_t(rows * top_k));
+  weight.resize(size_t(rows * top_k));
+  be.router_softmax_topk(logits, top_k, renormalize, idx.data(), weight.data());
+}
+
+void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs) {
+  const int64_t rows = x.rows;
+  Mat logits = s.router_logits.rows_slice(0, rows);
+  be.matmul(w.router, x, logits);
+  route_tokens(be, logits, w.top_k, w.renormalize, s.topk_idx, s.topk_weight, router_probs);
   be.moe_experts(w.experts, x, s.topk_idx.data(), s.topk_weight.data(), w.top_k, out);
 }
 

@@ -29,6 +29,13 @@ struct FfnScratch {
 
 void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out);
 
+// Routing from router logits [rows, n_experts]: the top_k experts of each row and their
+// softmax weights (renormalized over the k when asked) into idx/weight [rows, top_k]; when
+// router_probs is non-null it also receives softmax(logits) [rows, n_experts] (the
+// --router-out capture path: an explicit download, off the normal decode path).
+void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, std::vector<int32_t>& idx,
+                  std::vector<float>& weight, float* router_probs);
+
 // When router_probs is non-null it receives softmax(router logits) [rows, n_experts].
 void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs);
 
