@@ -97,8 +97,10 @@ constexpr grouped::RowDots kScalarDots = {&dot_row_scalar<G, 1>, &dot_row_scalar
 
 #if TS_INT4_AVX2
 
-// The four-row decode kernel (dot_rows4); false falls back to one row per pass.
-constexpr bool kInt4Rows4 = true;
+// The four-row decode kernel (dot_rows4); false falls back to one row per pass. Off: on
+// qwen3-0.6b int4-affine g64 decode (2-core VM, paired runs) it read 7.3-8.6 GB/s against
+// 11.6-13.3 GB/s for one row per pass; the cause is not yet understood.
+constexpr bool kInt4Rows4 = false;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
