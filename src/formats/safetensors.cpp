@@ -468,12 +468,13 @@ void write_safetensors(const std::string& path, const std::vector<TensorWriteSpe
   }
 }
 
-int64_t Checkpoint::n_parameters() const {
+int64_t Checkpoint::n_parameters(const std::function<bool(const std::string&)>& skip) const {
   auto ends_with = [](const std::string& s, std::string_view suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
   int64_t params = 0;
   for (const auto& [name, t] : index_) {
+    if (skip && skip(name)) continue;
     int64_t n = t->numel();
     if (quant_.method == QuantConfig::Method::kInt4Affine) {
       const std::string stem = ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : name;

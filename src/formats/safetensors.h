@@ -131,7 +131,8 @@ class Checkpoint {
   const QuantConfig& quantization() const { return quant_; }
   // Logical parameters: packed INT4 words count 8 each, MXFP4 block bytes 2 each, and the
   // scale/bias planes of packed weights count nothing.
-  int64_t n_parameters() const;
+  // `skip` leaves out tensors by name (e.g. a vision tower's).
+  int64_t n_parameters(const std::function<bool(const std::string&)>& skip = {}) const;
   // Every name requested through matrix(), matrix_in_stack() or expert_matrix() so far.
   const std::map<std::string, MatrixUse>& matrix_uses() const { return uses_; }
 

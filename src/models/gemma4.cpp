@@ -419,11 +419,9 @@ class Gemma4Model final : public Model {
     info_.weight_bytes = bytes;
     info_.active_weight_bytes = active;
     for (int64_t id : config.get_id_list("eos_token_id")) info_.eos_ids.push_back(int32_t(id));
-    int64_t params = 0;
-    for (const auto& [name, t] : ck.all()) {
-      if (name.find("vision") == std::string::npos && name.find("audio") == std::string::npos) params += t->numel();
-    }
-    info_.n_params = params;
+    info_.n_params = ck.n_parameters([](const std::string& name) {
+      return name.find("vision") != std::string::npos || name.find("audio") != std::string::npos;
+    });
   }
 
   const ModelInfo& info() const override { return info_; }

@@ -328,9 +328,7 @@ class Qwen4Exp final : public Model {
     for (int64_t e : config.get_id_list("eos_token_id")) info_.eos_ids.push_back(int32_t(e));
     info_.weight_bytes = bytes;
     info_.active_weight_bytes = active;
-    for (const auto& [name, t] : ck.all()) {
-      if (name.find(".visual.") == std::string::npos) info_.n_params += t->numel();
-    }
+    info_.n_params = ck.n_parameters([](const std::string& name) { return name.find(".visual.") != std::string::npos; });
   }
 
   const ModelInfo& info() const override { return info_; }
