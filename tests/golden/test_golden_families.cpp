@@ -126,6 +126,10 @@ INSTANTIATE_TEST_SUITE_P(Dense, GoldenFamily,
                                            "llama_tiny", "gemma3_tiny", "gemma3_p6_tiny"));
 INSTANTIATE_TEST_SUITE_P(Qwen4Exp, GoldenFamily,
                          ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny"));
+INSTANTIATE_TEST_SUITE_P(GptOss, GoldenFamily,
+                         ::testing::Values("gpt_oss_tiny", "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny"));
+INSTANTIATE_TEST_SUITE_P(Gemma4, GoldenFamily,
+                         ::testing::Values("gemma4_dense_tiny", "gemma4_moe_tiny", "gemma4_mm_tiny"));
 
 }  // namespace
 }  // namespace turbospark
