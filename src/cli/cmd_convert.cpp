@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -218,21 +219,27 @@ void add_convert_command(CLI::App& app) {
     }
     if (n_quantized == 0) fail("convert: {} has no weight matrix that {} applies to", o->model, o->quant);
 
-    // Progress on stderr, one line rewritten per tensor.
+    // Progress on stderr: on a terminal one line rewritten per tensor, into a pipe or file a
+    // line per tenth of the tensors.
     const size_t total = specs.size();
+    const bool tty = isatty(STDERR_FILENO) != 0;
     for (size_t i = 0; i < total; ++i) {
       auto fill = std::move(specs[i].fill);
       const std::string name = specs[i].name;
-      specs[i].fill = [fill, i, total, name](uint8_t* dst, size_t n) {
-        fmt::print(stderr, "\rconvert: {:>5}/{} {:<60.60}", i + 1, total, name);
-        std::fflush(stderr);
+      const bool report = tty || i + 1 == total || (i + 1) * 10 / total != i * 10 / total;
+      specs[i].fill = [fill, i, total, name, tty, report](uint8_t* dst, size_t n) {
+        if (report) {
+          if (tty) fmt::print(stderr, "\rconvert: {:>5}/{} {:<60.60}", i + 1, total, name);
+          else fmt::print(stderr, "convert: {:>5}/{} {}\n", i + 1, total, name);
+          std::fflush(stderr);
+        }
         fill(dst, n);
       };
     }
     fs::create_directories(out_dir, ec);
     if (ec) fail("convert: cannot create {}: {}", o->out, ec.message());
     write_safetensors((out_dir / "model.safetensors").string(), specs, {{"format", "pt"}});
-    fmt::print(stderr, "\n");
+    if (tty) fmt::print(stderr, "\n");
 
     if (int4) {
       // MLX's key; "quantization_config" is left to methods transformers knows by name.
@@ -251,7 +258,7 @@ void add_convert_command(CLI::App& app) {
 
     const int64_t before = ck.total_bytes(), after = dir_bytes(out_dir);
     if (n_kept_ragged > 0)
-      fmt::print(stderr, "convert: kept {} matrices as they were: rows not a multiple of {} (e.g. {})\n", n_kept_ragged,
+      fmt::print(stderr, "convert: kept {} matrices as they were: row length not a multiple of {} (e.g. {})\n", n_kept_ragged,
                  group, first_ragged);
     fmt::print("converted {} -> {} ({}{}): {} tensors quantized, {:.1f} MiB of weights -> {:.1f} MiB on disk ({:.0f}%)\n",
                o->model, o->out, o->quant, int4 ? fmt::format(", group size {}", o->group_size) : std::string(),

@@ -1,7 +1,9 @@
-// turbospark convert: each fixture family converted to int4-affine (and a MoE fixture to
-// mxfp4) loads and tracks the bf16 model on the fixture's golden tokens: top-1 agreement
-// and mean KL(bf16 || quantized) from our own engine's logits, printed for the record.
-// Bad input is refused with one line.
+// turbospark convert: each family's trained fixture (tools/fixtures/make_trained_fixtures.py:
+// the random fixture trained briefly on a synthetic language, so its predictions are peaked
+// like a real model's) converted to int4-affine (and the MoE ones to mxfp4) loads, computes
+// exactly the quantized model, and keeps the bf16 model's predictions on the golden tokens:
+// top-1 agreement and mean KL(bf16 || quantized), printed for the record. Bad input is
+// refused with one line.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +12,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "core/npy.h"
 #include "core/quant_grouped.h"
 #include "engine/sampler.h"
 #include "engine/session.h"
@@ -28,9 +31,8 @@ struct Agreement {
   int decided = 0;
 };
 
-// The tiny random fixtures without tied embeddings have near-flat logits (std ~1, median
-// top-1 lead ~0.2): there any 4-bit noise flips the argmax, so agreement is also reported
-// over the positions where bf16 itself has a clear winner.
+// Agreement is also reported over the positions where bf16 itself has a clear winner (the
+// trained fixtures' median lead is 2-5 logits; position 0 has nothing to go on).
 constexpr double kDecidedMargin = 1.0;
 
 std::vector<float> all_logits(const std::string& model_dir, const std::vector<int32_t>& tokens) {
@@ -76,7 +78,7 @@ Agreement compare(const std::vector<float>& ref, const std::vector<float>& got, 
 struct Case {
   std::string fixture, quant;
   int group_size;
-  double min_top1;
+  double min_top1, max_kl;
 };
 
 class ConvertFixture : public ::testing::TestWithParam<Case> {};
@@ -150,6 +152,11 @@ TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
   const auto tokens = golden["tokens"].get<std::vector<int32_t>>();
   LoadedModel probe = load_model(fixture(c.fixture));
   const int64_t vocab = probe.model->info().vocab_size;
+  // The trained bf16 fixture itself is what transformers computes (as every golden fixture).
+  const std::vector<float> bf16 = all_logits(fixture(c.fixture), tokens);
+  const NpyArray ref = read_npy_f32(fixture(c.fixture) + "/logits.npy");
+  ASSERT_EQ(ref.data.size(), bf16.size());
+  EXPECT_LT(testing::max_rel_error(bf16.data(), ref.data.data(), bf16.size()), 2e-4) << c.fixture;
   const std::vector<float> quantized = all_logits(out, tokens);
   // The packed kernels compute exactly the quantized model: to float rounding for MXFP4
   // (float activations), to the int8 activation rounding for INT4_AFFINE (as the ggml
@@ -161,28 +168,36 @@ TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
   // the logits by more than rounding (qwen3_moe 7e-2, qwen4_exp 1.7e-1, gpt_oss 8e-2
   // measured), so there the bound only catches gross errors (a wrong nibble order is O(1)).
   const bool routed = c.fixture.find("moe") != std::string::npos || c.fixture.find("qwen4_exp") != std::string::npos ||
-                      c.fixture.find("gpt_oss") != std::string::npos;
-  EXPECT_LT(kernel_err, c.quant == "mxfp4" ? 2e-4 : (routed ? 0.3 : 2e-2)) << c.fixture;
+                      c.fixture.find("gpt_oss") != std::string::npos || c.fixture.find("gemma4") != std::string::npos;
+  EXPECT_LT(kernel_err, c.quant == "mxfp4" ? 2e-4 : (routed ? 0.3 : 5e-2)) << c.fixture;
   // And the quantized model tracks bf16.
-  const Agreement a = compare(all_logits(fixture(c.fixture), tokens), quantized, vocab);
+  const Agreement a = compare(bf16, quantized, vocab);
   std::printf("[convert] %-15s %-11s g%-3d top-1 agreement with bf16 %5.1f%% of %zu tokens (%5.1f%% of the %d with a "
               "lead >= %.0f), mean KL(bf16||quant) %.5f nats; kernels vs dequantized float model %.1e\n",
               c.fixture.c_str(), c.quant.c_str(), c.group_size, 100 * a.top1, tokens.size(), 100 * a.top1_decided,
               a.decided, kDecidedMargin, a.mean_kl, kernel_err);
   EXPECT_GE(a.top1, c.min_top1);
-  if (a.decided >= 10) EXPECT_GE(a.top1_decided, 0.95);  // fewer positions say nothing
-  EXPECT_LT(a.mean_kl, 0.5);
+  EXPECT_GE(a.decided, int(0.85 * double(tokens.size())));  // the fixture really is peaked
+  EXPECT_LT(a.mean_kl, c.max_kl);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Families, ConvertFixture,
-    // Floors are what the overall agreement measured, less a margin; the flat-logit fixtures
-    // (qwen2, qwen3_moe, qwen4_exp: median top-1 lead ~0.2) sit far below 95% overall.
-    ::testing::Values(Case{"qwen3_tiny", "int4-affine", 32, 0.85}, Case{"qwen3_tiny", "int4-affine", 64, 0.85},
-                      Case{"qwen2_tiny", "int4-affine", 32, 0.65}, Case{"llama_tiny", "int4-affine", 32, 0.95},
-                      Case{"gemma3_tiny", "int4-affine", 32, 0.95}, Case{"qwen3_moe_tiny", "int4-affine", 32, 0.65},
-                      Case{"qwen3_moe_tiny", "mxfp4", 32, 0.85}, Case{"qwen4_exp_tiny", "int4-affine", 32, 0.6},
-                      Case{"gpt_oss_tiny", "mxfp4", 32, 0.5}, Case{"gpt_oss_tiny", "int4-affine", 32, 0.35}),
+    // Every family at the default group size 64 must keep >= 95% of bf16's top-1 choices
+    // (40 golden tokens: at most two may differ); KL bounds are the measured values with
+    // headroom (README, "Quantized checkpoints"). Qwen4-Exp's hidden size is 32, so there
+    // group 64 would leave most matrices unquantized: it runs at group 32.
+    ::testing::Values(Case{"qwen3_trained_tiny", "int4-affine", 64, 0.95, 0.1},
+                      Case{"qwen3_trained_tiny", "int4-affine", 32, 0.95, 0.1},
+                      Case{"qwen2_trained_tiny", "int4-affine", 64, 0.95, 0.05},
+                      Case{"llama_trained_tiny", "int4-affine", 64, 0.95, 0.2},
+                      Case{"gemma3_trained_tiny", "int4-affine", 64, 0.95, 0.3},
+                      Case{"qwen3_moe_trained_tiny", "int4-affine", 64, 0.95, 0.05},
+                      Case{"qwen3_moe_trained_tiny", "mxfp4", 32, 0.95, 0.03},
+                      Case{"qwen4_exp_trained_tiny", "int4-affine", 32, 0.95, 0.1},
+                      Case{"gpt_oss_trained_tiny", "int4-affine", 64, 0.95, 0.08},
+                      Case{"gpt_oss_trained_tiny", "mxfp4", 32, 0.95, 0.05},
+                      Case{"gemma4_trained_tiny", "int4-affine", 64, 0.95, 0.12}),
     [](const ::testing::TestParamInfo<Case>& info) {
       std::string n = info.param.fixture + "_" + info.param.quant + "_g" + std::to_string(info.param.group_size);
       for (char& ch : n)
