@@ -1,13 +1,11 @@
-// Microbenchmarks of the CPU matmuls: BF16 at Qwen3-0.6B shapes and the quantized formats
-// at Qwen2.5-1.5B Q4_K_M shapes (the default model), decode GEMV (reported as weight GB/s
+// Microbenchmarks of the CPU matmuls: BF16 at Qwen3-0.6B shapes, the ggml formats at
+// Qwen2.5-1.5B Q4_K_M shapes (the default model) and the grouped 4-bit formats (INT4-affine
+// g64, MXFP4 exact and int8) at gpt-oss-20b expert shapes, decode GEMV (reported as weight GB/s
 // next to this machine's measured DRAM read bandwidth) and prefill GEMM (GFLOP/s; 64 tokens
-// is one prefill micro-batch). Not built by CMake; from the repository root:
+// is one prefill micro-batch). Not built by CMake; from the repository root, after a build:
 //
-//   g++ -std=c++20 -O3 -march=native -Isrc bench/kernels_bench.cpp
-//       src/backends/cpu/kernels.cpp src/backends/cpu/kernels_ref.cpp
-//       src/backends/cpu/membw.cpp src/backends/cpu/quant_matmul.cpp
-//       src/backends/cpu/quant_gemm.cpp src/core/quant.cpp src/core/dtype.cpp
-//       src/core/thread_pool.cpp -lbenchmark -lfmt -pthread -o /tmp/kernels_bench  (one line)
+//   g++ -std=c++20 -O3 -march=native -Isrc bench/kernels_bench.cpp build/libturbospark_lib.a
+//       -lbenchmark -lfmt -pthread -o /tmp/kernels_bench  (one line)
 //   /tmp/kernels_bench --benchmark_min_time=1 [--benchmark_filter=bm_quant]
 //
 // On a shared machine wall time follows the other tenants' load; the "cpu" column (this
@@ -23,10 +21,13 @@
 #include <random>
 #include <vector>
 
+#include "backends/cpu/int4_affine.h"
 #include "backends/cpu/kernels.h"
 #include "backends/cpu/membw.h"
+#include "backends/cpu/mxfp4.h"
 #include "backends/cpu/quant_matmul.h"
 #include "core/quant.h"
+#include "core/quant_grouped.h"
 
 namespace turbospark::cpu {
 namespace {
@@ -154,6 +155,78 @@ void quant_matmul_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"shape", "tokens"})->UseRealTime();
 }
 BENCHMARK(bm_quant_matmul)->Apply(quant_matmul_args);
+
+// gpt-oss-20b expert matrices [out, in]: the fused gate/up and the down projection.
+constexpr Shape kExpertShapes[] = {{"gate_up", 5760, 2880}, {"down", 2880, 2880}};
+enum GroupedKind { kInt4G64, kMxfp4Exact, kMxfp4Int8 };
+constexpr const char* kGroupedNames[] = {"int4-affine g64", "mxfp4 exact", "mxfp4 int8"};
+
+// `copies` grouped matrices: random codes, INT4 bf16 scales/biases in a realistic range,
+// MXFP4 exponents around 2^-7.
+struct GroupedMatrices {
+  std::vector<std::vector<uint8_t>> codes, scales, biases;
+  std::vector<WeightView> views;
+  GroupedMatrices(bool int4, int64_t rows, int64_t cols, int copies) {
+    std::mt19937 rng(3);
+    const int32_t group = int4 ? 64 : 32;
+    const int64_t groups = cols / group, plane_bytes = int4 ? 2 : 1;
+    for (int c = 0; c < copies; ++c) {
+      codes.emplace_back(size_t(rows * cols / 2));
+      scales.emplace_back(size_t(rows * groups * plane_bytes));
+      biases.emplace_back(int4 ? size_t(rows * groups * plane_bytes) : 0);
+      for (auto& b : codes.back()) b = uint8_t(rng());
+      for (int64_t i = 0; i < rows * groups; ++i) {
+        if (int4) {
+          int4_affine::set_plane_value(DType::BF16, scales.back().data(), i, 0.002f + 1e-5f * float(rng() % 100));
+          int4_affine::set_plane_value(DType::BF16, biases.back().data(), i, -0.015f);
+        } else {
+          scales.back()[size_t(i)] = uint8_t(118 + rng() % 4);
+        }
+      }
+      WeightView v{int4 ? DType::INT4_AFFINE : DType::MXFP4, codes.back().data(), rows, cols, cols / 2};
+      v.scales = scales.back().data();
+      v.scales_row_bytes = groups * plane_bytes;
+      v.scales_dtype = int4 ? DType::BF16 : DType::U8;
+      v.biases = int4 ? biases.back().data() : nullptr;
+      v.biases_row_bytes = int4 ? groups * plane_bytes : 0;
+      v.group_size = group;
+      views.push_back(v);
+    }
+  }
+};
+
+void bm_grouped_matmul(benchmark::State& state) {
+  const Shape& shape = kExpertShapes[state.range(0)];
+  const auto kind = GroupedKind(state.range(1));
+  const int64_t tokens = state.range(2);
+  const bool int4 = kind == kInt4G64;
+  const int64_t bytes = GroupedMatrices(int4, 1, shape.cols, 1).views[0].bytes() * shape.rows;
+  const int copies = tokens == 1 ? int(std::max<int64_t>(1, (int64_t(256) << 20) / bytes)) : 1;
+  GroupedMatrices w(int4, shape.rows, shape.cols, copies);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(size_t(tokens * shape.cols)), y(size_t(tokens * shape.rows));
+  for (auto& v : x) v = normal(rng);
+  const Mat xm(x.data(), tokens, shape.cols), ym(y.data(), tokens, shape.rows);
+  size_t i = 0;
+  for (auto _ : state) {
+    const WeightView& v = w.views[i++ % w.views.size()];
+    if (kind == kInt4G64) int4_affine_matmul(bench_pool(), v, xm, ym);
+    else if (kind == kMxfp4Exact) mxfp4_matmul_exact(bench_pool(), v, xm, ym);
+    else mxfp4_matmul_int8(bench_pool(), v, xm, ym);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.SetLabel(std::string(shape.name) + " " + kGroupedNames[kind]);
+  state.SetBytesProcessed(int64_t(state.iterations()) * bytes);
+}
+
+void grouped_matmul_args(benchmark::internal::Benchmark* b) {
+  for (int s = 0; s < int(std::size(kExpertShapes)); ++s)
+    for (int k = 0; k < 3; ++k)
+      for (int tokens : {1, 4}) b->Args({s, k, tokens});
+  b->ArgNames({"shape", "format", "tokens"})->UseRealTime();
+}
+BENCHMARK(bm_grouped_matmul)->Apply(grouped_matmul_args);
 
 }  // namespace
 }  // namespace turbospark::cpu

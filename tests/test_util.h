@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cpu/mxfp4.h"
 #include "core/mapped_file.h"
 
 namespace turbospark::testing {
@@ -61,6 +62,16 @@ struct TempDir {
     static int c = 0;
     return c;
   }
+};
+
+// MXFP4 matmuls in exact float arithmetic (not the default int8 activations) while alive:
+// what the transformers goldens are held to.
+struct Mxfp4Exact {
+  bool was = cpu::mxfp4_int8_activations();
+  Mxfp4Exact() { cpu::mxfp4_set_int8_activations(false); }
+  ~Mxfp4Exact() { cpu::mxfp4_set_int8_activations(was); }
+  Mxfp4Exact(const Mxfp4Exact&) = delete;
+  Mxfp4Exact& operator=(const Mxfp4Exact&) = delete;
 };
 
 // Copies a fixture model directory (so a test can damage its copy).

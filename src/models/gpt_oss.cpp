@@ -262,6 +262,7 @@ void GptOssModel::load_experts(const Checkpoint& ck, const std::string& p, int l
     const WeightView gu = ck.expert_matrix(gate_up, e, E, 2 * I, H, StackLayout::kInOut);
     ew.gate.view = every_other_row(gu, 0);
     ew.up.view = every_other_row(gu, 1);
+    ew.gate_up_interleaved = true;
     ew.down.view = ck.expert_matrix(down, e, E, H, I, StackLayout::kInOut);
     if (e == 0) expert_bytes_ = gu.bytes() + ew.down.view.bytes();
     ew.gate.name = ew.up.name = gate_up;

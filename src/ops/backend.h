@@ -51,7 +51,22 @@ struct ExpertWeights {
   const float* down_bias = nullptr;  // [hidden]
   float glu_alpha = 0.f;
   float glu_limit = 0.f;
+  // gpt-oss: gate and up are the even and odd rows of one [2 * inter, hidden] matrix (views
+  // with twice the row stride, gate's starting at row 0): a backend may run them as one
+  // contiguous matmul (fused_gate_up) instead of two strided ones.
+  bool gate_up_interleaved = false;
 };
+
+// The [2 * inter, hidden] matrix whose even rows are e.gate and odd rows e.up, for an expert
+// with gate_up_interleaved.
+inline WeightView fused_gate_up(const ExpertWeights& e) {
+  WeightView v = e.gate.view;
+  v.rows *= 2;
+  v.row_bytes /= 2;
+  v.scales_row_bytes /= 2;
+  v.biases_row_bytes /= 2;
+  return v;
+}
 
 // One layer's paged KV cache as the backend sees it (see engine/kv_cache.h).
 struct KvLayerView {

@@ -158,9 +158,8 @@ TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
   ASSERT_EQ(ref.data.size(), bf16.size());
   EXPECT_LT(testing::max_rel_error(bf16.data(), ref.data.data(), bf16.size()), 2e-4) << c.fixture;
   const std::vector<float> quantized = all_logits(out, tokens);
-  // The packed kernels compute exactly the quantized model: to float rounding for MXFP4
-  // (float activations), to the int8 activation rounding for INT4_AFFINE (as the ggml
-  // formats, backends/cpu/int4_affine.h).
+  // The packed kernels compute exactly the quantized model, to the int8 activation rounding
+  // both formats use by default (backends/cpu/int4_affine.h, mxfp4.h).
   write_dequantized(out, dir.str() + "/dequantized");
   const std::vector<float> fake = all_logits(dir.str() + "/dequantized", tokens);
   const double kernel_err = testing::max_rel_error(quantized.data(), fake.data(), fake.size());
@@ -169,7 +168,7 @@ TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
   // measured), so there the bound only catches gross errors (a wrong nibble order is O(1)).
   const bool routed = c.fixture.find("moe") != std::string::npos || c.fixture.find("qwen4_exp") != std::string::npos ||
                       c.fixture.find("gpt_oss") != std::string::npos || c.fixture.find("gemma4") != std::string::npos;
-  EXPECT_LT(kernel_err, c.quant == "mxfp4" ? 2e-4 : (routed ? 0.3 : 5e-2)) << c.fixture;
+  EXPECT_LT(kernel_err, routed ? 0.3 : 5e-2) << c.fixture;
   // And the quantized model tracks bf16.
   const Agreement a = compare(bf16, quantized, vocab);
   std::printf("[convert] %-15s %-11s g%-3d top-1 agreement with bf16 %5.1f%% of %zu tokens (%5.1f%% of the %d with a "

@@ -209,6 +209,26 @@ TEST(GptOssConfig, MalformedFieldsAreNamed) {
   expect_config_error(n, [](auto& c) { c["swiglu_limit"] = 5.0; }, {"swiglu_limit 5"});
 }
 
+// By default MXFP4 experts meet int8-rounded activations (as llama.cpp's MXFP4): the logits
+// stay near transformers' exact ones (the fixture's flat, near-tied routers let the rounding
+// flip a choice now and then), and exact mode is what the goldens hold to 2e-5.
+TEST(GptOssMxfp4, Int8ActivationsStayNearTheExactGolden) {
+  ASSERT_TRUE(cpu::mxfp4_int8_activations()) << "int8 activations are the default";
+  LoadedModel m = load_model(fixture("gpt_oss_mxfp4_tiny"));
+  auto be = make_cpu_backend(2);
+  const Golden g = load_golden("gpt_oss_mxfp4_tiny");
+  const std::vector<float> fast = run_logits(*m.model, *be, g.tokens, 0);
+  std::vector<float> exact;
+  {
+    testing::Mxfp4Exact on;
+    exact = run_logits(*m.model, *be, g.tokens, 0);
+  }
+  EXPECT_LT(max_rel_error(exact.data(), g.logits.data.data(), exact.size()), kLogitTol);
+  const double err = max_rel_error(fast.data(), g.logits.data.data(), fast.size());
+  EXPECT_GT(err, 0.0);  // the int8 path really ran
+  EXPECT_LT(err, 0.2);
+}
+
 // The MXFP4 checkpoint's experts are read packed: its expert bytes are about a quarter of
 // bf16 (4.25 bits per weight with the scales, against 16).
 TEST(GptOssMxfp4, ExpertsStayPacked) {

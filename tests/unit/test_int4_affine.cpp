@@ -76,7 +76,7 @@ TEST(Int4Affine, MatmulMatchesScalarReference) {
   for (DType plane : {DType::BF16, DType::F16, DType::F32}) {
     for (int64_t group : {32, 64, 128}) {
       for (int64_t rows : {1, 4, 5, 13, 33}) {  // the decode kernel takes rows four at a time
-        for (int64_t cols : {128, 160, 384}) {
+        for (int64_t cols : {128, 160, 384, 1056, 1152}) {  // 1056/1152: eight-group blocks plus tails
           if (cols % group) continue;
           AffineMatrix w(rows, cols, group, plane, rng);
           std::vector<float> wrow(static_cast<size_t>(cols));

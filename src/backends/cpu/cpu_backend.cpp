@@ -153,7 +153,7 @@ class CpuBackend final : public Backend {
     }
     for (int64_t r = 0; r < T; ++r) std::memset(out.row(r), 0, size_t(out.cols) * 4);
     const int64_t inter = experts.empty() ? 0 : experts[0].gate.rows();
-    ensure_scratch(T * (hidden + 3 * inter + hidden));
+    ensure_scratch(T * (hidden + 5 * inter + hidden));
     for (int64_t e = 0; e < n_experts; ++e) {
       const auto& rows = by_expert[size_t(e)];
       if (rows.empty()) continue;
@@ -164,8 +164,21 @@ class CpuBackend final : public Backend {
       Mat up(gate.data + n * inter, n, inter);
       Mat y(up.data + n * inter, n, hidden);
       for (int64_t i = 0; i < n; ++i) std::memcpy(xs.row(i), x.row(rows[size_t(i)].first), size_t(hidden) * 4);
-      matmul_view(ew.gate.view, xs, gate);
-      matmul_view(ew.up.view, xs, up);
+      if (ew.gate_up_interleaved) {
+        // One pass over the fused matrix (rows in order) rather than two over every other
+        // row, then the outputs split: even columns gate, odd up.
+        Mat gu(y.data + n * hidden, n, 2 * inter);
+        matmul_view(fused_gate_up(ew), xs, gu);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* src = gu.row(i);
+          float* g = gate.row(i);
+          float* u = up.row(i);
+          for (int64_t c = 0; c < inter; ++c) g[c] = src[2 * c], u[c] = src[2 * c + 1];
+        }
+      } else {
+        matmul_view(ew.gate.view, xs, gate);
+        matmul_view(ew.up.view, xs, up);
+      }
       if (ew.gate_bias) cpu::add_bias(gate, ew.gate_bias);
       if (ew.up_bias) cpu::add_bias(up, ew.up_bias);
       if (ew.glu_limit > 0) {

@@ -21,6 +21,16 @@ namespace turbospark::cpu::grouped {
 
 constexpr int kMaxTokens = 4;
 
+// Where element i of an int8 activation row goes (INT4_AFFINE and the MXFP4 int8 path): the
+// order of the packed nibbles, so codes meet their activations without a shuffle. For each
+// full 64 columns c (32 packed bytes, element c + 2k in the low nibble of byte k):
+// x[c + 2k] -> c + k and x[c + 2k + 1] -> c + 32 + k; a trailing 32 columns (cols % 64 == 32)
+// the same on 16 bytes: x[c + 2k] -> c + k, x[c + 2k + 1] -> c + 16 + k.
+inline int64_t int8_index(int64_t i, int64_t cols) {
+  const int64_t c = i / 64 * 64, j = i - c;
+  return c + (j & 1) * (c + 64 <= cols ? 32 : 16) + j / 2;
+}
+
 // Floats per permuted activation row: cols rounded up to a multiple of 64.
 inline int64_t permuted_stride(int64_t cols) { return (cols + 63) / 64 * 64; }
 // x (cols floats, cols % 32 == 0) -> xp (permuted_stride(cols) floats) in the lane order above.

@@ -20,72 +20,72 @@ namespace turbospark::cpu {
 namespace {
 
 // Activations are quantized to int8 once per call, one scale per weight group of G = 32,
-// 64 or 128 elements: x ~= d * qs, s = d * sum(qs). Within each 32 elements qs follows the
-// nibble order of a packed 16-byte block, qs[k] = x[2k] (the low nibbles) and
-// qs[16 + k] = x[2k + 1] (the high nibbles), so codes meet their activations in one
-// maddubs without shuffling the weights, and a whole group's integer sums add up before
-// the one float FMA by scale * d:  sum_i w_i x_i ~= scale * d * sum_i q_i qs_i + bias * s.
-template <int G>
-struct ActGroup {
-  float d;
-  float s;
-  int8_t qs[G];
+// 64 or 128 elements: x ~= d * qs, s = d * sum(qs). A prepared row is qs[cols] (int8),
+// then d[n_groups] and s[n_groups] (float), so eight groups' scales load as one vector.
+// qs follows the nibble order of the packed bytes, so the codes meet their activations in
+// maddubs without shuffling the weights: for each full 64 columns starting at c (32 packed
+// bytes, element c + 2k in the low nibble of byte k), qs[c + k] = x[c + 2k] and
+// qs[c + 32 + k] = x[c + 2k + 1]; a trailing 32 columns (cols % 64 == 32) use the same
+// order on 16 bytes (grouped::int8_index). Then
+//   sum_i w_i x_i ~= sum_g scale_g * d_g * sum_{i in g} q_i qs_i + bias_g * s_g.
+using grouped::int8_index;
+
+struct ActRow {
+  const int8_t* qs;
+  const float* d;
+  const float* s;
 };
+
+inline ActRow act_row(const uint8_t* x, int64_t cols, int64_t n_groups) {
+  const auto* d = reinterpret_cast<const float*>(x + cols);
+  return {reinterpret_cast<const int8_t*>(x), d, d + n_groups};
+}
 
 template <int G>
 int64_t act_row_bytes(int64_t cols) {
-  return cols / G * int64_t(sizeof(ActGroup<G>));
+  return cols + 2 * int64_t(sizeof(float)) * (cols / G);
 }
 
 template <int G>
 void quantize_activations(const float* x, uint8_t* dst, int64_t cols) {
-  auto* y = reinterpret_cast<ActGroup<G>*>(dst);
-  for (int64_t g = 0; g < cols / G; ++g) {
+  const int64_t n_groups = cols / G;
+  auto* qs = reinterpret_cast<int8_t*>(dst);
+  auto* d = reinterpret_cast<float*>(dst + cols);
+  float* s = d + n_groups;
+  for (int64_t g = 0; g < n_groups; ++g) {
     const float* xg = x + G * g;
     float amax = 0.f;
     for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const float dg = amax / 127.f, id = dg > 0.f ? 1.f / dg : 0.f;
     int sum = 0;
-    for (int b = 0; b < G / 32; ++b) {
-      for (int k = 0; k < 16; ++k) {
-        const int q0 = std::clamp(int(std::nearbyint(xg[32 * b + 2 * k] * id)), -127, 127);
-        const int q1 = std::clamp(int(std::nearbyint(xg[32 * b + 2 * k + 1] * id)), -127, 127);
-        y[g].qs[32 * b + k] = int8_t(q0);
-        y[g].qs[32 * b + 16 + k] = int8_t(q1);
-        sum += q0 + q1;
-      }
+    for (int i = 0; i < G; ++i) {
+      const int q = std::clamp(int(std::nearbyint(xg[i] * id)), -127, 127);
+      qs[int8_index(G * g + i, cols)] = int8_t(q);
+      sum += q;
     }
-    y[g].d = d;
-    y[g].s = d * float(sum);
+    d[g] = dg;
+    s[g] = dg * float(sum);
   }
 }
 
 template <int G>
 constexpr grouped::ActivationPrep kPrep = {&act_row_bytes<G>, &quantize_activations<G>};
 
-template <int G>
-inline const ActGroup<G>* act(const uint8_t* x, int64_t x_stride, int t) {
-  return reinterpret_cast<const ActGroup<G>*>(x + t * x_stride);
-}
-
 // The integer arithmetic in plain loops: the reference the AVX2 path must match to float
 // rounding, and the fallback without AVX2.
 template <int G, int NT>
 void dot_row_scalar(const WeightView& w, int64_t r, const uint8_t* x, int64_t xs, float* out) {
   const uint8_t* q = w.row(r);
+  const int64_t cols = w.cols, n_groups = cols / G;
   for (int t = 0; t < NT; ++t) {
-    const ActGroup<G>* y = act<G>(x, xs, t);
+    const ActRow a = act_row(x + t * xs, cols, n_groups);
     float acc = 0.f;
-    for (int64_t g = 0; g < w.cols / G; ++g) {
+    for (int64_t g = 0; g < n_groups; ++g) {
       int sum = 0;
-      for (int b = 0; b < G / 32; ++b) {
-        const uint8_t* qb = q + g * G / 2 + 16 * b;
-        const int8_t* a = y[g].qs + 32 * b;
-        for (int k = 0; k < 16; ++k) sum += (qb[k] & 0xF) * a[k] + (qb[k] >> 4) * a[16 + k];
-      }
+      for (int64_t i = G * g; i < G * (g + 1); ++i) sum += ((q[i / 2] >> (4 * (i & 1))) & 0xF) * a.qs[int8_index(i, cols)];
       const float scale = int4_affine::plane_value(w.scales_dtype, w.scales_row(r), g);
       const float bias = int4_affine::plane_value(w.scales_dtype, w.biases_row(r), g);
-      acc += scale * y[g].d * float(sum) + bias * y[g].s;
+      acc += scale * a.d[g] * float(sum) + bias * a.s[g];
     }
     out[t] = acc;
   }
@@ -96,11 +96,6 @@ constexpr grouped::RowDots kScalarDots = {&dot_row_scalar<G, 1>, &dot_row_scalar
                                           &dot_row_scalar<G, 4>};
 
 #if TS_INT4_AVX2
-
-// The four-row decode kernel (dot_rows4); false falls back to one row per pass. Off: on
-// qwen3-0.6b int4-affine g64 decode (2-core VM, paired runs) it read 7.3-8.6 GB/s against
-// 11.6-13.3 GB/s for one row per pass; the cause is not yet understood.
-constexpr bool kInt4Rows4 = false;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -123,106 +118,110 @@ inline float plane(const uint8_t* p, int64_t i) {
   }
 }
 
-// One row against NT tokens. Per 32 elements: 16 packed bytes become 32 unsigned codes
-// [low nibbles | high nibbles] (one and, one shift), maddubs/madd against each token's int8
-// activations, summed in int32 over the group; per group one FMA by scale * d per token.
-// Two accumulator chains per token take alternate groups (indices fixed at compile time so
-// they stay in registers).
+// Eight consecutive plane values i .. i + 7 as floats.
+template <DType kPlane>
+inline __m256 plane8(const uint8_t* p, int64_t i) {
+  if constexpr (kPlane == DType::F32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    if constexpr (kPlane == DType::F16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One row against NT tokens. Per 64 columns: one 32-byte load gives 64 codes as two
+// registers (low nibbles: the even elements, high nibbles: the odd ones; one and, one
+// shift), each meets its token's int8 activations in one maddubs; the products add up in
+// int16 over the group (at most 2 * 15 * 127 * G / 32 = 15240 for G = 128), then one madd
+// to int32, one convert and one FMA by scale * d per group and token. Scales, d and the
+// bias term go eight groups at a time as vectors. G = 32 takes two groups per 64 columns,
+// lanes 0-3 the first and 4-7 the second, with a half-register scale each.
 template <DType kPlane, int G, int NT>
 void dot_row(const WeightView& w, int64_t r, const uint8_t* x, int64_t xs, float* out) {
+  constexpr int A = NT <= 2 ? 2 : 1;  // accumulator chains per token (registers permitting)
   const uint8_t* q = w.row(r);
   const uint8_t* sp = w.scales_row(r);
   const uint8_t* bp = w.biases_row(r);
-  const int64_t n_groups = w.cols / G;
-  const ActGroup<G>* y[NT];
-  __m256 acc[NT][2];
-  float bias_acc[NT];
+  const int64_t cols = w.cols, n_groups = cols / G;
+  ActRow a[NT];
+  __m256 acc[NT][A], bias_v[NT];
+  float bias_tail[NT];
   for (int t = 0; t < NT; ++t) {
-    y[t] = act<G>(x, xs, t);
-    acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    bias_acc[t] = 0.f;
+    a[t] = act_row(x + t * xs, cols, n_groups);
+    for (int k = 0; k < A; ++k) acc[t][k] = _mm256_setzero_ps();
+    bias_v[t] = _mm256_setzero_ps();
+    bias_tail[t] = 0.f;
   }
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  auto group = [&](int64_t g, int k) __attribute__((always_inline)) {
-    __m256i isum[NT];
-    const uint8_t* qg = q + g * (G / 2);
-#pragma GCC unroll 4
-    for (int b = 0; b < G / 32; ++b) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16 * b));
-      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-      for (int t = 0; t < NT; ++t) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[t][g].qs + 32 * b));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, a), ones);
-        isum[t] = b == 0 ? p : _mm256_add_epi32(isum[t], p);
-      }
-    }
-    const float scale = plane<kPlane>(sp, g), bias = plane<kPlane>(bp, g);
+  // int16 sums of the 64 columns at c into s16 (set when first, else added).
+  auto chunk64 = [&](int64_t c, __m256i* s16, bool first) __attribute__((always_inline)) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c / 2));
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     for (int t = 0; t < NT; ++t) {
-      acc[t][k] = _mm256_fmadd_ps(_mm256_set1_ps(scale * y[t][g].d), _mm256_cvtepi32_ps(isum[t]), acc[t][k]);
-      bias_acc[t] += bias * y[t][g].s;
+      const __m256i p = _mm256_add_epi16(
+          _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].qs + c))),
+          _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].qs + c + 32))));
+      s16[t] = first ? p : _mm256_add_epi16(s16[t], p);
     }
   };
   int64_t g = 0;
-  for (; g + 2 <= n_groups; g += 2) {
-    group(g, 0);
-    group(g + 1, 1);
-  }
-  if (g < n_groups) group(g, 0);
-  for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + bias_acc[t];
-}
-
-// Decode: four rows against one token. Each group's activation blocks are loaded once and
-// meet all four rows; the maddubs products of a group add up in int16 (at most
-// 2 * 15 * 127 * G / 32 = 15240 for G = 128) before one madd to int32, then one FMA by
-// scale * d per row and group. The bias term, sum_g bias[g] * s[g], is a separate short dot.
-template <DType kPlane, int G>
-void dot_rows4(const WeightView& w, int64_t r, const uint8_t* x, float* out) {
-  constexpr int R = 4, B = G / 32;
-  const int64_t n_groups = w.cols / G;
-  const ActGroup<G>* y = act<G>(x, 0, 0);
-  const uint8_t* q[R];
-  const uint8_t* sp[R];
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) {
-    q[i] = w.row(r + i);
-    sp[i] = w.scales_row(r + i);
-    acc[i] = _mm256_setzero_ps();
-  }
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < n_groups; ++g) {
-    __m256i a[B];
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) a[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[g].qs + 32 * b));
-    const float d = y[g].d;
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* qg = q[i] + g * (G / 2);
-      __m256i s16;
-#pragma GCC unroll 4
-      for (int b = 0; b < B; ++b) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16 * b));
-        const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-        const __m256i p = _mm256_maddubs_epi16(codes, a[b]);
-        s16 = b == 0 ? p : _mm256_add_epi16(s16, p);
+  for (; g + 8 <= n_groups; g += 8) {
+    const __m256 sc = plane8<kPlane>(sp, g), bi = plane8<kPlane>(bp, g);
+    alignas(32) float sd[NT][8];
+    for (int t = 0; t < NT; ++t) {
+      _mm256_store_ps(sd[t], _mm256_mul_ps(sc, _mm256_loadu_ps(a[t].d + g)));
+      bias_v[t] = _mm256_fmadd_ps(bi, _mm256_loadu_ps(a[t].s + g), bias_v[t]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j += (G == 32 ? 2 : 1)) {
+      __m256i s16[NT];
+#pragma GCC unroll 2
+      for (int c = 0; c < (G == 32 ? 1 : G / 64); ++c) chunk64((g + j) * G + 64 * c, s16, c == 0);
+      for (int t = 0; t < NT; ++t) {
+        const __m256 scale = G == 32 ? _mm256_set_m128(_mm_broadcast_ss(&sd[t][j + 1]), _mm_broadcast_ss(&sd[t][j]))
+                                     : _mm256_broadcast_ss(&sd[t][j]);
+        const int k = (G == 32 ? j / 2 : j) % A;
+        acc[t][k] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t], ones)), acc[t][k]);
       }
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(plane<kPlane>(sp[i], g) * d), f, acc[i]);
     }
   }
-  for (int i = 0; i < R; ++i) {
-    const uint8_t* bp = w.biases_row(r + i);
-    float bias_acc = 0.f;
-    for (int64_t g = 0; g < n_groups; ++g) bias_acc += plane<kPlane>(bp, g) * y[g].s;
-    out[i] = hsum(acc[i]) + bias_acc;
+  for (; g < n_groups; ++g) {  // the last n_groups % 8 groups, one at a time
+    const float scale = plane<kPlane>(sp, g), bias = plane<kPlane>(bp, g);
+    __m256i s32[NT];
+    if constexpr (G == 32) {
+      const int64_t c = 32 * g, c64 = c / 64 * 64, half = (c - c64) / 2;
+      const bool full = c64 + 64 <= cols;
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2));
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* lo = a[t].qs + c64 + half;
+        const int8_t* hi = a[t].qs + c64 + (full ? 32 + half : 16);
+        const __m256i act = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(hi), reinterpret_cast<const __m128i*>(lo));
+        s32[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, act), ones);
+      }
+    } else {
+      __m256i s16[NT];
+      for (int c = 0; c < G / 64; ++c) chunk64(g * G + 64 * c, s16, c == 0);
+      for (int t = 0; t < NT; ++t) s32[t] = _mm256_madd_epi16(s16[t], ones);
+    }
+    for (int t = 0; t < NT; ++t) {
+      acc[t][0] = _mm256_fmadd_ps(_mm256_set1_ps(scale * a[t].d[g]), _mm256_cvtepi32_ps(s32[t]), acc[t][0]);
+      bias_tail[t] += bias * a[t].s[g];
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m256 sum = acc[t][0];
+    for (int k = 1; k < A; ++k) sum = _mm256_add_ps(sum, acc[t][k]);
+    out[t] = hsum(sum) + hsum(bias_v[t]) + bias_tail[t];
   }
 }
 
 template <DType kPlane, int G>
 grouped::RowDots dots_for() {
-  return {&dot_row<kPlane, G, 1>, &dot_row<kPlane, G, 2>, &dot_row<kPlane, G, 3>, &dot_row<kPlane, G, 4>,
-          kInt4Rows4 ? &dot_rows4<kPlane, G> : nullptr};
+  return {&dot_row<kPlane, G, 1>, &dot_row<kPlane, G, 2>, &dot_row<kPlane, G, 3>, &dot_row<kPlane, G, 4>};
 }
 
 template <int G>
