@@ -13,7 +13,10 @@ namespace {
 // Decode reads a thread's rows as this many interleaved runs. quant_matmul.cpp found 4
 // best for ggml blocks; here each run is already three streams (codes, scales, biases), and
 // on the 2-core dev VM (INT4_AFFINE qwen3-0.6b decode, paired runs, other jobs loading the
-// machine) 1 run gave 2.8-3.1 GB/s, 2 runs 2.7-2.9, 4 runs 1.9-2.2, 8 runs 2.0.
+// machine) 1 run gave 2.8-3.1 GB/s, 2 runs 2.7-2.9, 4 runs 1.9-2.2, 8 runs 2.0. Kernels that
+// dot several adjacent rows per pass were slower for the same reason (INT4 g64 at gpt-oss
+// expert shapes, bench/kernels_bench.cpp: 13.3-14.3 GiB/s one row per pass, 6.9-9.4 for two
+// or four, all ~32 GiB/s from L3), so each row is one pass.
 constexpr int64_t kDecodeStreams = 1;
 
 void check_shapes(const WeightView& w, const Mat& x, const Mat& y, const char* op) {
@@ -44,13 +47,6 @@ void matmul_rows(const RowDots& dots, const WeightView& w, const uint8_t* xp, in
       const int nt = int(std::min<int64_t>(kMaxTokens, n_tokens - t0));
       const uint8_t* xt = xp + t0 * xp_stride;
       const int64_t n = r1 - r0;
-      if (nt == 1 && dots.dot1_rows4) {  // decode: four rows per pass, then the rest one by one
-        float* yr = y.row(t0);
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) dots.dot1_rows4(w, r, xt, yr + r);
-        for (; r < r1; ++r) dots.dot1(w, r, xt, xp_stride, yr + r);
-        continue;
-      }
       const int64_t streams = n_tokens <= kMaxTokens && n >= 4 * kDecodeStreams ? kDecodeStreams : 1;
       const int64_t per = (n + streams - 1) / streams;
       for (int64_t i = 0; i < per * streams; ++i) {

@@ -47,16 +47,11 @@ struct ActivationPrep {
 template <int NT>
 using RowDot = void (*)(const WeightView& w, int64_t r, const uint8_t* x, int64_t x_stride, float* out);
 
-// Four consecutive weight rows r .. r + 3 against one prepared activation row: out[0..3].
-using RowsDot4 = void (*)(const WeightView& w, int64_t r, const uint8_t* x, float* out);
-
 struct RowDots {
   RowDot<1> dot1;
   RowDot<2> dot2;
   RowDot<3> dot3;
   RowDot<4> dot4;
-  // Optional decode kernel (one token): four rows per pass share the activation loads.
-  RowsDot4 dot1_rows4 = nullptr;
 };
 
 // y = x w^T with the shape contract of cpu::matmul; `op` names the caller in errors.
