@@ -123,21 +123,85 @@ void dequantize_row(const uint8_t* packed, const void* scales, const void* biase
   }
 }
 
+namespace {
+
+// A value as a plane of dtype t stores it.
+float rounded(DType t, float v) {
+  uint8_t buf[4];
+  set_plane_value(t, buf, 0, v);
+  return plane_value(t, buf, 0);
+}
+
+// How far a plane of dtype t may move a stored scale s and bias b: the slack the round-trip
+// bound allows beyond half a step (codes reach 15 steps; 8 mantissa bits for BF16, 11 F16).
+float plane_slack(DType t, float s, float b) {
+  const float ulp = t == DType::BF16 ? 1.f / 128.f : t == DType::F16 ? 1.f / 1024.f : 0.f;
+  return ulp * (16.f * s + std::fabs(b));
+}
+
+struct AffineFit {
+  float scale = 0.f, bias = 0.f;
+  double sse = 0.0;  // squared error of the group's dequantized values
+  bool within_bound = false;
+  uint8_t q[128];
+};
+
+// Codes for one group under a stored (rounded) scale and bias, and how well they fit.
+void fit_codes(const float* x, int64_t n, float s, float b, DType t, AffineFit* f) {
+  f->scale = s;
+  f->bias = b;
+  f->sse = 0.0;
+  float worst = 0.f;
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const int q = int(std::clamp(std::nearbyint((x[i] - b) * inv), 0.f, 15.f));
+    f->q[i] = uint8_t(q);
+    const float err = std::fabs(s * float(q) + b - x[i]);
+    worst = std::max(worst, err);
+    f->sse += double(err) * err;
+  }
+  f->within_bound = worst <= 0.5f * s * (1 + 1e-5f) + plane_slack(t, s, b) + 1e-7f;
+}
+
+}  // namespace
+
 void quantize_row(const float* src, int64_t cols, int64_t group_size, DType plane_dtype, uint8_t* packed,
                   void* scales, void* biases) {
+  TS_CHECK(group_size <= 128, "int4_affine::quantize_row: group size {} above 128", group_size);
   std::memset(packed, 0, size_t(cols / 2));
+  AffineFit best, trial;
   for (int64_t g = 0; g < cols / group_size; ++g) {
     const float* x = src + g * group_size;
+    const int64_t n = group_size;
     float lo = x[0], hi = x[0];
-    for (int64_t i = 1; i < group_size; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
-    set_plane_value(plane_dtype, scales, g, (hi - lo) / 15.f);
-    set_plane_value(plane_dtype, biases, g, lo);
-    const float s = plane_value(plane_dtype, scales, g), b = plane_value(plane_dtype, biases, g);
-    const float inv = s > 0.f ? 1.f / s : 0.f;
-    for (int64_t i = 0; i < group_size; ++i) {
-      const int q = int(std::clamp(std::nearbyint((x[i] - b) * inv), 0.f, 15.f));
+    for (int64_t i = 1; i < n; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+    // MLX's fit: the range split in 15 steps from the minimum.
+    fit_codes(x, n, rounded(plane_dtype, (hi - lo) / 15.f), rounded(plane_dtype, lo), plane_dtype, &best);
+    // Then least-squares scale and bias for the current codes, re-rounded, a few times; a
+    // refit is kept when it lowers the squared error and still leaves every element within
+    // half a step (plus the planes' rounding), the bound the MLX fit guarantees.
+    const AffineFit* cur = &best;
+    for (int it = 0; it < 4; ++it) {
+      double sq = 0, sqq = 0, sx = 0, sqx = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double q = cur->q[i];
+        sq += q, sqq += q * q, sx += x[i], sqx += q * x[i];
+      }
+      const double det = double(n) * sqq - sq * sq;
+      if (det <= 0) break;
+      const double sc = (double(n) * sqx - sq * sx) / det;
+      if (!(sc > 0)) break;
+      fit_codes(x, n, rounded(plane_dtype, float(sc)), rounded(plane_dtype, float((sx - sc * sq) / double(n))),
+                plane_dtype, &trial);
+      if (!trial.within_bound || trial.sse >= best.sse) break;
+      best = trial;
+      cur = &best;
+    }
+    set_plane_value(plane_dtype, scales, g, best.scale);
+    set_plane_value(plane_dtype, biases, g, best.bias);
+    for (int64_t i = 0; i < n; ++i) {
       const int64_t c = g * group_size + i;
-      packed[c / 2] = uint8_t(packed[c / 2] | q << (4 * (c & 1)));
+      packed[c / 2] = uint8_t(packed[c / 2] | best.q[i] << (4 * (c & 1)));
     }
   }
 }

@@ -58,10 +58,12 @@ bool is_plane_dtype(DType t);
 // One row of `cols` elements (cols % group_size == 0, cols % 8 == 0).
 void dequantize_row(const uint8_t* packed, const void* scales, const void* biases, DType plane_dtype,
                     int64_t group_size, float* dst, int64_t cols);
-// MLX's math per group: scale = (max - min) / 15, bias = min, stored in plane_dtype; the
-// codes are computed from the stored (rounded) scale and bias, q = round((w - bias) / scale)
-// clamped to [0, 15], so |w - dequantized| <= scale / 2 whenever the stored values are exact
-// (F32 planes) and close to it otherwise.
+// Per group: MLX's fit first (scale = (max - min) / 15, bias = min), then least-squares
+// refits of scale and bias for the codes, kept while they lower the squared error and leave
+// every element within half a step. Codes are computed from the stored (rounded) scale and
+// bias, q = round((w - bias) / scale) clamped to [0, 15], so |w - dequantized| <= scale / 2
+// whenever the stored values are exact (F32 planes) and within the planes' rounding of it
+// otherwise. Group sizes up to 128.
 void quantize_row(const float* src, int64_t cols, int64_t group_size, DType plane_dtype, uint8_t* packed,
                   void* scales, void* biases);
 

@@ -156,6 +156,39 @@ TEST(Int4Affine, QuantizeRoundTripWithinHalfAStep) {
   }
 }
 
+// The least-squares refit never does worse than MLX's min/max fit on any group, and does
+// better on average (gaussian weights, the bulk of a real layer).
+TEST(Int4Affine, RefitLowersSquaredErrorAgainstMinMax) {
+  std::mt19937 rng(15);
+  for (int64_t group : {32, 64, 128}) {
+    const int64_t cols = 128 * 64;
+    std::vector<float> w = random_floats(size_t(cols), rng, 0.02f);
+    std::vector<uint8_t> packed(static_cast<size_t>(cols / 2));
+    std::vector<uint16_t> s16(size_t(cols / group)), b16(size_t(cols / group));
+    std::vector<float> back(static_cast<size_t>(cols));
+    int4_affine::quantize_row(w.data(), cols, group, DType::BF16, packed.data(), s16.data(), b16.data());
+    int4_affine::dequantize_row(packed.data(), s16.data(), b16.data(), DType::BF16, group, back.data(), cols);
+    double ours = 0, minmax = 0;
+    for (int64_t g = 0; g < cols / group; ++g) {
+      const float* x = w.data() + g * group;
+      float lo = x[0], hi = x[0];
+      for (int64_t i = 1; i < group; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+      const float s = bf16_to_f32(f32_to_bf16((hi - lo) / 15.f)), b = bf16_to_f32(f32_to_bf16(lo));
+      double e_ours = 0, e_mm = 0;
+      for (int64_t i = 0; i < group; ++i) {
+        const float q = std::clamp(std::nearbyint((x[i] - b) * (1.f / s)), 0.f, 15.f);  // as quantize_row rounds
+        e_mm += std::pow(double(s * q + b - x[i]), 2);
+        e_ours += std::pow(double(back[size_t(g * group + i)] - x[i]), 2);
+      }
+      ASSERT_LE(e_ours, e_mm * (1 + 1e-6)) << "group size " << group << " group " << g;
+      ours += e_ours, minmax += e_mm;
+    }
+    EXPECT_LT(ours, 0.97 * minmax) << "group size " << group;
+    std::printf("[int4] group %3lld: squared error %.4g vs min/max %.4g (%.1f%% lower)\n", (long long)group, ours, minmax,
+                100 * (1 - ours / minmax));
+  }
+}
+
 TEST(Int4Affine, EmbeddingLookupDequantizesRows) {
   std::mt19937 rng(14);
   AffineMatrix table(12, 128, 64, DType::F16, rng);
