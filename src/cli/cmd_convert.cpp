@@ -22,6 +22,7 @@
 #include "core/mapped_file.h"
 #include "core/quant.h"
 #include "core/quant_grouped.h"
+#include "core/thread_pool.h"
 #include "formats/gguf_model.h"
 #include "formats/safetensors.h"
 #include "models/registry.h"
@@ -100,16 +101,22 @@ void add_convert_command(CLI::App& app) {
   struct Opts {
     std::string model, quant, out;
     int64_t group_size = 64;
+    bool experts_only = false;
+    int threads = 0;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand("convert", "Quantize a safetensors checkpoint (int4-affine or mxfp4) into a new directory");
   cmd->add_option("--model,-m", o->model, "Checkpoint directory (config.json + *.safetensors)")->required();
   cmd->add_option("--quant", o->quant, "int4-affine (all weight matrices) or mxfp4 (routed experts)")->required();
   cmd->add_option("--group-size", o->group_size, "int4-affine: columns per scale/bias (32, 64 or 128)")->capture_default_str();
+  cmd->add_flag("--experts-only", o->experts_only,
+                "int4-affine: quantize the routed experts only (attention, shared layers and the head stay as they are)");
+  cmd->add_option("--threads,-t", o->threads, "Quantizing threads (0: all cores)")->capture_default_str();
   cmd->add_option("--out,-o", o->out, "Output directory (created; must not hold files)")->required();
   cmd->callback([o] {
     const bool int4 = o->quant == "int4-affine";
     if (!int4 && o->quant != "mxfp4") fail("convert: --quant {} is not supported (int4-affine, mxfp4)", o->quant);
+    if (!int4 && o->experts_only) fail("convert: --experts-only goes with --quant int4-affine (mxfp4 quantizes experts only)");
     if (int4 && o->group_size != 32 && o->group_size != 64 && o->group_size != 128)
       fail("convert: --group-size {} is not supported (32, 64 or 128)", o->group_size);
     std::error_code ec;
@@ -135,6 +142,7 @@ void add_convert_command(CLI::App& app) {
     int64_t n_quantized = 0, n_kept_ragged = 0;
     std::string first_ragged;
     const int64_t group = int4 ? o->group_size : mxfp4::kGroup;
+    auto pool = std::make_shared<ThreadPool>(o->threads);
     for (const auto& [name, t] : ck.all()) {
       Plan plan;
       plan.src = t;
@@ -149,7 +157,7 @@ void add_convert_command(CLI::App& app) {
         const std::vector<int64_t> want = u.expert_stack ? (u.transposed ? std::vector<int64_t>{plan.n, u.cols, u.rows}
                                                                           : std::vector<int64_t>{plan.n, u.rows, u.cols})
                                                          : std::vector<int64_t>{u.rows, u.cols};
-        const bool wanted = int4 || u.expert_stack || is_routed_expert_name(name);
+        const bool wanted = (int4 && !o->experts_only) || u.expert_stack || is_routed_expert_name(name);
         if (wanted && t->shape == want) {
           if (u.cols % group == 0) {
             quantize = true;
@@ -173,19 +181,18 @@ void add_convert_command(CLI::App& app) {
         // The packed tensor's fill quantizes and leaves the planes here for the next two fills.
         auto planes = std::make_shared<std::pair<std::vector<uint8_t>, std::vector<uint8_t>>>();
         specs.push_back({name, DType::U32, with_lead(plan, {plan.rows, plan.cols / int4_affine::kPerWord}),
-                         [plan, planes, plane, plane_row, group, rows_total](uint8_t* dst, size_t) {
+                         [plan, planes, plane, plane_row, group, rows_total, pool](uint8_t* dst, size_t) {
                            planes->first.resize(plane_row * size_t(rows_total));
                            planes->second.resize(plane_row * size_t(rows_total));
-                           std::vector<float> row(size_t(plan.cols)), scratch;
-                           for (int64_t k = 0; k < plan.n; ++k) {
-                             for (int64_t r = 0; r < plan.rows; ++r) {
-                               const int64_t rr = k * plan.rows + r;
-                               source_row(plan, k, r, row.data(), scratch);
+                           pool->parallel_for(rows_total, 16, [&](int64_t begin, int64_t end) {
+                             std::vector<float> row(size_t(plan.cols)), scratch;
+                             for (int64_t rr = begin; rr < end; ++rr) {
+                               source_row(plan, rr / plan.rows, rr % plan.rows, row.data(), scratch);
                                int4_affine::quantize_row(row.data(), plan.cols, group, plane, dst + rr * plan.cols / 2,
                                                          planes->first.data() + size_t(rr) * plane_row,
                                                          planes->second.data() + size_t(rr) * plane_row);
                              }
-                           }
+                           });
                          }});
         specs.push_back({stem + ".scales", plane, with_lead(plan, {plan.rows, groups}), [planes](uint8_t* dst, size_t n) {
                            std::memcpy(dst, planes->first.data(), n);
@@ -199,17 +206,16 @@ void add_convert_command(CLI::App& app) {
         auto scales = std::make_shared<std::vector<uint8_t>>();
         const int64_t blocks = plan.cols / mxfp4::kGroup;
         specs.push_back({stem + "_blocks", DType::U8, with_lead(plan, {plan.rows, blocks, mxfp4::kGroupBytes}),
-                         [plan, scales, blocks, rows_total](uint8_t* dst, size_t) {
+                         [plan, scales, blocks, rows_total, pool](uint8_t* dst, size_t) {
                            scales->resize(size_t(blocks * rows_total));
-                           std::vector<float> row(size_t(plan.cols)), scratch;
-                           for (int64_t k = 0; k < plan.n; ++k) {
-                             for (int64_t r = 0; r < plan.rows; ++r) {
-                               const int64_t rr = k * plan.rows + r;
-                               source_row(plan, k, r, row.data(), scratch);
+                           pool->parallel_for(rows_total, 16, [&](int64_t begin, int64_t end) {
+                             std::vector<float> row(size_t(plan.cols)), scratch;
+                             for (int64_t rr = begin; rr < end; ++rr) {
+                               source_row(plan, rr / plan.rows, rr % plan.rows, row.data(), scratch);
                                mxfp4::quantize_row(row.data(), dst + rr * plan.cols / 2, scales->data() + rr * blocks,
                                                    plan.cols);
                              }
-                           }
+                           });
                          }});
         specs.push_back({stem + "_scales", DType::U8, with_lead(plan, {plan.rows, blocks}), [scales](uint8_t* dst, size_t n) {
                            std::memcpy(dst, scales->data(), n);

@@ -228,6 +228,31 @@ TEST(Convert, RefusesBadInput) {
   EXPECT_NE(r.out.find("not empty"), std::string::npos) << r.out;
 }
 
+// --experts-only quantizes the routed experts and leaves attention, the dense layer and the
+// head in bf16; the result still keeps bf16's predictions.
+TEST(Convert, ExpertsOnlyLeavesTheRestInBf16) {
+  testing::TempDir dir;
+  const std::string out = dir.str() + "/q";
+  auto r = testing::run_cli("convert --model " + fixture("qwen3_moe_trained_tiny") +
+                            " --quant int4-affine --experts-only --threads 2 --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  {
+    Checkpoint ck(out);
+    EXPECT_EQ(ck.get("model.layers.0.self_attn.q_proj.weight").dtype, DType::BF16);
+    EXPECT_EQ(ck.get("lm_head.weight").dtype, DType::BF16);
+    EXPECT_EQ(ck.get("model.layers.0.mlp.experts.0.gate_proj.weight").dtype, DType::U32);
+    EXPECT_TRUE(ck.has("model.layers.0.mlp.experts.0.gate_proj.scales"));
+    EXPECT_FALSE(ck.has("model.layers.0.self_attn.q_proj.scales"));
+  }
+  const auto tokens = testing::read_json(fixture("qwen3_moe_trained_tiny") + "/golden.json")["tokens"].get<std::vector<int32_t>>();
+  const Agreement a = compare(all_logits(fixture("qwen3_moe_trained_tiny"), tokens), all_logits(out, tokens), 512);
+  EXPECT_GE(a.top1, 0.95);
+  r = testing::run_cli("convert --model " + fixture("qwen3_moe_trained_tiny") + " --quant mxfp4 --experts-only --out " +
+                       dir.str() + "/m");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--experts-only goes with --quant int4-affine"), std::string::npos) << r.out;
+}
+
 TEST(Convert, ConvertedCheckpointRunsThroughTheCli) {
   testing::TempDir dir;
   const std::string out = dir.str() + "/q";
