@@ -64,14 +64,14 @@ struct TempDir {
   }
 };
 
-// MXFP4 matmuls in exact float arithmetic (not the default int8 activations) while alive:
-// what the transformers goldens are held to.
-struct Mxfp4Exact {
+// MXFP4 matmuls with int8 activations (true) or in exact float arithmetic (false) while
+// alive, whatever the environment says; the previous mode comes back after.
+struct Mxfp4Activations {
   bool was = cpu::mxfp4_int8_activations();
-  Mxfp4Exact() { cpu::mxfp4_set_int8_activations(false); }
-  ~Mxfp4Exact() { cpu::mxfp4_set_int8_activations(was); }
-  Mxfp4Exact(const Mxfp4Exact&) = delete;
-  Mxfp4Exact& operator=(const Mxfp4Exact&) = delete;
+  explicit Mxfp4Activations(bool int8) { cpu::mxfp4_set_int8_activations(int8); }
+  ~Mxfp4Activations() { cpu::mxfp4_set_int8_activations(was); }
+  Mxfp4Activations(const Mxfp4Activations&) = delete;
+  Mxfp4Activations& operator=(const Mxfp4Activations&) = delete;
 };
 
 // Copies a fixture model directory (so a test can damage its copy).

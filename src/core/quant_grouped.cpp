@@ -1,6 +1,7 @@
 #include "core/quant_grouped.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cstring>
 
 #include "core/error.h"
@@ -148,6 +149,8 @@ struct AffineFit {
 
 // Codes for one group under a stored (rounded) scale and bias, and how well they fit.
 void fit_codes(const float* x, int64_t n, float s, float b, DType t, AffineFit* f) {
+  float amax = 0.f;  // float rounding of s * q + b is relative to the group's magnitude
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   f->scale = s;
   f->bias = b;
   f->sse = 0.0;
@@ -160,7 +163,7 @@ void fit_codes(const float* x, int64_t n, float s, float b, DType t, AffineFit* 
     worst = std::max(worst, err);
     f->sse += double(err) * err;
   }
-  f->within_bound = worst <= 0.5f * s * (1 + 1e-5f) + plane_slack(t, s, b) + 1e-7f;
+  f->within_bound = worst <= 0.5f * s * (1 + 1e-5f) + plane_slack(t, s, b) + 4 * FLT_EPSILON * amax;
 }
 
 }  // namespace

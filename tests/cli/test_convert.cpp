@@ -163,6 +163,11 @@ TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
   write_dequantized(out, dir.str() + "/dequantized");
   const std::vector<float> fake = all_logits(dir.str() + "/dequantized", tokens);
   const double kernel_err = testing::max_rel_error(quantized.data(), fake.data(), fake.size());
+  if (c.quant == "mxfp4") {  // MXFP4 also has an exact float path: it must match to rounding
+    testing::Mxfp4Activations float32(false);
+    const std::vector<float> exact = all_logits(out, tokens);
+    EXPECT_LT(testing::max_rel_error(exact.data(), fake.data(), fake.size()), 2e-4) << c.fixture;
+  }
   // With routed experts that rounding can also flip a near-tied router choice, which moves
   // the logits by more than rounding (qwen3_moe 7e-2, qwen4_exp 1.7e-1, gpt_oss 8e-2
   // measured), so there the bound only catches gross errors (a wrong nibble order is O(1)).

@@ -51,7 +51,7 @@ class GoldenFamily : public ::testing::TestWithParam<std::string> {
   const Model& model() const { return *loaded_.model; }
   int64_t vocab() const { return model().info().vocab_size; }
 
-  testing::Mxfp4Exact exact_;  // the MXFP4 fixture's golden is exact arithmetic
+  testing::Mxfp4Activations exact_{false};  // the MXFP4 fixture's golden is exact arithmetic
   LoadedModel loaded_;
   std::unique_ptr<Backend> backend_;
   Golden golden_;

@@ -213,14 +213,16 @@ TEST(GptOssConfig, MalformedFieldsAreNamed) {
 // stay near transformers' exact ones (the fixture's flat, near-tied routers let the rounding
 // flip a choice now and then), and exact mode is what the goldens hold to 2e-5.
 TEST(GptOssMxfp4, Int8ActivationsStayNearTheExactGolden) {
-  ASSERT_TRUE(cpu::mxfp4_int8_activations()) << "int8 activations are the default";
   LoadedModel m = load_model(fixture("gpt_oss_mxfp4_tiny"));
   auto be = make_cpu_backend(2);
   const Golden g = load_golden("gpt_oss_mxfp4_tiny");
-  const std::vector<float> fast = run_logits(*m.model, *be, g.tokens, 0);
-  std::vector<float> exact;
+  std::vector<float> fast, exact;
   {
-    testing::Mxfp4Exact on;
+    testing::Mxfp4Activations int8(true);
+    fast = run_logits(*m.model, *be, g.tokens, 0);
+  }
+  {
+    testing::Mxfp4Activations float32(false);
     exact = run_logits(*m.model, *be, g.tokens, 0);
   }
   EXPECT_LT(max_rel_error(exact.data(), g.logits.data.data(), exact.size()), kLogitTol);

@@ -3,6 +3,7 @@
 // lookups, and the loader's refusals (group size, packed shape, truncated file, config).
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -75,7 +76,7 @@ TEST(Int4Affine, MatmulMatchesScalarReference) {
   std::mt19937 rng(11);
   for (DType plane : {DType::BF16, DType::F16, DType::F32}) {
     for (int64_t group : {32, 64, 128}) {
-      for (int64_t rows : {1, 4, 5, 13, 33}) {  // the decode kernel takes rows four at a time
+      for (int64_t rows : {1, 4, 5, 13, 33}) {
         for (int64_t cols : {128, 160, 384, 1056, 1152}) {  // 1056/1152: eight-group blocks plus tails
           if (cols % group) continue;
           AffineMatrix w(rows, cols, group, plane, rng);
@@ -131,27 +132,32 @@ TEST(Int4Affine, StridedRowSlicesReadTheirOwnPlanes) {
 
 TEST(Int4Affine, QuantizeRoundTripWithinHalfAStep) {
   std::mt19937 rng(13);
-  for (int64_t group : {32, 64, 128}) {
-    const int64_t cols = 512;
-    std::vector<float> w = random_floats(size_t(cols), rng, 0.05f);
-    for (int64_t i = 0; i < 32; ++i) w[size_t(i)] = 0.25f;  // a constant group: scale 0
-    std::vector<uint8_t> packed(static_cast<size_t>(cols / 2));
-    std::vector<float> scales(size_t(cols / group)), biases(size_t(cols / group)), back(static_cast<size_t>(cols));
-    int4_affine::quantize_row(w.data(), cols, group, DType::F32, packed.data(), scales.data(), biases.data());
-    int4_affine::dequantize_row(packed.data(), scales.data(), biases.data(), DType::F32, group, back.data(), cols);
-    for (int64_t i = 0; i < cols; ++i) {
-      const float s = scales[size_t(i / group)];
-      ASSERT_LE(std::fabs(back[size_t(i)] - w[size_t(i)]), 0.5f * s * (1 + 1e-5f) + 1e-7f) << "group " << group << " i " << i;
-    }
-    // BF16 planes (what convert writes for bf16 models): codes use the rounded scale and
-    // bias, so the error stays within a half step plus the planes' rounding at the edges.
-    std::vector<uint16_t> s16(scales.size()), b16(biases.size());
-    int4_affine::quantize_row(w.data(), cols, group, DType::BF16, packed.data(), s16.data(), b16.data());
-    int4_affine::dequantize_row(packed.data(), s16.data(), b16.data(), DType::BF16, group, back.data(), cols);
-    for (int64_t i = 0; i < cols; ++i) {
-      const float s = bf16_to_f32(s16[size_t(i / group)]), b = bf16_to_f32(b16[size_t(i / group)]);
-      const float bound = 0.5f * s + 16.f * s / 128.f + std::fabs(b) / 128.f + 1e-7f;
-      ASSERT_LE(std::fabs(back[size_t(i)] - w[size_t(i)]), bound) << "bf16 group " << group << " i " << i;
+  for (float sd : {0.05f, 1e-3f, 1e-6f, 1e-7f}) {  // tiny weights too: the bound is relative
+    for (int64_t group : {32, 64, 128}) {
+      const int64_t cols = 128 * 32;
+      std::vector<float> w = random_floats(size_t(cols), rng, sd);
+      for (int64_t i = 0; i < 32; ++i) w[size_t(i)] = 0.25f;  // a constant group: scale 0
+      std::vector<float> amax(size_t(cols / group), 0.f);    // float rounding of s * q + b scales with it
+      for (int64_t i = 0; i < cols; ++i) amax[size_t(i / group)] = std::max(amax[size_t(i / group)], std::fabs(w[size_t(i)]));
+      std::vector<uint8_t> packed(static_cast<size_t>(cols / 2));
+      std::vector<float> scales(size_t(cols / group)), biases(size_t(cols / group)), back(static_cast<size_t>(cols));
+      int4_affine::quantize_row(w.data(), cols, group, DType::F32, packed.data(), scales.data(), biases.data());
+      int4_affine::dequantize_row(packed.data(), scales.data(), biases.data(), DType::F32, group, back.data(), cols);
+      for (int64_t i = 0; i < cols; ++i) {
+        const float s = scales[size_t(i / group)];
+        ASSERT_LE(std::fabs(back[size_t(i)] - w[size_t(i)]), 0.5f * s * (1 + 1e-5f) + 4 * FLT_EPSILON * amax[size_t(i / group)])
+            << "sd " << sd << " group " << group << " i " << i;
+      }
+      // BF16 planes (what convert writes for bf16 models): codes use the rounded scale and
+      // bias, so the error stays within a half step plus the planes' rounding at the edges.
+      std::vector<uint16_t> s16(scales.size()), b16(biases.size());
+      int4_affine::quantize_row(w.data(), cols, group, DType::BF16, packed.data(), s16.data(), b16.data());
+      int4_affine::dequantize_row(packed.data(), s16.data(), b16.data(), DType::BF16, group, back.data(), cols);
+      for (int64_t i = 0; i < cols; ++i) {
+        const float s = bf16_to_f32(s16[size_t(i / group)]), b = bf16_to_f32(b16[size_t(i / group)]);
+        const float bound = 0.5f * s * (1 + 1e-5f) + 16.f * s / 128.f + std::fabs(b) / 128.f + 4 * FLT_EPSILON * amax[size_t(i / group)];
+        ASSERT_LE(std::fabs(back[size_t(i)] - w[size_t(i)]), bound) << "bf16 sd " << sd << " group " << group << " i " << i;
+      }
     }
   }
 }

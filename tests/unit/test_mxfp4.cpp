@@ -150,13 +150,16 @@ TEST(Mxfp4, ExtremeScalesDecodeLikeLdexp) {
   ThreadPool pool(1);
   std::mt19937 rng(3);
   for (auto range : {std::pair{0, 3}, std::pair{200, 220}}) {
-    Mxfp4Matrix w(4, 64, rng, range.first, range.second);
-    std::vector<float> x(64, 0.f);
-    for (int i = 0; i < 64; ++i) x[size_t(i)] = (i % 3) - 1.f;
+    // 288 columns: nine blocks, so the int8 kernel's eight-block loop (vector exponent
+    // decode) and its one-block tail both meet the extreme exponents.
+    constexpr int64_t C = 288;
+    Mxfp4Matrix w(4, C, rng, range.first, range.second);
+    std::vector<float> x(C, 0.f);
+    for (int i = 0; i < C; ++i) x[size_t(i)] = (i % 3) - 1.f;
     std::vector<float> y(4), y_ref(4), y_int(4);
-    cpu::mxfp4_matmul_exact(pool, w.view, Mat(x.data(), 1, 64), Mat(y.data(), 1, 4));
-    cpu::mxfp4_matmul_int8(pool, w.view, Mat(x.data(), 1, 64), Mat(y_int.data(), 1, 4));
-    cpu::ref::mxfp4_matmul(w.view, Mat(x.data(), 1, 64), Mat(y_ref.data(), 1, 4));
+    cpu::mxfp4_matmul_exact(pool, w.view, Mat(x.data(), 1, C), Mat(y.data(), 1, 4));
+    cpu::mxfp4_matmul_int8(pool, w.view, Mat(x.data(), 1, C), Mat(y_int.data(), 1, 4));
+    cpu::ref::mxfp4_matmul(w.view, Mat(x.data(), 1, C), Mat(y_ref.data(), 1, 4));
     for (int r = 0; r < 4; ++r) {
       EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * std::fabs(y_ref[size_t(r)]) + 1e-40f);
       // d * 2^-128 is subnormal for the smallest scales: a few bits of the scale go.

@@ -166,7 +166,10 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < n; ++i) std::memcpy(xs.row(i), x.row(rows[size_t(i)].first), size_t(hidden) * 4);
       if (ew.gate_up_interleaved) {
         // One pass over the fused matrix (rows in order) rather than two over every other
-        // row, then the outputs split: even columns gate, odd up.
+        // row, then the outputs split: even columns gate, odd up. The views must still be
+        // the two halves of one matrix (an expert cache must copy it whole).
+        TS_CHECK(ew.up.view.data == ew.gate.view.row(0) + ew.gate.view.row_bytes / 2,
+                 "moe_experts: expert {} gate/up views are not the halves of one interleaved matrix", e);
         Mat gu(y.data + n * hidden, n, 2 * inter);
         matmul_view(fused_gate_up(ew), xs, gu);
         for (int64_t i = 0; i < n; ++i) {
