@@ -49,7 +49,7 @@ void add_inspect_command(CLI::App& app) {
       params += t->numel();
       if (o->tensors) fmt::print("  {:<64} {:<5} {:<18} {}\n", name, dtype_name(t->dtype), t->shape_str(), t->nbytes);
     }
-    fmt::print("tensors    {} ({:.2f}M parameters, {:.2f} MiB)\n", ckpt.all().size(), double(params) / 1e6,
+    fmt::print("tensors    {} ({:.2f}M stored elements, {:.2f} MiB)\n", ckpt.all().size(), double(params) / 1e6,
                double(total) / (1 << 20));
     for (const auto& [dt, e] : by_dtype) {
       fmt::print("  {:<5} {:>6} tensors {:>12.2f} MiB\n", dt, e.first, double(e.second) / (1 << 20));
@@ -57,8 +57,18 @@ void add_inspect_command(CLI::App& app) {
     // Building the model validates every tensor's presence, dtype and shape.
     LoadedModel loaded = load_model(o->model);
     const ModelInfo& info = loaded.model->info();
-    fmt::print("family     {}: weights {:.2f} MiB, read per decode token {:.2f} MiB\n", info.family,
-               double(info.weight_bytes) / (1 << 20), double(info.active_weight_bytes) / (1 << 20));
+    fmt::print("family     {}: {:.2f}M parameters, weights {:.2f} MiB, read per decode token {:.2f} MiB\n", info.family,
+               double(info.n_params) / 1e6, double(info.weight_bytes) / (1 << 20),
+               double(info.active_weight_bytes) / (1 << 20));
+    if (!ckpt.is_gguf()) {
+      const QuantConfig& q = ckpt.quantization();
+      if (q.method == QuantConfig::Method::kInt4Affine) {
+        fmt::print("quant      int4-affine (MLX), group size {}{}\n", q.group_size,
+                   q.group_overrides.empty() ? "" : fmt::format(", {} per-module entries", q.group_overrides.size()));
+      } else if (q.method == QuantConfig::Method::kMxfp4) {
+        fmt::print("quant      mxfp4 (routed experts), 32 per scale\n");
+      }
+    }
   });
 }
 

@@ -249,6 +249,9 @@ TEST(Convert, ExpertsOnlyLeavesTheRestInBf16) {
     EXPECT_TRUE(ck.has("model.layers.0.mlp.experts.0.gate_proj.scales"));
     EXPECT_FALSE(ck.has("model.layers.0.self_attn.q_proj.scales"));
   }
+  r = testing::run_cli("inspect --model " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("int4-affine (MLX), group size 64"), std::string::npos) << r.out;
   const auto tokens = testing::read_json(fixture("qwen3_moe_trained_tiny") + "/golden.json")["tokens"].get<std::vector<int32_t>>();
   const Agreement a = compare(all_logits(fixture("qwen3_moe_trained_tiny"), tokens), all_logits(out, tokens), 512);
   EXPECT_GE(a.top1, 0.95);
