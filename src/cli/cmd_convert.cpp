@@ -10,6 +10,8 @@
 // the checkpoint reports what it was asked for (Checkpoint::matrix_uses).
 #include <fmt/format.h>
 
+#include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -60,6 +62,7 @@ bool is_float(DType t) { return t == DType::BF16 || t == DType::F16 || t == DTyp
 // A tensor to quantize: n matrices (1 for a plain matrix) of [rows, cols], stored
 // [n, cols, rows] when transposed.
 struct Plan {
+  std::string name;
   const TensorInfo* src = nullptr;
   int64_t n = 1, rows = 0, cols = 0;
   bool stacked = false, transposed = false;
@@ -75,6 +78,19 @@ void source_row(const Plan& p, int64_t k, int64_t r, float* dst, std::vector<flo
     dequantize_row(p.src->dtype, base + size_t(i * p.rows + r) * es, scratch.data(), 1);
     dst[i] = scratch[0];
   }
+}
+
+bool all_finite(const std::vector<float>& v) {
+  for (float x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+// A NaN or infinity would quantize to NaN scales: refused (workers only record the row).
+void refuse_non_finite(const Plan& p, int64_t row) {
+  if (row < 0) return;
+  if (p.stacked) fail("convert: {} has a NaN or infinite weight (matrix {}, row {})", p.name, row / p.rows, row % p.rows);
+  fail("convert: {} has a NaN or infinite weight (row {})", p.name, row);
 }
 
 std::vector<int64_t> with_lead(const Plan& p, std::vector<int64_t> tail) {
@@ -145,6 +161,7 @@ void add_convert_command(CLI::App& app) {
     auto pool = std::make_shared<ThreadPool>(o->threads);
     for (const auto& [name, t] : ck.all()) {
       Plan plan;
+      plan.name = name;
       plan.src = t;
       bool quantize = false;
       if (auto it = uses.find(name); it != uses.end() && is_float(t->dtype)) {
@@ -184,15 +201,18 @@ void add_convert_command(CLI::App& app) {
                          [plan, planes, plane, plane_row, group, rows_total, pool](uint8_t* dst, size_t) {
                            planes->first.resize(plane_row * size_t(rows_total));
                            planes->second.resize(plane_row * size_t(rows_total));
+                           std::atomic<int64_t> bad_row{-1};
                            pool->parallel_for(rows_total, 16, [&](int64_t begin, int64_t end) {
                              std::vector<float> row(size_t(plan.cols)), scratch;
                              for (int64_t rr = begin; rr < end; ++rr) {
                                source_row(plan, rr / plan.rows, rr % plan.rows, row.data(), scratch);
+                               if (!all_finite(row)) bad_row.store(rr);
                                int4_affine::quantize_row(row.data(), plan.cols, group, plane, dst + rr * plan.cols / 2,
                                                          planes->first.data() + size_t(rr) * plane_row,
                                                          planes->second.data() + size_t(rr) * plane_row);
                              }
                            });
+                           refuse_non_finite(plan, bad_row.load());
                          }});
         specs.push_back({stem + ".scales", plane, with_lead(plan, {plan.rows, groups}), [planes](uint8_t* dst, size_t n) {
                            std::memcpy(dst, planes->first.data(), n);
@@ -208,14 +228,17 @@ void add_convert_command(CLI::App& app) {
         specs.push_back({stem + "_blocks", DType::U8, with_lead(plan, {plan.rows, blocks, mxfp4::kGroupBytes}),
                          [plan, scales, blocks, rows_total, pool](uint8_t* dst, size_t) {
                            scales->resize(size_t(blocks * rows_total));
+                           std::atomic<int64_t> bad_row{-1};
                            pool->parallel_for(rows_total, 16, [&](int64_t begin, int64_t end) {
                              std::vector<float> row(size_t(plan.cols)), scratch;
                              for (int64_t rr = begin; rr < end; ++rr) {
                                source_row(plan, rr / plan.rows, rr % plan.rows, row.data(), scratch);
+                               if (!all_finite(row)) bad_row.store(rr);
                                mxfp4::quantize_row(row.data(), dst + rr * plan.cols / 2, scales->data() + rr * blocks,
                                                    plan.cols);
                              }
                            });
+                           refuse_non_finite(plan, bad_row.load());
                          }});
         specs.push_back({stem + "_scales", DType::U8, with_lead(plan, {plan.rows, blocks}), [scales](uint8_t* dst, size_t n) {
                            std::memcpy(dst, scales->data(), n);
@@ -244,7 +267,13 @@ void add_convert_command(CLI::App& app) {
     }
     fs::create_directories(out_dir, ec);
     if (ec) fail("convert: cannot create {}: {}", o->out, ec.message());
-    write_safetensors((out_dir / "model.safetensors").string(), specs, {{"format", "pt"}});
+    try {
+      write_safetensors((out_dir / "model.safetensors").string(), specs, {{"format", "pt"}});
+    } catch (...) {
+      if (tty) fmt::print(stderr, "\n");
+      fs::remove(out_dir / "model.safetensors", ec);  // no half-written checkpoint left behind
+      throw;
+    }
     if (tty) fmt::print(stderr, "\n");
 
     if (int4) {

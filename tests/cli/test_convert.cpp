@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/npy.h"
@@ -259,6 +260,32 @@ TEST(Convert, ExpertsOnlyLeavesTheRestInBf16) {
                        dir.str() + "/m");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.out.find("--experts-only goes with --quant int4-affine"), std::string::npos) << r.out;
+}
+
+// A NaN weight would quantize to NaN scales: refused by name, and no half-written
+// checkpoint is left in --out.
+TEST(Convert, RefusesNonFiniteWeights) {
+  testing::TempDir dir;
+  const std::filesystem::path model = dir.path / "nan";
+  testing::copy_fixture("qwen3_moe_trained_tiny", model);
+  const std::string st = (model / "model.safetensors").string();
+  std::fstream f(st, std::ios::in | std::ios::out | std::ios::binary);
+  uint64_t header_len = 0;
+  f.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(size_t(header_len), '\0');
+  f.read(header.data(), std::streamsize(header_len));
+  const auto h = nlohmann::json::parse(header);
+  const std::string victim = "model.layers.1.self_attn.q_proj.weight";
+  const int64_t begin = h.at(victim).at("data_offsets")[0].get<int64_t>();
+  const uint16_t nan_bf16 = 0x7FC0;
+  f.seekp(std::streamoff(8 + header_len + uint64_t(begin) + 2 * 70));  // row 1, column 6 (64 columns)
+  f.write(reinterpret_cast<const char*>(&nan_bf16), 2);
+  f.close();
+  const std::string out = dir.str() + "/q";
+  auto r = testing::run_cli("convert --model " + model.string() + " --quant int4-affine --out " + out);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find(victim + " has a NaN or infinite weight (row 1)"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(out + "/model.safetensors"));
 }
 
 TEST(Convert, ConvertedCheckpointRunsThroughTheCli) {
