@@ -147,30 +147,41 @@ struct AffineFit {
   uint8_t q[128];
 };
 
-// Codes for one group under a stored (rounded) scale and bias, and how well they fit.
+// Codes for one group under a stored (rounded) scale and bias, and how well they fit. Eight
+// interleaved partial sums and maxima (group sizes are multiples of 32): one running sum
+// was a latency chain that made this most of convert's time.
 void fit_codes(const float* x, int64_t n, float s, float b, DType t, AffineFit* f) {
-  float amax = 0.f;  // float rounding of s * q + b is relative to the group's magnitude
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   f->scale = s;
   f->bias = b;
-  f->sse = 0.0;
-  float worst = 0.f;
   const float inv = s > 0.f ? 1.f / s : 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const int q = int(std::clamp(std::nearbyint((x[i] - b) * inv), 0.f, 15.f));
-    f->q[i] = uint8_t(q);
-    const float err = std::fabs(s * float(q) + b - x[i]);
-    worst = std::max(worst, err);
-    f->sse += double(err) * err;
+  double sse[8] = {};
+  float worst[8] = {}, amax[8] = {};  // float rounding of s * q + b is relative to the group's magnitude
+  for (int64_t i = 0; i < n; i += 8) {
+    for (int k = 0; k < 8; ++k) {
+      const float xi = x[i + k];
+      const float q = std::clamp(std::nearbyint((xi - b) * inv), 0.f, 15.f);
+      f->q[i + k] = uint8_t(q);
+      const float err = std::fabs(s * q + b - xi);
+      worst[k] = std::max(worst[k], err);
+      amax[k] = std::max(amax[k], std::fabs(xi));
+      sse[k] += double(err) * err;
+    }
   }
-  f->within_bound = worst <= 0.5f * s * (1 + 1e-5f) + plane_slack(t, s, b) + 4 * FLT_EPSILON * amax;
+  for (int k = 1; k < 8; ++k) {
+    sse[0] += sse[k];
+    worst[0] = std::max(worst[0], worst[k]);
+    amax[0] = std::max(amax[0], amax[k]);
+  }
+  f->sse = sse[0];
+  f->within_bound = worst[0] <= 0.5f * s * (1 + 1e-5f) + plane_slack(t, s, b) + 4 * FLT_EPSILON * amax[0];
 }
 
 }  // namespace
 
 void quantize_row(const float* src, int64_t cols, int64_t group_size, DType plane_dtype, uint8_t* packed,
                   void* scales, void* biases) {
-  TS_CHECK(group_size <= 128, "int4_affine::quantize_row: group size {} above 128", group_size);
+  TS_CHECK(group_size <= 128 && group_size % 8 == 0, "int4_affine::quantize_row: group size {} (8 .. 128, a multiple of 8)",
+           group_size);
   std::memset(packed, 0, size_t(cols / 2));
   AffineFit best, trial;
   for (int64_t g = 0; g < cols / group_size; ++g) {
@@ -185,11 +196,15 @@ void quantize_row(const float* src, int64_t cols, int64_t group_size, DType plan
     // half a step (plus the planes' rounding), the bound the MLX fit guarantees.
     const AffineFit* cur = &best;
     for (int it = 0; it < 4; ++it) {
-      double sq = 0, sqq = 0, sx = 0, sqx = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const double q = cur->q[i];
-        sq += q, sqq += q * q, sx += x[i], sqx += q * x[i];
+      double p[4][8] = {};  // sums of q, q^2, x, q x, eight interleaved partials each
+      for (int64_t i = 0; i < n; i += 8) {
+        for (int k = 0; k < 8; ++k) {
+          const double q = cur->q[i + k], xi = x[i + k];
+          p[0][k] += q, p[1][k] += q * q, p[2][k] += xi, p[3][k] += q * xi;
+        }
       }
+      double sq = 0, sqq = 0, sx = 0, sqx = 0;
+      for (int k = 0; k < 8; ++k) sq += p[0][k], sqq += p[1][k], sx += p[2][k], sqx += p[3][k];
       const double det = double(n) * sqq - sq * sq;
       if (det <= 0) break;
       const double sc = (double(n) * sqx - sq * sx) / det;
