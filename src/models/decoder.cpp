@@ -8,6 +8,7 @@
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
 #include "models/arena.h"
+#include "models/blocks/output.h"
 #include "models/blocks/rope.h"
 
 namespace turbospark {
@@ -198,13 +199,10 @@ std::unique_ptr<ModelWorkspace> DecoderModel::new_workspace(Backend& be, int64_t
 
 void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
   auto& ws = *static_cast<DecoderWorkspace*>(b.workspace);
-  TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
-  TS_CHECK(int(b.kv.size()) == hp_.n_layers, "KV views for {} layers, model has {}", b.kv.size(), hp_.n_layers);
+  b.check(ws.capacity, hp_.n_layers);
   const int64_t n = b.n;
   Mat x = ws.x.rows_slice(0, n), xn = ws.xn.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
-  auto trace = [&](const char* name, int layer, const Mat& m) {
-    if (b.trace && *b.trace) (*b.trace)(name, layer, m);
-  };
+  auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
   be.embedding(embed_, b.tokens, n, hp_.embed_scale, x);
   trace("embedding", -1, x);
   for (int i = 0; i < hp_.n_layers; ++i) {
@@ -226,16 +224,8 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
     trace(L.ffn == FfnKind::kDense ? "mlp" : "moe", i, branch);
     be.add(x, branch);
   }
-  // Only the rows whose logits are wanted go through the final norm and the LM head.
-  Mat last = b.all_logits ? x : x.rows_slice(n - 1, 1);
-  Mat normed = xn.rows_slice(0, last.rows);
-  be.rmsnorm(last, final_norm_.data(), hp_.rms_eps, normed, hp_.norm_offset);
-  trace("final_norm", hp_.n_layers, normed);
-  Mat logits = ws.logits.rows_slice(0, last.rows);
-  be.matmul(lm_head_, normed, logits);
-  if (hp_.final_softcap > 0) be.unary(logits, Act::kTanh, 1.f / hp_.final_softcap, hp_.final_softcap, logits);
-  be.download(logits, b.logits);
-  trace("lm_head", hp_.n_layers, logits);
+  output_logits(be, b, {&final_norm_, hp_.rms_eps, hp_.norm_offset, &lm_head_, hp_.final_softcap}, hp_.n_layers, x, xn,
+                ws.logits);
 }
 
 }  // namespace turbospark

@@ -22,6 +22,7 @@
 #include "models/blocks/gemma4_attention.h"
 #include "models/blocks/gemma4_moe.h"
 #include "models/blocks/gemma4_per_layer.h"
+#include "models/blocks/output.h"
 #include "models/blocks/rope.h"
 #include "models/model.h"
 
@@ -459,8 +460,7 @@ class Gemma4Model final : public Model {
 
   void forward(Backend& be, const ForwardBatch& b) const override {
     auto& ws = *static_cast<Gemma4Workspace*>(b.workspace);
-    TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
-    TS_CHECK(int(b.kv.size()) == hp_.n_layers, "KV views for {} layers, model has {}", b.kv.size(), hp_.n_layers);
+    b.check(ws.capacity, hp_.n_layers);
     const int64_t n = b.n;
     for (int64_t t = 0; t < n; ++t) {
       const int32_t tok = b.tokens[t];
@@ -473,9 +473,7 @@ class Gemma4Model final : public Model {
     }
     Mat x = ws.x.rows_slice(0, n), xn = ws.xn.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
     Mat branch2 = ws.branch2.rows_slice(0, n);
-    auto trace = [&](const char* name, int layer, const Mat& m) {
-      if (b.trace && *b.trace) (*b.trace)(name, layer, m);
-    };
+    auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
     be.embedding(embed_, b.tokens, n, std::sqrt(float(hp_.hidden)), x);
     trace("embedding", -1, x);
     const int64_t P = hp_.per_layer_dim;
@@ -518,16 +516,7 @@ class Gemma4Model final : public Model {
       }
       if (L.scalar != 1.f) be.unary(x, Act::kIdentity, 1.f, L.scalar, x);
     }
-    // Only the rows whose logits are wanted go through the final norm and the LM head.
-    Mat last = b.all_logits ? x : x.rows_slice(n - 1, 1);
-    Mat normed = xn.rows_slice(0, last.rows);
-    be.rmsnorm(last, final_norm_.data(), hp_.eps, normed, 0.f);
-    trace("final_norm", hp_.n_layers, normed);
-    Mat logits = ws.logits.rows_slice(0, last.rows);
-    be.matmul(lm_head_, normed, logits);
-    if (hp_.final_softcap > 0) be.unary(logits, Act::kTanh, 1.f / hp_.final_softcap, hp_.final_softcap, logits);
-    be.download(logits, b.logits);
-    trace("lm_head", hp_.n_layers, logits);
+    output_logits(be, b, {&final_norm_, hp_.eps, 0.f, &lm_head_, hp_.final_softcap}, hp_.n_layers, x, xn, ws.logits);
   }
 
  private:

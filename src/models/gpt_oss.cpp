@@ -30,6 +30,7 @@
 #include "models/arena.h"
 #include "models/blocks/attention.h"
 #include "models/blocks/gpt_oss_moe.h"
+#include "models/blocks/output.h"
 #include "models/blocks/rope.h"
 #include "models/model.h"
 
@@ -359,13 +360,10 @@ std::unique_ptr<ModelWorkspace> GptOssModel::new_workspace(Backend& be, int64_t 
 
 void GptOssModel::forward(Backend& be, const ForwardBatch& b) const {
   auto& ws = *static_cast<GptOssWorkspace*>(b.workspace);
-  TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
-  TS_CHECK(int(b.kv.size()) == hp_.n_layers, "KV views for {} layers, model has {}", b.kv.size(), hp_.n_layers);
+  b.check(ws.capacity, hp_.n_layers);
   const int64_t n = b.n;
   Mat x = ws.x.rows_slice(0, n), xn = ws.xn.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
-  auto trace = [&](const char* name, int layer, const Mat& m) {
-    if (b.trace && *b.trace) (*b.trace)(name, layer, m);
-  };
+  auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
   be.embedding(embed_, b.tokens, n, 1.f, x);
   trace("embedding", -1, x);
   for (int i = 0; i < hp_.n_layers; ++i) {
@@ -381,14 +379,7 @@ void GptOssModel::forward(Backend& be, const ForwardBatch& b) const {
     trace("moe", i, branch);
     be.add(x, branch);
   }
-  Mat last = b.all_logits ? x : x.rows_slice(n - 1, 1);
-  Mat normed = xn.rows_slice(0, last.rows);
-  be.rmsnorm(last, final_norm_.data(), hp_.rms_eps, normed);
-  trace("final_norm", hp_.n_layers, normed);
-  Mat logits = ws.logits.rows_slice(0, last.rows);
-  be.matmul(lm_head_, normed, logits);
-  be.download(logits, b.logits);
-  trace("lm_head", hp_.n_layers, logits);
+  output_logits(be, b, {&final_norm_, hp_.rms_eps, 0.f, &lm_head_, 0.f}, hp_.n_layers, x, xn, ws.logits);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 #include "ops/backend.h"
 
@@ -70,6 +71,16 @@ struct ForwardBatch {
   ModelWorkspace* workspace = nullptr;
   SequenceState* state = nullptr;       // null for families without recurrent state
   const TraceHook* trace = nullptr;
+
+  // Hands an activation to the trace hook, when one is set.
+  void emit(const char* name, int layer, const Mat& value) const {
+    if (trace && *trace) (*trace)(name, layer, value);
+  }
+  // The checks every family's forward starts with.
+  void check(int64_t workspace_rows, int n_layers) const {
+    TS_CHECK(n > 0 && n <= workspace_rows, "micro-batch of {} rows exceeds the workspace ({})", n, workspace_rows);
+    TS_CHECK(int(kv.size()) == n_layers, "KV views for {} layers, model has {}", kv.size(), n_layers);
+  }
 };
 
 class Model {

@@ -520,9 +520,7 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
   TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
   const int64_t n = b.n, H = hp_.hidden;
   const int C = hp_.n_streams;
-  auto trace = [&](const char* name, int layer, const Mat& m) {
-    if (b.trace && *b.trace) (*b.trace)(name, layer, m);
-  };
+  auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
   Mat streams = ws.streams.rows_slice(0, n), mixed = ws.mixed.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
   Mat inject = ws.inject.rows_slice(0, n);
   // The residual starts as the embedding repeated in every stream.

@@ -1,0 +1,18 @@
+#include "models/blocks/output.h"
+
+namespace turbospark {
+
+void output_logits(Backend& be, const ForwardBatch& b, const OutputWeights& w, int n_layers, const Mat& x,
+                   const Mat& normed_scratch, const Mat& logits_scratch) {
+  const Mat last = b.all_logits ? x : x.rows_slice(x.rows - 1, 1);
+  const Mat normed = normed_scratch.rows_slice(0, last.rows);
+  be.rmsnorm(last, w.norm->data(), w.eps, normed, w.norm_offset);
+  b.emit("final_norm", n_layers, normed);
+  const Mat logits = logits_scratch.rows_slice(0, last.rows);
+  be.matmul(*w.lm_head, normed, logits);
+  if (w.softcap > 0) be.unary(logits, Act::kTanh, 1.f / w.softcap, w.softcap, logits);
+  be.download(logits, b.logits);
+  b.emit("lm_head", n_layers, logits);
+}
+
+}  // namespace turbospark
