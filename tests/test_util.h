@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "backends/cpu/mxfp4.h"
+#include "core/quant_grouped.h"
+#include "ops/backend.h"
 #include "core/mapped_file.h"
 
 namespace turbospark::testing {
@@ -72,6 +74,42 @@ struct Mxfp4Activations {
   ~Mxfp4Activations() { cpu::mxfp4_set_int8_activations(was); }
   Mxfp4Activations(const Mxfp4Activations&) = delete;
   Mxfp4Activations& operator=(const Mxfp4Activations&) = delete;
+};
+
+// Routed experts in a packed format next to the same experts as F32 matrices holding exactly
+// their dequantized values, and one fixed routing of 5 tokens over 4 experts (top 2): what
+// the formats' MoE tests run through the backend. make_view(rows, cols) returns a packed
+// view whose storage it keeps alive.
+struct ExpertPairs {
+  static constexpr int64_t kExperts = 4, kTokens = 5;
+  static constexpr int kTopK = 2;
+  static constexpr int32_t kIdx[kTokens * kTopK] = {0, 3, 1, 2, 3, 0, 2, 1, 0, 1};
+  static constexpr float kWeight[kTokens * kTopK] = {0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f, 0.3f, 0.7f, 0.2f, 0.8f};
+  int64_t hidden = 0;
+  std::vector<ExpertWeights> packed, floats;
+  std::vector<std::vector<float>> storage;
+
+  template <class MakeView>
+  ExpertPairs(int64_t hidden_size, int64_t inter, MakeView make_view)
+      : hidden(hidden_size), packed(kExperts), floats(kExperts) {
+    storage.reserve(3 * kExperts);
+    auto make = [&](int64_t rows, int64_t cols, Weight* qw, Weight* fw) {
+      qw->view = make_view(rows, cols);
+      storage.emplace_back(static_cast<size_t>(rows * cols));
+      for (int64_t r = 0; r < rows; ++r) dequantize_weight_row(qw->view, r, storage.back().data() + r * cols);
+      fw->view = WeightView{DType::F32, storage.back().data(), rows, cols, cols * 4};
+    };
+    for (size_t e = 0; e < size_t(kExperts); ++e) {
+      make(inter, hidden, &packed[e].gate, &floats[e].gate);
+      make(inter, hidden, &packed[e].up, &floats[e].up);
+      make(hidden, inter, &packed[e].down, &floats[e].down);
+    }
+  }
+  // out = the routed experts' output for x ([kTokens, hidden]).
+  void run(Backend& be, const std::vector<ExpertWeights>& experts, std::vector<float>& x, std::vector<float>& out) const {
+    out.assign(static_cast<size_t>(kTokens * hidden), 0.f);
+    be.moe_experts(experts, Mat(x.data(), kTokens, hidden), kIdx, kWeight, kTopK, Mat(out.data(), kTokens, hidden));
+  }
 };
 
 // Copies a fixture model directory (so a test can damage its copy).

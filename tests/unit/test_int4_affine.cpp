@@ -214,34 +214,15 @@ TEST(Int4Affine, EmbeddingLookupDequantizesRows) {
 // floats up to the int8 activation rounding.
 TEST(Int4Affine, MoeExpertsMatchDequantizedFloats) {
   std::mt19937 rng(15);
-  const int64_t E = 4, H = 128, I = 64, T = 5;
-  const int k = 2;
   std::vector<std::unique_ptr<AffineMatrix>> packed;
-  std::vector<std::vector<float>> floats;
-  std::vector<ExpertWeights> q_experts(E), f_experts(E);
-  auto make = [&](int64_t rows, int64_t cols, Weight* qw, Weight* fw) {
+  const testing::ExpertPairs ex(128, 64, [&](int64_t rows, int64_t cols) {
     packed.push_back(std::make_unique<AffineMatrix>(rows, cols, 32, DType::BF16, rng));
-    qw->view = packed.back()->view;
-    floats.emplace_back(static_cast<size_t>(rows * cols));
-    for (int64_t r = 0; r < rows; ++r) dequantize_weight_row(qw->view, r, floats.back().data() + r * cols);
-    fw->view.dtype = DType::F32;
-    fw->view.data = floats.back().data();
-    fw->view.rows = rows;
-    fw->view.cols = cols;
-    fw->view.row_bytes = cols * 4;
-  };
-  for (int64_t e = 0; e < E; ++e) {
-    make(I, H, &q_experts[size_t(e)].gate, &f_experts[size_t(e)].gate);
-    make(I, H, &q_experts[size_t(e)].up, &f_experts[size_t(e)].up);
-    make(H, I, &q_experts[size_t(e)].down, &f_experts[size_t(e)].down);
-  }
-  std::vector<float> x = random_floats(size_t(T * H), rng, 1.f);
-  const int32_t idx[T * k] = {0, 3, 1, 2, 3, 0, 2, 1, 0, 1};
-  const float wt[T * k] = {0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f, 0.3f, 0.7f, 0.2f, 0.8f};
+    return packed.back()->view;
+  });
+  std::vector<float> x = random_floats(size_t(ex.kTokens * ex.hidden), rng, 1.f), yq, yf;
   auto be = make_cpu_backend(2);
-  std::vector<float> yq(size_t(T * H)), yf(size_t(T * H));
-  be->moe_experts(q_experts, Mat(x.data(), T, H), idx, wt, k, Mat(yq.data(), T, H));
-  be->moe_experts(f_experts, Mat(x.data(), T, H), idx, wt, k, Mat(yf.data(), T, H));
+  ex.run(*be, ex.packed, x, yq);
+  ex.run(*be, ex.floats, x, yf);
   EXPECT_LT(testing::max_rel_error(yq.data(), yf.data(), yq.size()), 5e-2);  // two int8-rounded products deep
 }
 
