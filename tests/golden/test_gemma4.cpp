@@ -16,52 +16,21 @@
 #include "engine/sampler.h"
 #include "engine/session.h"
 #include "models/registry.h"
+#include "golden/golden.h"
 #include "test_util.h"
 
 namespace turbospark {
 namespace {
 
 using testing::fixture;
+using testing::Golden;
+using testing::load_golden;
 using testing::max_rel_error;
 
 // bf16 weights, float32 activations on both sides: differences are summation order only.
 constexpr double kLogitTol = 2e-4;
 
-struct Golden {
-  std::vector<int32_t> tokens, greedy;
-  int64_t greedy_prompt_len = 0;
-  NpyArray logits;  // [T, vocab]
-  NpyArray hidden;  // [layers, T, hidden]
-};
-
-Golden load_golden(const std::string& name) {
-  Golden g;
-  auto j = testing::read_json(fixture(name) + "/golden.json");
-  g.tokens = j["tokens"].get<std::vector<int32_t>>();
-  g.greedy = j["greedy"].get<std::vector<int32_t>>();
-  g.greedy_prompt_len = j["greedy_prompt_len"].get<int64_t>();
-  g.logits = read_npy_f32(fixture(name) + "/logits.npy");
-  g.hidden = read_npy_f32(fixture(name) + "/hidden.npy");
-  return g;
-}
-
-bool have_fixture(const std::string& name) { return std::filesystem::exists(fixture(name) + "/golden.json"); }
-
-class Gemma4Golden : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    if (!have_fixture(GetParam())) GTEST_SKIP() << "fixture " << GetParam() << " not generated";
-    loaded_ = load_model(fixture(GetParam()));
-    backend_ = make_cpu_backend(2);
-    golden_ = load_golden(GetParam());
-  }
-  const Model& model() const { return *loaded_.model; }
-  int64_t vocab() const { return model().info().vocab_size; }
-
-  LoadedModel loaded_;
-  std::unique_ptr<Backend> backend_;
-  Golden golden_;
-};
+class Gemma4Golden : public testing::GoldenTest {};
 
 // The same weights under the other config form give the same logits.
 TEST_P(Gemma4Golden, AlternateConfigFormGivesSameLogits) {

@@ -11,51 +11,21 @@
 #include "engine/sampler.h"
 #include "engine/session.h"
 #include "models/registry.h"
+#include "golden/golden.h"
 #include "test_util.h"
 
 namespace turbospark {
 namespace {
 
 using testing::fixture;
+using testing::Golden;
+using testing::load_golden;
 using testing::max_rel_error;
 
 // bf16 weights, float32 activations on both sides: differences are summation order only.
 constexpr double kLogitTol = 2e-4;
 
-struct Golden {
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> greedy;
-  int64_t greedy_prompt_len = 0;
-  NpyArray logits;  // [T, vocab]
-  NpyArray hidden;  // [layers, T, hidden]
-};
-
-Golden load_golden(const std::string& name) {
-  Golden g;
-  auto j = testing::read_json(fixture(name) + "/golden.json");
-  g.tokens = j["tokens"].get<std::vector<int32_t>>();
-  g.greedy = j["greedy"].get<std::vector<int32_t>>();
-  g.greedy_prompt_len = j["greedy_prompt_len"].get<int64_t>();
-  g.logits = read_npy_f32(fixture(name) + "/logits.npy");
-  g.hidden = read_npy_f32(fixture(name) + "/hidden.npy");
-  return g;
-}
-
-class GoldenFamily : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    loaded_ = load_model(fixture(GetParam()));
-    backend_ = make_cpu_backend(2);
-    golden_ = load_golden(GetParam());
-  }
-  const Model& model() const { return *loaded_.model; }
-  int64_t vocab() const { return model().info().vocab_size; }
-
-  testing::Mxfp4Activations exact_{false};  // the MXFP4 fixture's golden is exact arithmetic
-  LoadedModel loaded_;
-  std::unique_ptr<Backend> backend_;
-  Golden golden_;
-};
+class GoldenFamily : public testing::GoldenTest {};
 
 TEST_P(GoldenFamily, LogitsMatchTransformersAtEveryChunkSize) {
   const int64_t T = int64_t(golden_.tokens.size());

@@ -17,60 +17,27 @@
 #include "formats/hf_config.h"
 #include "models/blocks/rope.h"
 #include "models/registry.h"
+#include "golden/golden.h"
 #include "test_util.h"
 
 namespace turbospark {
 namespace {
 
 using testing::fixture;
+using testing::Golden;
+using testing::load_golden;
 using testing::max_rel_error;
 
 // bf16 (or exactly dequantized MXFP4) weights, float32 activations on both sides: the
 // differences are summation order only.
 constexpr double kLogitTol = 2e-5;  // measured: <= 2.1e-6 on all three fixtures
 
-struct Golden {
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> greedy;
-  int64_t greedy_prompt_len = 0;
-  NpyArray logits;  // [T, vocab]
-  NpyArray hidden;  // [layers, T, hidden]
-  std::vector<float> inv_freq;
-  double attention_scaling = 0;
-};
-
-Golden load_golden(const std::string& name) {
-  Golden g;
-  auto j = testing::read_json(fixture(name) + "/golden.json");
-  g.tokens = j["tokens"].get<std::vector<int32_t>>();
-  g.greedy = j["greedy"].get<std::vector<int32_t>>();
-  g.greedy_prompt_len = j["greedy_prompt_len"].get<int64_t>();
-  g.inv_freq = j["rope_inv_freq"].get<std::vector<float>>();
-  g.attention_scaling = j["rope_attention_scaling"].get<double>();
-  g.logits = read_npy_f32(fixture(name) + "/logits.npy");
-  g.hidden = read_npy_f32(fixture(name) + "/hidden.npy");
-  return g;
-}
-
 std::vector<float> run_logits(const Model& m, Backend& be, const std::vector<int32_t>& tokens, int64_t chunk) {
   Session s(m, be);
   return s.feed(tokens, chunk, /*all_logits=*/true);
 }
 
-class GptOss : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    loaded_ = load_model(fixture(GetParam()));
-    backend_ = make_cpu_backend(2);
-    golden_ = load_golden(GetParam());
-  }
-  const Model& model() const { return *loaded_.model; }
-  int64_t vocab() const { return model().info().vocab_size; }
-
-  LoadedModel loaded_;
-  std::unique_ptr<Backend> backend_;
-  Golden golden_;
-};
+class GptOss : public testing::GoldenTest {};
 
 // The YaRN table from the config equals the one transformers built (recorded in golden.json).
 TEST_P(GptOss, YarnTableMatchesTransformers) {
@@ -85,11 +52,12 @@ TEST_P(GptOss, YarnTableMatchesTransformers) {
   y.beta_slow = rp["beta_slow"].get<double>();
   y.truncate = rp.value("truncate", true);
   RopeTable t = rope_yarn(y, int(c.get_int("head_dim")));
-  ASSERT_EQ(t.inv_freq.size(), golden_.inv_freq.size());
+  const auto want = golden_.json["rope_inv_freq"].get<std::vector<float>>();
+  ASSERT_EQ(t.inv_freq.size(), want.size());
   for (size_t i = 0; i < t.inv_freq.size(); ++i) {
-    EXPECT_NEAR(t.inv_freq[i], golden_.inv_freq[i], 1e-6 * std::fabs(golden_.inv_freq[i])) << "inv_freq " << i;
+    EXPECT_NEAR(t.inv_freq[i], want[i], 1e-6 * std::fabs(want[i])) << "inv_freq " << i;
   }
-  EXPECT_NEAR(t.attention_factor, golden_.attention_scaling, 1e-6);
+  EXPECT_NEAR(t.attention_factor, golden_.json["rope_attention_scaling"].get<double>(), 1e-6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GptOss, ::testing::Values("gpt_oss_tiny", "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny"));
