@@ -10,14 +10,13 @@
 namespace turbospark::cpu::grouped {
 namespace {
 
-// Decode reads a thread's rows as this many interleaved runs. quant_matmul.cpp found 4
-// best for ggml blocks; here each run is already three streams (codes, scales, biases), and
-// on the 2-core dev VM (INT4_AFFINE qwen3-0.6b decode, paired runs, other jobs loading the
-// machine) 1 run gave 2.8-3.1 GB/s, 2 runs 2.7-2.9, 4 runs 1.9-2.2, 8 runs 2.0. Kernels that
-// dot several adjacent rows per pass were slower for the same reason (INT4 g64 at gpt-oss
-// expert shapes, bench/kernels_bench.cpp: 13.3-14.3 GiB/s one row per pass, 6.9-9.4 for two
-// or four, all ~32 GiB/s from L3), so each row is one pass.
-constexpr int64_t kDecodeStreams = 1;
+// Each thread reads its rows in order, one row per kernel call. quant_matmul.cpp reads ggml
+// blocks as 4 interleaved runs; here each row is already three streams (codes, scales,
+// biases), and on the 2-core dev VM (INT4_AFFINE qwen3-0.6b decode, paired runs) 1 run gave
+// 2.8-3.1 GB/s, 2 runs 2.7-2.9, 4 runs 1.9-2.2, 8 runs 2.0. Kernels that dot several
+// adjacent rows per pass were slower for the same reason (INT4 g64 at gpt-oss expert shapes,
+// bench/kernels_bench.cpp: 13.3-14.3 GiB/s one row per pass, 6.9-9.4 for two or four, all
+// ~32 GiB/s from L3).
 
 void check_shapes(const WeightView& w, const Mat& x, const Mat& y, const char* op) {
   if (x.cols != w.cols || y.cols != w.rows || y.rows != x.rows)
@@ -46,12 +45,7 @@ void matmul_rows(const RowDots& dots, const WeightView& w, const uint8_t* xp, in
     for (int64_t t0 = 0; t0 < n_tokens; t0 += kMaxTokens) {
       const int nt = int(std::min<int64_t>(kMaxTokens, n_tokens - t0));
       const uint8_t* xt = xp + t0 * xp_stride;
-      const int64_t n = r1 - r0;
-      const int64_t streams = n_tokens <= kMaxTokens && n >= 4 * kDecodeStreams ? kDecodeStreams : 1;
-      const int64_t per = (n + streams - 1) / streams;
-      for (int64_t i = 0; i < per * streams; ++i) {
-        const int64_t r = r0 + (i % streams) * per + i / streams;
-        if (r >= r1) continue;
+      for (int64_t r = r0; r < r1; ++r) {
         switch (nt) {
           case 1: dots.dot1(w, r, xt, xp_stride, out); break;
           case 2: dots.dot2(w, r, xt, xp_stride, out); break;

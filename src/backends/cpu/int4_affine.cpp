@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backends/cpu/grouped_matmul.h"
+#include "backends/cpu/simd.h"
 #include "core/error.h"
 #include "core/quant.h"
 #include "core/quant_grouped.h"
@@ -96,13 +97,6 @@ constexpr grouped::RowDots kScalarDots = {&dot_row_scalar<G, 1>, &dot_row_scalar
                                           &dot_row_scalar<G, 4>};
 
 #if TS_INT4_AVX2
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <DType kPlane>
 inline float plane(const uint8_t* p, int64_t i) {

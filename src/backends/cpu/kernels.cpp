@@ -5,6 +5,7 @@
 // attention reuses that micro-kernel for Q.K^T. Every AVX2 path has a scalar twin for
 // builds without AVX2/FMA; kernels_ref.cpp holds the ground truth both are tested against.
 #include "backends/cpu/kernels.h"
+#include "backends/cpu/simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -61,13 +62,6 @@ inline __m256 load8(const uint8_t* row, int64_t i) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i * 2));
     return _mm256_cvtph_ps(h);
   }
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // Keeps v in a register. Without it GCC folds every use of a loaded vector into its FMA as

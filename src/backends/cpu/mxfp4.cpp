@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "backends/cpu/grouped_matmul.h"
+#include "backends/cpu/simd.h"
 #include "core/error.h"
 #include "core/quant_grouped.h"
 
@@ -21,13 +22,6 @@ namespace turbospark::cpu {
 namespace {
 
 #if TS_MXFP4_AVX2
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // 2^(e - 127) built from its bits (e = 0 is the subnormal 2^-127, 255 is +inf): the same
 // values as mxfp4::e8m0_to_float without a libm call per block.

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backends/cpu/quant_gemm.h"
+#include "backends/cpu/simd.h"
 #include "core/error.h"
 #include "core/quant.h"
 
@@ -232,13 +233,6 @@ void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
 
 #if TS_QUANT_AVX2
 namespace avx2 {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // 16 packed bytes -> 32 bytes in element order: low nibbles (elements 0-15), then high
 // nibbles (16-31), each in [0, 16).
