@@ -80,17 +80,25 @@ void source_row(const Plan& p, int64_t k, int64_t r, float* dst, std::vector<flo
   }
 }
 
-bool all_finite(const std::vector<float>& v) {
-  for (float x : v)
-    if (!std::isfinite(x)) return false;
-  return true;
-}
-
-// A NaN or infinity would quantize to NaN scales: refused (workers only record the row).
-void refuse_non_finite(const Plan& p, int64_t row) {
-  if (row < 0) return;
-  if (p.stacked) fail("convert: {} has a NaN or infinite weight (matrix {}, row {})", p.name, row / p.rows, row % p.rows);
-  fail("convert: {} has a NaN or infinite weight (row {})", p.name, row);
+// Every stacked row rr = k * rows + r of the plan as floats, fn(rr, row), across the pool.
+// A NaN or infinity would quantize to NaN scales: refused naming the tensor and row (workers
+// only record it; the calling thread fails).
+template <class Fn>
+void for_each_row(ThreadPool& pool, const Plan& p, Fn&& fn) {
+  std::atomic<int64_t> bad_row{-1};
+  pool.parallel_for(p.n * p.rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(size_t(p.cols)), scratch;
+    for (int64_t rr = begin; rr < end; ++rr) {
+      source_row(p, rr / p.rows, rr % p.rows, row.data(), scratch);
+      for (float x : row)
+        if (!std::isfinite(x)) bad_row.store(rr);
+      fn(rr, row.data());
+    }
+  });
+  const int64_t bad = bad_row.load();
+  if (bad < 0) return;
+  if (p.stacked) fail("convert: {} has a NaN or infinite weight (matrix {}, row {})", p.name, bad / p.rows, bad % p.rows);
+  fail("convert: {} has a NaN or infinite weight (row {})", p.name, bad);
 }
 
 std::vector<int64_t> with_lead(const Plan& p, std::vector<int64_t> tail) {
@@ -201,18 +209,11 @@ void add_convert_command(CLI::App& app) {
                          [plan, planes, plane, plane_row, group, rows_total, pool](uint8_t* dst, size_t) {
                            planes->first.resize(plane_row * size_t(rows_total));
                            planes->second.resize(plane_row * size_t(rows_total));
-                           std::atomic<int64_t> bad_row{-1};
-                           pool->parallel_for(rows_total, 16, [&](int64_t begin, int64_t end) {
-                             std::vector<float> row(size_t(plan.cols)), scratch;
-                             for (int64_t rr = begin; rr < end; ++rr) {
-                               source_row(plan, rr / plan.rows, rr % plan.rows, row.data(), scratch);
-                               if (!all_finite(row)) bad_row.store(rr);
-                               int4_affine::quantize_row(row.data(), plan.cols, group, plane, dst + rr * plan.cols / 2,
-                                                         planes->first.data() + size_t(rr) * plane_row,
-                                                         planes->second.data() + size_t(rr) * plane_row);
-                             }
+                           for_each_row(*pool, plan, [&](int64_t rr, const float* row) {
+                             int4_affine::quantize_row(row, plan.cols, group, plane, dst + rr * plan.cols / 2,
+                                                       planes->first.data() + size_t(rr) * plane_row,
+                                                       planes->second.data() + size_t(rr) * plane_row);
                            });
-                           refuse_non_finite(plan, bad_row.load());
                          }});
         specs.push_back({stem + ".scales", plane, with_lead(plan, {plan.rows, groups}), [planes](uint8_t* dst, size_t n) {
                            std::memcpy(dst, planes->first.data(), n);
@@ -228,17 +229,9 @@ void add_convert_command(CLI::App& app) {
         specs.push_back({stem + "_blocks", DType::U8, with_lead(plan, {plan.rows, blocks, mxfp4::kGroupBytes}),
                          [plan, scales, blocks, rows_total, pool](uint8_t* dst, size_t) {
                            scales->resize(size_t(blocks * rows_total));
-                           std::atomic<int64_t> bad_row{-1};
-                           pool->parallel_for(rows_total, 16, [&](int64_t begin, int64_t end) {
-                             std::vector<float> row(size_t(plan.cols)), scratch;
-                             for (int64_t rr = begin; rr < end; ++rr) {
-                               source_row(plan, rr / plan.rows, rr % plan.rows, row.data(), scratch);
-                               if (!all_finite(row)) bad_row.store(rr);
-                               mxfp4::quantize_row(row.data(), dst + rr * plan.cols / 2, scales->data() + rr * blocks,
-                                                   plan.cols);
-                             }
+                           for_each_row(*pool, plan, [&](int64_t rr, const float* row) {
+                             mxfp4::quantize_row(row, dst + rr * plan.cols / 2, scales->data() + rr * blocks, plan.cols);
                            });
-                           refuse_non_finite(plan, bad_row.load());
                          }});
         specs.push_back({stem + "_scales", DType::U8, with_lead(plan, {plan.rows, blocks}), [scales](uint8_t* dst, size_t n) {
                            std::memcpy(dst, scales->data(), n);
