@@ -64,6 +64,23 @@ void fill_random(uint8_t* dst, size_t nbytes, int64_t fan_in, uint64_t seed, boo
   }
 }
 
+// The tensors of one random checkpoint, each filled when written with its own seed (in
+// the order added) so files are reproducible.
+struct RandomTensors {
+  std::vector<TensorWriteSpec> specs;
+  uint64_t seed = 1;
+  // BF16, uniform with fan-in scaling (norm: around 1).
+  void add(const std::string& name, std::vector<int64_t> shape, bool norm = false) {
+    const int64_t fan_in = shape.back();
+    const uint64_t sd = seed++;
+    specs.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
+  }
+  void write(const std::string& out) const {
+    fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", specs.size(), out);
+    write_safetensors(out + "/model.safetensors", specs, {{"format", "pt"}});
+  }
+};
+
 void write_config(const nlohmann::json& cfg, const std::string& out) {
   FILE* f = std::fopen((out + "/config.json").c_str(), "w");
   if (!f) fail("{}/config.json: cannot write", out);
@@ -110,13 +127,8 @@ bool write_qwen4_exp(const Shape& s, const std::string& out) {
     rows += prime;
   }
   rows = (rows + 127) / 128 * 128;
-  std::vector<TensorWriteSpec> tensors;
-  uint64_t seed = 1;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
-    int64_t fan_in = shape.back();
-    uint64_t sd = seed++;
-    tensors.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
-  };
+  RandomTensors tensors;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) { tensors.add(name, shape, norm); };
   auto hc = [&](const std::string& p, bool inject) {
     add(p + "hc_norm.weight", {CH}, true);
     add(p + "input_mix_weight_down.weight", {rank, CH});
@@ -172,8 +184,7 @@ bool write_qwen4_exp(const Shape& s, const std::string& out) {
     add(m + "shared_expert.down_proj.weight", {H, shared});
     add(m + "shared_expert_gate.weight", {1, H});
   }
-  fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", tensors.size(), out);
-  write_safetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  tensors.write(out);
   return true;
 }
 
@@ -200,13 +211,8 @@ bool write_gemma4(const Shape& s, const std::string& out) {
                         {"moe_intermediate_size", s.moe_inter}, {"tie_word_embeddings", true},
                         {"eos_token_id", {1, 106}}};
   write_config(cfg, out);
-  std::vector<TensorWriteSpec> tensors;
-  uint64_t seed = 1;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
-    int64_t fan_in = shape.back();
-    uint64_t sd = seed++;
-    tensors.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
-  };
+  RandomTensors tensors;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) { tensors.add(name, shape, norm); };
   add("model.embed_tokens.weight", {s.vocab, H});
   add("model.norm.weight", {H}, true);
   for (int64_t i = 0; i < s.layers; ++i) {
@@ -234,8 +240,7 @@ bool write_gemma4(const Shape& s, const std::string& out) {
     add(p + "experts.gate_up_proj", {s.experts, 2 * s.moe_inter, H});
     add(p + "experts.down_proj", {s.experts, H, s.moe_inter});
   }
-  fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", tensors.size(), out);
-  write_safetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  tensors.write(out);
   return true;
 }
 
@@ -257,17 +262,12 @@ bool write_gpt_oss(const Shape& s, const std::string& out, bool mxfp4) {
                         {"eos_token_id", 200002}};
   if (mxfp4) cfg["quantization_config"] = {{"quant_method", "mxfp4"}};
   write_config(cfg, out);
-  std::vector<TensorWriteSpec> tensors;
-  uint64_t seed = 1;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
-    int64_t fan_in = shape.back();
-    uint64_t sd = seed++;
-    tensors.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
-  };
+  RandomTensors tensors;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) { tensors.add(name, shape, norm); };
   // Random FP4 codes; scales near 2^-5 so weights stay in the fan-in range.
   auto add_u8 = [&](const std::string& name, std::vector<int64_t> shape, bool scales) {
-    uint64_t sd = seed++;
-    tensors.push_back({name, DType::U8, shape, [sd, scales](uint8_t* d, size_t n) {
+    uint64_t sd = tensors.seed++;
+    tensors.specs.push_back({name, DType::U8, shape, [sd, scales](uint8_t* d, size_t n) {
                          uint64_t x = sd * 0x9E3779B97F4A7C15ull + 1;
                          for (size_t i = 0; i < n; ++i) {
                            x ^= x << 13;
@@ -306,8 +306,7 @@ bool write_gpt_oss(const Shape& s, const std::string& out, bool mxfp4) {
     add(x + "gate_up_proj_bias", {E, 2 * I});
     add(x + "down_proj_bias", {E, H});
   }
-  fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", tensors.size(), out);
-  write_safetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  tensors.write(out);
   return true;
 }
 
@@ -351,13 +350,8 @@ int main(int argc, char** argv) {
     std::fwrite(text.data(), 1, text.size(), f);
     std::fclose(f);
 
-    std::vector<TensorWriteSpec> tensors;
-    uint64_t seed = 1;
-    auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
-      int64_t fan_in = shape.back();
-      uint64_t sd = seed++;
-      tensors.push_back({name, DType::BF16, shape, [fan_in, sd, norm](uint8_t* d, size_t n) { fill_random(d, n, fan_in, sd, norm); }});
-    };
+    RandomTensors tensors;
+    auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) { tensors.add(name, shape, norm); };
     const int64_t H = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
     add("model.embed_tokens.weight", {s.vocab, H});
     if (!s.tie) add("lm_head.weight", {s.vocab, H});
@@ -386,8 +380,7 @@ int main(int argc, char** argv) {
         add(p + "mlp.down_proj.weight", {H, s.inter});
       }
     }
-    fmt::print(stderr, "writing {} tensors to {}/model.safetensors\n", tensors.size(), out);
-    write_safetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+    tensors.write(out);
   } catch (const Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
