@@ -9,6 +9,7 @@
 // this path only for batches of tokens (prefill; see kTiledMinTokens in quant_matmul.cpp);
 // decode keeps the in-place row kernels.
 #include "backends/cpu/quant_gemm.h"
+#include "backends/cpu/simd.h"
 
 #include <algorithm>
 #include <cstring>
@@ -329,20 +330,6 @@ inline void transpose8x8_epi32(__m256i v[8]) {
 // int32 lanes holding a sign- or zero-extended int16 v -> the int16 pair (v, v).
 inline __m256i dup16(__m256i w) {
   return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(w, 16));
-}
-
-// Q4_K/Q5_K 12-byte scale field -> 8 scales (bytes 0-7) and 8 minimums (bytes 8-15), as
-// quant::unpack_k4_scales, on 32-bit words (the same as quant_matmul.cpp's row kernels).
-inline __m128i unpack_k4_scales(const uint8_t* packed) {
-  uint32_t a, b, c;
-  std::memcpy(&a, packed, 4);
-  std::memcpy(&b, packed + 4, 4);
-  std::memcpy(&c, packed + 8, 4);
-  const uint32_t sc_lo = a & 0x3f3f3f3f;
-  const uint32_t sc_hi = (c & 0x0f0f0f0f) | ((a >> 2) & 0x30303030);
-  const uint32_t m_lo = b & 0x3f3f3f3f;
-  const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0f) | ((b >> 2) & 0x30303030);
-  return _mm_set_epi32(int(m_hi), int(m_lo), int(sc_hi), int(sc_lo));
 }
 
 // d, dmin, sc and m of a Q4_K/Q5_K tile from the 8 rows' blocks: each row's values are

@@ -372,20 +372,6 @@ void dot_q5_1(int64_t nb, const uint8_t* w, const uint8_t* x, int64_t xs, float*
   dot_block32<DType::Q5_1, NT>(nb, w, x, xs, out);
 }
 
-// Q4_K/Q5_K 12-byte scale field -> 8 scales (bytes 0-7) and 8 minimums (bytes 8-15), the
-// same unpacking as quant::unpack_k4_scales done on 32-bit words.
-inline __m128i unpack_k4_scales(const uint8_t* packed) {
-  uint32_t a, b, c;
-  std::memcpy(&a, packed, 4);
-  std::memcpy(&b, packed + 4, 4);
-  std::memcpy(&c, packed + 8, 4);
-  const uint32_t sc_lo = a & 0x3f3f3f3f;
-  const uint32_t sc_hi = (c & 0x0f0f0f0f) | ((a >> 2) & 0x30303030);
-  const uint32_t m_lo = b & 0x3f3f3f3f;
-  const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0f) | ((b >> 2) & 0x30303030);
-  return _mm_set_epi32(int(m_hi), int(m_lo), int(sc_hi), int(sc_lo));
-}
-
 // For sub-block s, a shuffle mask that broadcasts int16 element s of a 128-bit lane.
 inline __m256i broadcast16_mask(int s) { return _mm256_set1_epi16(int16_t((2 * s) | (2 * s + 1) << 8)); }
 
