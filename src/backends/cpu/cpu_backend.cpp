@@ -143,7 +143,9 @@ class CpuBackend final : public Backend {
     // streamed once per micro-batch, as a GEMM over its tokens rather than a GEMV per token.
     const int64_t T = x.rows, hidden = x.cols;
     const int64_t n_experts = int64_t(experts.size());
-    std::vector<std::vector<std::pair<int32_t, float>>> by_expert(static_cast<size_t>(n_experts));
+    auto& by_expert = by_expert_;  // kept across calls: no allocation per decode token once warm
+    if (int64_t(by_expert.size()) < n_experts) by_expert.resize(size_t(n_experts));
+    for (auto& rows : by_expert) rows.clear();
     for (int64_t t = 0; t < T; ++t) {
       for (int j = 0; j < k; ++j) {
         int32_t e = idx[t * k + j];
@@ -223,6 +225,7 @@ class CpuBackend final : public Backend {
 
   ThreadPool pool_;
   std::vector<float> scratch_;  // gathered expert inputs and FFN intermediates, grown once
+  std::vector<std::vector<std::pair<int32_t, float>>> by_expert_;  // moe_experts: (token, weight) per expert
 };
 
 }  // namespace
