@@ -78,14 +78,20 @@ static const char* builtin_chat_template(const ModelInfo& info, const Tokenizer&
   return nullptr;
 }
 
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads) {
+  if (device == "cpu") return make_cpu_backend(threads);
+  if (device == "cuda") return make_cuda_backend(0);
+  if (device == "auto") return cuda_available() ? make_cuda_backend(0) : make_cpu_backend(threads);
+  fail("--device {}: unknown device (cpu, cuda or auto)", device);
+}
+
 LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet) {
-  if (device != "cpu") fail("--device {}: not available in this build (only cpu)", device);
   auto t0 = std::chrono::steady_clock::now();
-  if (!quiet) fmt::print(stderr, "loading {} ...\n", path);
   LoadedRuntime rt;
-  rt.model = load_model(path);
-  prefault_weights(*rt.model.checkpoint, quiet);
-  rt.backend = make_cpu_backend(threads);
+  rt.backend = make_backend(device, threads);
+  if (!quiet) fmt::print(stderr, "loading {} on {} ...\n", path, rt.backend->name());
+  rt.model = load_model(path, *rt.backend);
+  if (rt.backend->name() == "cpu") prefault_weights(*rt.model.checkpoint, quiet);
   const ModelInfo& info = rt.model.model->info();
   rt.stop_ids = info.eos_ids;
   fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();

@@ -16,15 +16,19 @@
 namespace turbospark::cli {
 
 struct LoadedRuntime {
+  std::unique_ptr<Backend> backend;  // first: outlives the model whose weights live on it
   LoadedModel model;
-  std::unique_ptr<Backend> backend;
   std::optional<Tokenizer> tokenizer;  // tokenizer.json beside the model, or the GGUF vocabulary
   std::optional<ChatTemplate> chat_template;  // tokenizer_config.json / chat_template.jinja / GGUF
   std::vector<int32_t> stop_ids;       // eos ids from config, generation_config and tokenizer
   double load_seconds = 0;
 };
 
-// Loads the model in `path` on `device` (only "cpu" so far; others are refused by name).
+// The backend --device names: cpu, cuda, or auto (cuda when this build has it and a GPU is
+// present, else cpu). Anything else, and cuda in a build without it, is refused by name.
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads);
+
+// Loads the model in `path` on `device` (see make_backend).
 LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet);
 
 // Prompt ids for a conversation: the chat template rendered with a generation prompt (when

@@ -19,12 +19,23 @@ GenerationStats generate(Session& session, Sampler& sampler, std::span<const int
   }
   max_new_tokens = std::min(max_new_tokens, room);
   const int64_t vocab = session.model().info().vocab_size;
+  // Greedy decoding takes only the chosen id from the backend, never the logits.
+  const bool greedy = sampler.greedy();
+  std::vector<float> logits;
+  int32_t next = -1;
+  auto feed = [&](std::span<const int32_t> tokens) {
+    if (greedy) {
+      next = session.feed_greedy(tokens);
+    } else {
+      logits = session.feed(tokens);
+    }
+  };
   auto t0 = Clock::now();
-  std::vector<float> logits = session.feed(prompt);
+  feed(prompt);
   stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   auto t1 = Clock::now();
   for (int64_t i = 0; i < max_new_tokens; ++i) {
-    int32_t token = sampler.sample(logits.data(), vocab);
+    int32_t token = greedy ? next : sampler.sample(logits.data(), vocab);
     ++stats.generated_tokens;
     bool stop = std::find(stop_ids.begin(), stop_ids.end(), token) != stop_ids.end();
     bool go_on = on_token(token, stop);
@@ -34,7 +45,7 @@ GenerationStats generate(Session& session, Sampler& sampler, std::span<const int
     }
     if (!go_on || i + 1 == max_new_tokens) break;
     int32_t one[1] = {token};
-    logits = session.feed(one);
+    feed(one);
   }
   stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   return stats;

@@ -21,6 +21,8 @@ class Sampler {
   explicit Sampler(SamplingParams params);
   // Picks the next token from logits[0..vocab). Throws on NaN logits.
   int32_t sample(const float* logits, int64_t vocab);
+  // Temperature 0: the pick is the argmax, which a backend can compute without the logits.
+  bool greedy() const { return params_.temperature == 0.f; }
 
  private:
   SamplingParams params_;

@@ -23,6 +23,9 @@ Session::Session(const Model& model, Backend& backend, SessionOptions options)
   workspace_ = model_.new_workspace(backend_, options_.max_prefill_batch);
   state_ = model_.new_sequence_state(backend_, max_context_);
   positions_.resize(size_t(options_.max_prefill_batch));
+  tokens_dev_ = backend_.alloc_array<int32_t>(options_.max_prefill_batch);
+  positions_dev_ = backend_.alloc_array<int64_t>(options_.max_prefill_batch);
+  greedy_dev_ = backend_.alloc_array<int32_t>(1);
 }
 
 void Session::reset() {
@@ -32,6 +35,27 @@ void Session::reset() {
 
 std::vector<float> Session::feed(std::span<const int32_t> tokens, int64_t chunk, bool all_logits,
                                  std::vector<float>* router_probs) {
+  const int64_t n = int64_t(tokens.size()), V = model_.info().vocab_size;
+  std::vector<float> logits(size_t(all_logits ? n * V : V));
+  run(tokens, chunk, all_logits, router_probs, logits.data(), nullptr);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (!std::isfinite(logits[i])) {
+      const int64_t pos = all_logits ? position_ - n + int64_t(i) / V : position_ - 1;
+      fail("non-finite logit at position {} (NaN or Inf in the forward pass)", pos);
+    }
+  }
+  return logits;
+}
+
+int32_t Session::feed_greedy(std::span<const int32_t> tokens, int64_t chunk) {
+  int32_t id = -1;
+  run(tokens, chunk, false, nullptr, nullptr, &id);
+  if (id < 0) fail("non-finite logit at position {} (NaN in the forward pass)", position_ - 1);
+  return id;
+}
+
+void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logits, std::vector<float>* router_probs,
+                  float* logits, int32_t* greedy_id) {
   const int64_t n = int64_t(tokens.size());
   const ModelInfo& info = model_.info();
   if (n == 0) fail("empty prompt: at least one token is needed");
@@ -50,7 +74,6 @@ std::vector<float> Session::feed(std::span<const int32_t> tokens, int64_t chunk,
   const int64_t V = info.vocab_size;
   const int64_t E = model_.n_experts();
   const int L = info.n_layers;
-  std::vector<float> logits(size_t(all_logits ? n * V : V));
   std::vector<float> chunk_router;
   if (router_probs) {
     router_probs->assign(size_t(int64_t(L) * n * std::max<int64_t>(E, 1)), 0.f);
@@ -64,11 +87,21 @@ std::vector<float> Session::feed(std::span<const int32_t> tokens, int64_t chunk,
   for (int64_t start = 0; start < n; start += step) {
     const int64_t m = std::min(step, n - start);
     for (int64_t t = 0; t < m; ++t) positions_[size_t(t)] = position_ + t;
-    batch.tokens = tokens.data() + start;
-    batch.positions = positions_.data();
+    // Uploads ordered with the queued work: the previous micro-batch has consumed these
+    // buffers by the time the copies land.
+    backend_.upload_array<int32_t>(tokens_dev_, tokens.subspan(size_t(start), size_t(m)));
+    backend_.upload_array<int64_t>(positions_dev_, std::span<const int64_t>(positions_.data(), size_t(m)));
+    batch.tokens = tokens_dev_.data();
+    batch.positions = positions_dev_.data();
+    batch.host_tokens = tokens.data() + start;
     batch.n = m;
     batch.all_logits = all_logits;
-    batch.logits = all_logits ? logits.data() + start * V : logits.data();
+    if (logits) {
+      batch.logits = all_logits ? logits + start * V : logits;
+    } else {
+      batch.greedy_ids = greedy_id;
+      batch.greedy_ids_backend = greedy_dev_.data();
+    }
     if (router_probs) {
       std::fill(chunk_router.begin(), chunk_router.end(), 0.f);
       batch.router_probs = chunk_router.data();
@@ -82,13 +115,6 @@ std::vector<float> Session::feed(std::span<const int32_t> tokens, int64_t chunk,
     }
     position_ += m;
   }
-  for (size_t i = 0; i < logits.size(); ++i) {
-    if (!std::isfinite(logits[i])) {
-      const int64_t pos = all_logits ? position_ - n + int64_t(i) / V : position_ - 1;
-      fail("non-finite logit at position {} (NaN or Inf in the forward pass)", pos);
-    }
-  }
-  return logits;
 }
 
 }  // namespace turbospark

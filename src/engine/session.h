@@ -31,6 +31,9 @@ class Session {
   // receives [n_layers, n, n_experts] router probabilities.
   std::vector<float> feed(std::span<const int32_t> tokens, int64_t chunk = 0, bool all_logits = false,
                           std::vector<float>* router_probs = nullptr);
+  // Runs `tokens` like feed() and returns the greedy next token, the argmax of the last
+  // row's logits: only that id leaves the backend. A NaN logit fails as feed() does.
+  int32_t feed_greedy(std::span<const int32_t> tokens, int64_t chunk = 0);
 
   int64_t position() const { return position_; }
   int64_t max_context() const { return max_context_; }
@@ -49,7 +52,15 @@ class Session {
   KvCache kv_;
   std::unique_ptr<ModelWorkspace> workspace_;
   std::unique_ptr<SequenceState> state_;
-  std::vector<int64_t> positions_;
+  // Validates tokens and context room, then runs them in micro-batches; each forward's
+  // outputs go to logits (when non-null, all rows or the last) or to the greedy id.
+  void run(std::span<const int32_t> tokens, int64_t chunk, bool all_logits, std::vector<float>* router_probs,
+           float* logits, int32_t* greedy_id);
+
+  std::vector<int64_t> positions_;       // host staging of one micro-batch's positions
+  BackendArray<int32_t> tokens_dev_;     // [max_prefill_batch] the micro-batch's ids
+  BackendArray<int64_t> positions_dev_;  // [max_prefill_batch] their positions
+  BackendArray<int32_t> greedy_dev_;     // [1] the greedy id of the last row
 };
 
 }  // namespace turbospark

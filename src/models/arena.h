@@ -28,6 +28,7 @@ class Arena {
     return m;
   }
   std::shared_ptr<float> storage() const { return storage_; }
+  int64_t total_floats() const { return total_; }
 
  private:
   static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }

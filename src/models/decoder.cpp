@@ -10,6 +10,7 @@
 #include "models/arena.h"
 #include "models/blocks/output.h"
 #include "models/blocks/rope.h"
+#include "models/weights.h"
 
 namespace turbospark {
 
@@ -52,26 +53,20 @@ DecoderHparams read_common_hparams(const HfConfig& c) {
   return hp;
 }
 
-static Weight make_weight(const Checkpoint& ck, const std::string& name, int64_t rows, int64_t cols, int layer) {
-  Weight w;
-  w.view = ck.matrix(name, rows, cols);
-  w.name = name;
-  w.layer = layer;
-  return w;
-}
-
 static std::string layer_prefix(const TensorNames& n, int i) { return fmt::format(fmt::runtime(n.layer), i); }
 
-DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames& names, const Checkpoint& ck)
+DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames& names, const Checkpoint& ck,
+                           Backend& be)
     : info_(std::move(info)), hp_(std::move(hp)) {
+  const WeightLoader ld{ck, be};
   const int64_t H = hp_.hidden;
-  embed_ = make_weight(ck, names.embed, hp_.vocab_size, H, -1);
+  embed_ = ld.matrix(names.embed, hp_.vocab_size, H, -1);
   if (hp_.tie_embeddings) {
     lm_head_ = embed_;
   } else {
-    lm_head_ = make_weight(ck, names.lm_head, hp_.vocab_size, H, -1);
+    lm_head_ = ld.matrix(names.lm_head, hp_.vocab_size, H, -1);
   }
-  final_norm_ = ck.floats(names.final_norm, {H});
+  final_norm_ = ld.floats(names.final_norm, {H});
   const int64_t q_width = int64_t(hp_.n_heads) * hp_.head_dim, kv_width = int64_t(hp_.n_kv_heads) * hp_.head_dim;
   int64_t bytes = embed_.view.bytes() + (hp_.tie_embeddings ? 0 : lm_head_.view.bytes());
   // A decode token reads one embedding row but the whole LM head.
@@ -80,11 +75,11 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
   for (int i = 0; i < hp_.n_layers; ++i) {
     Layer& L = layers_[size_t(i)];
     const std::string p = layer_prefix(names, i);
-    L.attn_norm = ck.floats(p + names.attn_norm, {H});
-    L.ffn_norm = ck.floats(p + names.ffn_norm, {H});
+    L.attn_norm = ld.floats(p + names.attn_norm, {H});
+    L.ffn_norm = ld.floats(p + names.ffn_norm, {H});
     if (hp_.sandwich_norms) {
-      L.post_attn_norm = ck.floats(p + names.post_attn_norm, {H});
-      L.post_ffn_norm = ck.floats(p + names.post_ffn_norm, {H});
+      L.post_attn_norm = ld.floats(p + names.post_attn_norm, {H});
+      L.post_ffn_norm = ld.floats(p + names.post_ffn_norm, {H});
     }
     const LayerConfig& lc = hp_.layers[size_t(i)];
     AttentionParams& ap = L.attn_params;
@@ -96,54 +91,56 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
     ap.window = lc.window;
     ap.norm_eps = hp_.rms_eps;
     ap.norm_offset = hp_.norm_offset;
-    ap.inv_freq = rope_inv_freq_default(lc.rope_theta > 0 ? lc.rope_theta : hp_.rope_theta, hp_.rotary_dim);
-    for (float& f : ap.inv_freq) f = float(f / lc.rope_linear);
+    std::vector<float> inv_freq = rope_inv_freq_default(lc.rope_theta > 0 ? lc.rope_theta : hp_.rope_theta, hp_.rotary_dim);
+    for (float& f : inv_freq) f = float(f / lc.rope_linear);
+    ap.inv_freq = ld.param(inv_freq);
     AttentionWeights& aw = L.attn;
-    aw.q = make_weight(ck, p + names.q + ".weight", q_width, H, i);
-    aw.k = make_weight(ck, p + names.k + ".weight", kv_width, H, i);
-    aw.v = make_weight(ck, p + names.v + ".weight", kv_width, H, i);
-    aw.o = make_weight(ck, p + names.o + ".weight", H, q_width, i);
+    aw.q = ld.matrix(p + names.q + ".weight", q_width, H, i);
+    aw.k = ld.matrix(p + names.k + ".weight", kv_width, H, i);
+    aw.v = ld.matrix(p + names.v + ".weight", kv_width, H, i);
+    aw.o = ld.matrix(p + names.o + ".weight", H, q_width, i);
     if (hp_.attention_bias) {
-      aw.q_bias = ck.floats(p + names.q + ".bias", {q_width});
-      aw.k_bias = ck.floats(p + names.k + ".bias", {kv_width});
-      aw.v_bias = ck.floats(p + names.v + ".bias", {kv_width});
-      if (ck.has(p + names.o + ".bias")) aw.o_bias = ck.floats(p + names.o + ".bias", {H});
+      aw.q_bias = ld.floats(p + names.q + ".bias", {q_width});
+      aw.k_bias = ld.floats(p + names.k + ".bias", {kv_width});
+      aw.v_bias = ld.floats(p + names.v + ".bias", {kv_width});
+      if (ck.has(p + names.o + ".bias")) aw.o_bias = ld.floats(p + names.o + ".bias", {H});
     }
     if (hp_.qk_norm) {
-      aw.q_norm = ck.floats(p + names.q_norm, {hp_.head_dim});
-      aw.k_norm = ck.floats(p + names.k_norm, {hp_.head_dim});
+      aw.q_norm = ld.floats(p + names.q_norm, {hp_.head_dim});
+      aw.k_norm = ld.floats(p + names.k_norm, {hp_.head_dim});
     }
     int64_t layer_bytes = aw.q.view.bytes() + aw.k.view.bytes() + aw.v.view.bytes() + aw.o.view.bytes();
     int64_t layer_active = layer_bytes;
     L.ffn = hp_.layers[size_t(i)].ffn;
     if (L.ffn == FfnKind::kDense) {
       const int64_t I = hp_.intermediate;
-      L.mlp.gate = make_weight(ck, p + names.gate, I, H, i);
-      L.mlp.up = make_weight(ck, p + names.up, I, H, i);
-      L.mlp.down = make_weight(ck, p + names.down, H, I, i);
+      L.mlp.gate = ld.matrix(p + names.gate, I, H, i);
+      L.mlp.up = ld.matrix(p + names.up, I, H, i);
+      L.mlp.down = ld.matrix(p + names.down, H, I, i);
       L.mlp.act = hp_.ffn_act;
       layer_bytes += 3 * L.mlp.gate.view.bytes();
       layer_active += 3 * L.mlp.gate.view.bytes();
     } else {
       const int64_t I = hp_.moe_intermediate, E = hp_.n_experts;
-      L.moe.router = make_weight(ck, p + names.router, E, H, i);
+      L.moe.router = ld.matrix(p + names.router, E, H, i);
       L.moe.top_k = hp_.top_k;
       L.moe.renormalize = hp_.norm_topk_prob;
       const bool fused = ck.has(p + names.fused_gate_up);
       for (int e = 0; e < E; ++e) {
         ExpertWeights ew;
         if (fused) {
-          const WeightView gate_up = ck.matrix_in_stack(p + names.fused_gate_up, e, E, 2 * I, H);
+          const std::string& gu_name = p + names.fused_gate_up;
+          const WeightView gate_up = ld.resident(ck.matrix_in_stack(gu_name, e, E, 2 * I, H), gu_name);
           ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows
           ew.up.view = gate_up.rows_slice(I, I);
-          ew.down.view = ck.matrix_in_stack(p + names.fused_down, e, E, H, I);
+          ew.down.view = ld.resident(ck.matrix_in_stack(p + names.fused_down, e, E, H, I), p + names.fused_down);
           ew.gate.name = ew.up.name = p + names.fused_gate_up;
           ew.down.name = p + names.fused_down;
         } else {
           const std::string ep = p + fmt::format(fmt::runtime(names.expert), e);
-          ew.gate = make_weight(ck, ep + "gate_proj.weight", I, H, i);
-          ew.up = make_weight(ck, ep + "up_proj.weight", I, H, i);
-          ew.down = make_weight(ck, ep + "down_proj.weight", H, I, i);
+          ew.gate = ld.matrix(ep + "gate_proj.weight", I, H, i);
+          ew.up = ld.matrix(ep + "up_proj.weight", I, H, i);
+          ew.down = ld.matrix(ep + "down_proj.weight", H, I, i);
         }
         for (Weight* w : {&ew.gate, &ew.up, &ew.down}) {
           w->layer = i;
@@ -193,6 +190,7 @@ std::unique_ptr<ModelWorkspace> DecoderModel::new_workspace(Backend& be, int64_t
   ws->storage = allocate_mats(be, R, {{&ws->x, H}, {&ws->xn, H}, {&ws->branch, H}, {&ws->logits, hp_.vocab_size},
                                       {&ws->attn.q, qw}, {&ws->attn.k, kvw}, {&ws->attn.v, kvw}, {&ws->attn.attn, qw},
                                       {&ws->ffn.gate, inter}, {&ws->ffn.up, inter}, {&ws->ffn.router_logits, E}});
+  if (hp_.n_experts > 0) ws->ffn.allocate_routing(be, R, hp_.top_k);
   ws->capacity = R;
   return ws;
 }

@@ -60,7 +60,7 @@ struct TensorNames {
 
 class DecoderModel : public Model {
  public:
-  DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames& names, const Checkpoint& ckpt);
+  DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames& names, const Checkpoint& ckpt, Backend& be);
 
   const ModelInfo& info() const override { return info_; }
   std::vector<KvLayerSpec> kv_spec() const override;
@@ -70,8 +70,8 @@ class DecoderModel : public Model {
 
  private:
   struct Layer {
-    std::vector<float> attn_norm, ffn_norm;  // [hidden] f32
-    std::vector<float> post_attn_norm, post_ffn_norm;  // [hidden] f32, sandwich norms only
+    Param attn_norm, ffn_norm;            // [hidden] f32
+    Param post_attn_norm, post_ffn_norm;  // [hidden] f32, sandwich norms only
     AttentionParams attn_params;
     AttentionWeights attn;
     DenseMlpWeights mlp;
@@ -83,7 +83,7 @@ class DecoderModel : public Model {
   DecoderHparams hp_;
   Weight embed_;     // [vocab, hidden]
   Weight lm_head_;   // [vocab, hidden] (the embedding when tied)
-  std::vector<float> final_norm_;
+  Param final_norm_;  // [hidden] f32
   std::vector<Layer> layers_;
 };
 

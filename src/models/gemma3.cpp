@@ -49,7 +49,7 @@ RopeSpec rope_for(const HfConfig& c, const std::string& layer_type) {
 
 }  // namespace
 
-std::unique_ptr<Model> make_gemma3(const HfConfig& config, const Checkpoint& ckpt) {
+std::unique_ptr<Model> make_gemma3(const HfConfig& config, const Checkpoint& ckpt, Backend& be) {
   DecoderHparams hp = read_common_hparams(config);
   const std::string& path = config.path();
   hp.qk_norm = true;
@@ -89,7 +89,7 @@ std::unique_ptr<Model> make_gemma3(const HfConfig& config, const Checkpoint& ckp
   info.architecture = "Gemma3ForCausalLM";
   info.family = "gemma3";
   for (int64_t id : config.get_id_list("eos_token_id")) info.eos_ids.push_back(int32_t(id));
-  return std::make_unique<DecoderModel>(std::move(info), std::move(hp), names, ckpt);
+  return std::make_unique<DecoderModel>(std::move(info), std::move(hp), names, ckpt, be);
 }
 
 }  // namespace turbospark

@@ -18,6 +18,7 @@
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
 #include "models/arena.h"
+#include "models/weights.h"
 #include "models/blocks/ffn.h"
 #include "models/blocks/gemma4_attention.h"
 #include "models/blocks/gemma4_moe.h"
@@ -267,8 +268,8 @@ struct Layer {
   Gemma4LayerSpec spec;
   AttentionParams attn_params;
   Gemma4AttentionWeights attn;
-  std::vector<float> attn_norm, post_attn_norm, pre_ffn_norm, post_ffn_norm;  // [hidden] f32, scale w
-  std::vector<float> post_ffn_norm_1, post_ffn_norm_2;  // [hidden] f32, MoE layers only
+  Param attn_norm, post_attn_norm, pre_ffn_norm, post_ffn_norm;  // [hidden] f32, scale w
+  Param post_ffn_norm_1, post_ffn_norm_2;  // [hidden] f32, MoE layers only
   DenseMlpWeights mlp;
   Gemma4MoeWeights moe;
   Gemma4PerLayerGateWeights per_layer;
@@ -288,16 +289,13 @@ struct Gemma4Workspace : ModelWorkspace {
 
 class Gemma4Model final : public Model {
  public:
-  Gemma4Model(Gemma4Hparams hp, const HfConfig& config, const Checkpoint& ck) : hp_(std::move(hp)) {
+  Gemma4Model(Gemma4Hparams hp, const HfConfig& config, const Checkpoint& ck, Backend& be) : hp_(std::move(hp)) {
+    const WeightLoader ld{ck, be};
     const int64_t H = hp_.hidden;
     const bool multimodal = ck.has("model.language_model.embed_tokens.weight");
     const std::string trunk = multimodal ? "model.language_model." : "model.";
     auto weight = [&](const std::string& name, int64_t rows, int64_t cols, int layer) {
-      Weight w;
-      w.view = ck.matrix(name, rows, cols);
-      w.name = name;
-      w.layer = layer;
-      return w;
+      return ld.matrix(name, rows, cols, layer);
     };
     embed_ = weight(trunk + "embed_tokens.weight", hp_.vocab, H, -1);
     if (hp_.tie) {
@@ -305,7 +303,7 @@ class Gemma4Model final : public Model {
     } else {
       lm_head_ = weight("lm_head.weight", hp_.vocab, H, -1);
     }
-    final_norm_ = ck.floats(trunk + "norm.weight", {H});
+    final_norm_ = ld.floats(trunk + "norm.weight", {H});
     int64_t bytes = embed_.view.bytes() + (hp_.tie ? 0 : lm_head_.view.bytes());
     int64_t active = lm_head_.view.bytes();
     const int64_t P = hp_.per_layer_dim, L_P = int64_t(hp_.n_layers) * P;
@@ -313,7 +311,7 @@ class Gemma4Model final : public Model {
       Gemma4PerLayerInputWeights& pl = per_layer_inputs_;
       pl.table = weight(trunk + "embed_tokens_per_layer.weight", hp_.per_layer_vocab, L_P, -1);
       pl.projection = weight(trunk + "per_layer_model_projection.weight", L_P, H, -1);
-      pl.norm = ck.floats(trunk + "per_layer_projection_norm.weight", {P});
+      pl.norm = ld.floats(trunk + "per_layer_projection_norm.weight", {P});
       pl.n_layers = hp_.n_layers;
       pl.dim = P;
       pl.hidden = H;
@@ -323,17 +321,17 @@ class Gemma4Model final : public Model {
     }
     int max_hd = 0;
     for (const auto& s : hp_.layers) max_hd = std::max(max_hd, s.head_dim);
-    ones_.assign(size_t(max_hd), 1.f);
+    ones_ = ld.param(std::vector<float>(size_t(max_hd), 1.f));
     layers_.resize(size_t(hp_.n_layers));
     for (int i = 0; i < hp_.n_layers; ++i) {
       Layer& L = layers_[size_t(i)];
       L.spec = hp_.layers[size_t(i)];
       const Gemma4LayerSpec& s = L.spec;
       const std::string p = fmt::format("{}layers.{}.", trunk, i);
-      L.attn_norm = ck.floats(p + "input_layernorm.weight", {H});
-      L.post_attn_norm = ck.floats(p + "post_attention_layernorm.weight", {H});
-      L.pre_ffn_norm = ck.floats(p + "pre_feedforward_layernorm.weight", {H});
-      L.post_ffn_norm = ck.floats(p + "post_feedforward_layernorm.weight", {H});
+      L.attn_norm = ld.floats(p + "input_layernorm.weight", {H});
+      L.post_attn_norm = ld.floats(p + "post_attention_layernorm.weight", {H});
+      L.pre_ffn_norm = ld.floats(p + "pre_feedforward_layernorm.weight", {H});
+      L.post_ffn_norm = ld.floats(p + "post_feedforward_layernorm.weight", {H});
       // A buffer the reference saves; checkpoints without it mean 1.
       if (ck.has(p + "layer_scalar")) L.scalar = ck.floats(p + "layer_scalar", {1})[0];
 
@@ -345,18 +343,18 @@ class Gemma4Model final : public Model {
       ap.scale = 1.f;
       ap.window = s.sliding ? hp_.window : 0;
       ap.norm_eps = hp_.eps;
-      ap.inv_freq = s.inv_freq;
+      ap.inv_freq = ld.param(s.inv_freq);
       const int64_t qw = int64_t(hp_.n_heads) * s.head_dim, kvw = int64_t(s.n_kv_heads) * s.head_dim;
       Gemma4AttentionWeights& aw = L.attn;
       aw.q = weight(p + "self_attn.q_proj.weight", qw, H, i);
       aw.o = weight(p + "self_attn.o_proj.weight", H, qw, i);
-      aw.q_norm = ck.floats(p + "self_attn.q_norm.weight", {s.head_dim});
+      aw.q_norm = ld.floats(p + "self_attn.q_norm.weight", {s.head_dim});
       aw.ones = ones_.data();
       aw.kv_shared = s.kv_source >= 0;
       int64_t layer_bytes = aw.q.view.bytes() + aw.o.view.bytes();
       if (!aw.kv_shared) {
         aw.k = weight(p + "self_attn.k_proj.weight", kvw, H, i);
-        aw.k_norm = ck.floats(p + "self_attn.k_norm.weight", {s.head_dim});
+        aw.k_norm = ld.floats(p + "self_attn.k_norm.weight", {s.head_dim});
         if (!s.k_eq_v) aw.v = weight(p + "self_attn.v_proj.weight", kvw, H, i);
         layer_bytes += aw.k.view.bytes() + aw.v.view.bytes();
       }
@@ -370,23 +368,24 @@ class Gemma4Model final : public Model {
         const int64_t E = hp_.n_experts, I = hp_.moe_inter;
         Gemma4MoeWeights& m = L.moe;
         m.router = weight(p + "router.proj.weight", E, H, i);
-        m.router_norm = ck.floats(p + "router.scale", {H});
+        std::vector<float> router_norm = ck.floats(p + "router.scale", {H});
         const float root = 1.f / std::sqrt(float(H));
-        for (float& v : m.router_norm) v *= root;
-        m.per_expert_scale = ck.floats(p + "router.per_expert_scale", {E});
-        m.pre_norm = ck.floats(p + "pre_feedforward_layernorm_2.weight", {H});
+        for (float& v : router_norm) v *= root;
+        m.router_norm = ld.param(router_norm);
+        m.per_expert_scale = ld.floats(p + "router.per_expert_scale", {E});
+        m.pre_norm = ld.floats(p + "pre_feedforward_layernorm_2.weight", {H});
         m.top_k = hp_.top_k;
         m.eps = hp_.eps;
-        L.post_ffn_norm_1 = ck.floats(p + "post_feedforward_layernorm_1.weight", {H});
-        L.post_ffn_norm_2 = ck.floats(p + "post_feedforward_layernorm_2.weight", {H});
+        L.post_ffn_norm_1 = ld.floats(p + "post_feedforward_layernorm_1.weight", {H});
+        L.post_ffn_norm_2 = ld.floats(p + "post_feedforward_layernorm_2.weight", {H});
         const std::string gate_up = p + "experts.gate_up_proj", down = p + "experts.down_proj";
         for (int e = 0; e < E; ++e) {
           ExpertWeights ew;
           // Gate rows first, then up rows; rows_slice moves packed formats' scale planes too.
-          const WeightView fused = ck.matrix_in_stack(gate_up, e, E, 2 * I, H);
+          const WeightView fused = ld.resident(ck.matrix_in_stack(gate_up, e, E, 2 * I, H), gate_up);
           ew.gate.view = fused.rows_slice(0, I);
           ew.up.view = fused.rows_slice(I, I);
-          ew.down.view = ck.matrix_in_stack(down, e, E, H, I);
+          ew.down.view = ld.resident(ck.matrix_in_stack(down, e, E, H, I), down);
           ew.gate.name = ew.up.name = gate_up;
           ew.down.name = down;
           ew.act = Act::kGeluTanh;
@@ -404,7 +403,7 @@ class Gemma4Model final : public Model {
       if (P > 0) {
         L.per_layer.gate = weight(p + "per_layer_input_gate.weight", P, H, i);
         L.per_layer.projection = weight(p + "per_layer_projection.weight", H, P, i);
-        L.per_layer.post_norm = ck.floats(p + "post_per_layer_input_norm.weight", {H});
+        L.per_layer.post_norm = ld.floats(p + "post_per_layer_input_norm.weight", {H});
         layer_bytes += 2 * L.per_layer.gate.view.bytes();
         layer_active += 2 * L.per_layer.gate.view.bytes();
       }
@@ -454,6 +453,10 @@ class Gemma4Model final : public Model {
                                         {&ws->ffn.up, inter}, {&ws->moe.normed, H}, {&ws->moe.router_logits, E},
                                         {&ws->per_layer, LP}, {&ws->per_layer_context, LP}, {&ws->pl_gate, P},
                                         {&ws->pl_gated, P}});
+    if (hp_.moe) {
+      ws->moe.topk_idx = be.alloc_array<int32_t>(R * hp_.top_k);
+      ws->moe.topk_weight = be.alloc_array<float>(R * hp_.top_k);
+    }
     ws->capacity = R;
     return ws;
   }
@@ -463,7 +466,7 @@ class Gemma4Model final : public Model {
     b.check(ws.capacity, hp_.n_layers);
     const int64_t n = b.n;
     for (int64_t t = 0; t < n; ++t) {
-      const int32_t tok = b.tokens[t];
+      const int32_t tok = b.host_tokens[t];  // the host copy: b.tokens is backend memory
       if (std::find(hp_.refused_tokens.begin(), hp_.refused_tokens.end(), tok) != hp_.refused_tokens.end()) {
         fail("token {} is an image/video/audio placeholder: Gemma 4 image, video and audio input is not supported", tok);
       }
@@ -524,16 +527,16 @@ class Gemma4Model final : public Model {
   Gemma4Hparams hp_;
   Weight embed_;    // [vocab, hidden]
   Weight lm_head_;  // [vocab, hidden] (the embedding when tied)
-  std::vector<float> final_norm_;  // [hidden] f32
+  Param final_norm_;  // [hidden] f32
   Gemma4PerLayerInputWeights per_layer_inputs_;
-  std::vector<float> ones_;  // [max head_dim] of 1.0, the weightless v norm
+  Param ones_;  // [max head_dim] of 1.0, the weightless v norm
   std::vector<Layer> layers_;
 };
 
 }  // namespace
 
-std::unique_ptr<Model> make_gemma4(const HfConfig& config, const Checkpoint& ckpt) {
-  return std::make_unique<Gemma4Model>(read_hparams(config), config, ckpt);
+std::unique_ptr<Model> make_gemma4(const HfConfig& config, const Checkpoint& ckpt, Backend& be) {
+  return std::make_unique<Gemma4Model>(read_hparams(config), config, ckpt, be);
 }
 
 }  // namespace turbospark

@@ -28,6 +28,7 @@
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
 #include "models/arena.h"
+#include "models/weights.h"
 #include "models/blocks/attention.h"
 #include "models/blocks/gpt_oss_moe.h"
 #include "models/blocks/output.h"
@@ -189,14 +190,6 @@ GptOssHparams read_hparams(const HfConfig& c) {
   return hp;
 }
 
-Weight make_weight(const Checkpoint& ck, const std::string& name, int64_t rows, int64_t cols, int layer) {
-  Weight w;
-  w.view = ck.matrix(name, rows, cols);
-  w.name = name;
-  w.layer = layer;
-  return w;
-}
-
 // Rows of v with r % 2 == offset: the gate (0) or up (1) half of an interleaved gate_up.
 // The two halves share storage and each spans the whole matrix (its bytes() counts the
 // matrix once, and the up half ends one row past it): an expert cache must copy the fused
@@ -214,7 +207,7 @@ WeightView every_other_row(WeightView v, int offset) {
 
 class GptOssModel final : public Model {
  public:
-  GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck);
+  GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck, Backend& be);
 
   const ModelInfo& info() const override { return info_; }
   std::vector<KvLayerSpec> kv_spec() const override {
@@ -226,45 +219,48 @@ class GptOssModel final : public Model {
 
  private:
   struct Layer {
-    std::vector<float> attn_norm, ffn_norm;  // [hidden] f32
+    Param attn_norm, ffn_norm;  // [hidden] f32
     AttentionParams attn_params;
     AttentionWeights attn;
     GptOssMoeWeights moe;
   };
 
-  void load_experts(const Checkpoint& ck, const std::string& p, int layer, GptOssMoeWeights& moe);
+  void load_experts(const WeightLoader& ld, const std::string& p, int layer, GptOssMoeWeights& moe);
 
   ModelInfo info_;
   GptOssHparams hp_;
   Weight embed_;    // [vocab, hidden]
   Weight lm_head_;  // [vocab, hidden] (the embedding when tied)
-  std::vector<float> final_norm_;
+  Param final_norm_;  // [hidden] f32
   std::vector<Layer> layers_;
   int64_t expert_bytes_ = 0;  // one expert's gate_up + down, as stored (or transposed)
 };
 
-void GptOssModel::load_experts(const Checkpoint& ck, const std::string& p, int layer, GptOssMoeWeights& moe) {
+void GptOssModel::load_experts(const WeightLoader& ld, const std::string& p, int layer, GptOssMoeWeights& moe) {
+  const Checkpoint& ck = ld.ck;
   const int64_t E = hp_.n_experts, H = hp_.hidden, I = hp_.inter;
   const std::string gate_up = p + "mlp.experts.gate_up_proj", down = p + "mlp.experts.down_proj";
   // Biases: [E, 2I] interleaved like the gate_up outputs, [E, H].
   std::vector<float> gu_bias = ck.floats(gate_up + "_bias", {E, 2 * I});
-  moe.gate_bias.resize(size_t(E * I));
-  moe.up_bias.resize(size_t(E * I));
+  std::vector<float> gate_bias(size_t(E * I)), up_bias(size_t(E * I));
   for (int64_t k = 0; k < E * I; ++k) {
-    moe.gate_bias[size_t(k)] = gu_bias[size_t(2 * k)];
-    moe.up_bias[size_t(k)] = gu_bias[size_t(2 * k + 1)];
+    gate_bias[size_t(k)] = gu_bias[size_t(2 * k)];
+    up_bias[size_t(k)] = gu_bias[size_t(2 * k + 1)];
   }
-  moe.down_bias = ck.floats(down + "_bias", {E, H});
+  moe.gate_bias = ld.param(gate_bias);
+  moe.up_bias = ld.param(up_bias);
+  moe.down_bias = ld.floats(down + "_bias", {E, H});
   moe.experts.resize(size_t(E));
   for (int64_t e = 0; e < E; ++e) {
     ExpertWeights& ew = moe.experts[size_t(e)];
     // [out, in] whatever the storage: MXFP4 planes in place, bf16 [in, out] transposed once
     // by the checkpoint.
-    const WeightView gu = ck.expert_matrix(gate_up, e, E, 2 * I, H, StackLayout::kInOut);
+    // The fused matrix is made resident once; gate and up are its even and odd rows.
+    const WeightView gu = ld.resident(ck.expert_matrix(gate_up, e, E, 2 * I, H, StackLayout::kInOut), gate_up);
     ew.gate.view = every_other_row(gu, 0);
     ew.up.view = every_other_row(gu, 1);
     ew.gate_up_interleaved = true;
-    ew.down.view = ck.expert_matrix(down, e, E, H, I, StackLayout::kInOut);
+    ew.down.view = ld.resident(ck.expert_matrix(down, e, E, H, I, StackLayout::kInOut), down);
     if (e == 0) expert_bytes_ = gu.bytes() + ew.down.view.bytes();
     ew.gate.name = ew.up.name = gate_up;
     ew.down.name = down;
@@ -281,12 +277,14 @@ void GptOssModel::load_experts(const Checkpoint& ck, const std::string& p, int l
   }
 }
 
-GptOssModel::GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck)
+GptOssModel::GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck, Backend& be)
     : info_(std::move(info)), hp_(std::move(hp)) {
+  const WeightLoader ld{ck, be};
   const int64_t H = hp_.hidden, E = hp_.n_experts;
-  embed_ = make_weight(ck, "model.embed_tokens.weight", hp_.vocab, H, -1);
-  lm_head_ = hp_.tie_embeddings ? embed_ : make_weight(ck, "lm_head.weight", hp_.vocab, H, -1);
-  final_norm_ = ck.floats("model.norm.weight", {H});
+  embed_ = ld.matrix("model.embed_tokens.weight", hp_.vocab, H, -1);
+  lm_head_ = hp_.tie_embeddings ? embed_ : ld.matrix("lm_head.weight", hp_.vocab, H, -1);
+  final_norm_ = ld.floats("model.norm.weight", {H});
+  const Param inv_freq = ld.param(hp_.rope.inv_freq);
   const int64_t qw = int64_t(hp_.n_heads) * hp_.head_dim, kvw = int64_t(hp_.n_kv_heads) * hp_.head_dim;
   int64_t bytes = embed_.view.bytes() + (hp_.tie_embeddings ? 0 : lm_head_.view.bytes());
   int64_t active = lm_head_.view.bytes();  // a decode token reads one embedding row, the whole head
@@ -294,8 +292,8 @@ GptOssModel::GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck)
   for (int i = 0; i < hp_.n_layers; ++i) {
     Layer& L = layers_[size_t(i)];
     const std::string p = fmt::format("model.layers.{}.", i);
-    L.attn_norm = ck.floats(p + "input_layernorm.weight", {H});
-    L.ffn_norm = ck.floats(p + "post_attention_layernorm.weight", {H});
+    L.attn_norm = ld.floats(p + "input_layernorm.weight", {H});
+    L.ffn_norm = ld.floats(p + "post_attention_layernorm.weight", {H});
     AttentionParams& ap = L.attn_params;
     ap.n_heads = hp_.n_heads;
     ap.n_kv_heads = hp_.n_kv_heads;
@@ -304,27 +302,27 @@ GptOssModel::GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck)
     ap.scale = 1.0f / std::sqrt(float(hp_.head_dim));
     ap.window = hp_.sliding[size_t(i)] ? hp_.window : 0;
     ap.norm_eps = hp_.rms_eps;
-    ap.inv_freq = hp_.rope.inv_freq;
+    ap.inv_freq = inv_freq;
     ap.attention_factor = hp_.rope.attention_factor;
     AttentionWeights& aw = L.attn;
     const std::string a = p + "self_attn.";
-    aw.q = make_weight(ck, a + "q_proj.weight", qw, H, i);
-    aw.k = make_weight(ck, a + "k_proj.weight", kvw, H, i);
-    aw.v = make_weight(ck, a + "v_proj.weight", kvw, H, i);
-    aw.o = make_weight(ck, a + "o_proj.weight", H, qw, i);
+    aw.q = ld.matrix(a + "q_proj.weight", qw, H, i);
+    aw.k = ld.matrix(a + "k_proj.weight", kvw, H, i);
+    aw.v = ld.matrix(a + "v_proj.weight", kvw, H, i);
+    aw.o = ld.matrix(a + "o_proj.weight", H, qw, i);
     if (hp_.attention_bias) {
-      aw.q_bias = ck.floats(a + "q_proj.bias", {qw});
-      aw.k_bias = ck.floats(a + "k_proj.bias", {kvw});
-      aw.v_bias = ck.floats(a + "v_proj.bias", {kvw});
-      aw.o_bias = ck.floats(a + "o_proj.bias", {H});
+      aw.q_bias = ld.floats(a + "q_proj.bias", {qw});
+      aw.k_bias = ld.floats(a + "k_proj.bias", {kvw});
+      aw.v_bias = ld.floats(a + "v_proj.bias", {kvw});
+      aw.o_bias = ld.floats(a + "o_proj.bias", {H});
     }
-    aw.sinks = ck.floats(a + "sinks", {hp_.n_heads});
+    aw.sinks = ld.floats(a + "sinks", {hp_.n_heads});
     int64_t layer_bytes = aw.q.view.bytes() + aw.k.view.bytes() + aw.v.view.bytes() + aw.o.view.bytes();
     GptOssMoeWeights& moe = L.moe;
-    moe.router = make_weight(ck, p + "mlp.router.weight", E, H, i);
-    moe.router_bias = ck.floats(p + "mlp.router.bias", {E});
+    moe.router = ld.matrix(p + "mlp.router.weight", E, H, i);
+    moe.router_bias = ld.floats(p + "mlp.router.bias", {E});
     moe.top_k = hp_.top_k;
-    load_experts(ck, p, i, moe);
+    load_experts(ld, p, i, moe);
     const int64_t expert_bytes = expert_bytes_;
     layer_bytes += moe.router.view.bytes();
     bytes += layer_bytes + E * expert_bytes;
@@ -354,6 +352,7 @@ std::unique_ptr<ModelWorkspace> GptOssModel::new_workspace(Backend& be, int64_t 
   ws->storage = allocate_mats(be, R, {{&ws->x, H}, {&ws->xn, H}, {&ws->branch, H}, {&ws->logits, hp_.vocab},
                                       {&ws->attn.q, qw}, {&ws->attn.k, kvw}, {&ws->attn.v, kvw}, {&ws->attn.attn, qw},
                                       {&ws->ffn.router_logits, hp_.n_experts}});
+  ws->ffn.allocate_routing(be, R, hp_.top_k);
   ws->capacity = R;
   return ws;
 }
@@ -384,13 +383,13 @@ void GptOssModel::forward(Backend& be, const ForwardBatch& b) const {
 
 }  // namespace
 
-std::unique_ptr<Model> make_gpt_oss(const HfConfig& config, const Checkpoint& ckpt) {
+std::unique_ptr<Model> make_gpt_oss(const HfConfig& config, const Checkpoint& ckpt, Backend& be) {
   GptOssHparams hp = read_hparams(config);
   ModelInfo info;
   info.architecture = "GptOssForCausalLM";
   info.family = "gpt_oss";
   for (int64_t id : config.get_id_list("eos_token_id")) info.eos_ids.push_back(int32_t(id));
-  return std::make_unique<GptOssModel>(std::move(info), std::move(hp), ckpt);
+  return std::make_unique<GptOssModel>(std::move(info), std::move(hp), ckpt, be);
 }
 
 }  // namespace turbospark

@@ -59,12 +59,20 @@ class SequenceState {
 using TraceHook = std::function<void(const char* name, int layer, const Mat& value)>;
 
 struct ForwardBatch {
+  // Backend memory, uploaded by the engine before the forward (ops read them on the device).
   const int32_t* tokens = nullptr;      // [n] token ids (validated < vocab by the engine)
   const int64_t* positions = nullptr;   // [n] absolute positions
+  // The same ids in host memory, for what a family computes on the host on purpose (PLE's
+  // n-gram ids from the carried token context, refusing placeholder tokens).
+  const int32_t* host_tokens = nullptr;  // [n]
   int64_t n = 0;                        // micro-batch rows, <= workspace capacity
   std::vector<KvLayerView> kv;          // per layer
   bool all_logits = false;              // logits for every row, else only the last
   float* logits = nullptr;              // host [n or 1, vocab] f32
+  // Greedy decoding: when logits is null, the argmax id of each wanted row lands here
+  // (host [n or 1]; -1 for a row holding a NaN) and nothing else leaves the backend.
+  int32_t* greedy_ids = nullptr;
+  int32_t* greedy_ids_backend = nullptr;  // backend memory [n] the argmax is computed into
   // Router probabilities, when non-null: host [n_layers][n][n_experts] (rows of non-MoE
   // layers left untouched).
   float* router_probs = nullptr;
@@ -80,6 +88,7 @@ struct ForwardBatch {
   void check(int64_t workspace_rows, int n_layers) const {
     TS_CHECK(n > 0 && n <= workspace_rows, "micro-batch of {} rows exceeds the workspace ({})", n, workspace_rows);
     TS_CHECK(int(kv.size()) == n_layers, "KV views for {} layers, model has {}", kv.size(), n_layers);
+    TS_CHECK((logits != nullptr) != (greedy_ids != nullptr), "a forward wants exactly one of logits or greedy ids");
   }
 };
 
@@ -96,8 +105,10 @@ class Model {
   virtual void forward(Backend& backend, const ForwardBatch& batch) const = 0;
 };
 
-// Keeps the checkpoint mapped for as long as the model's weight views live.
+// Keeps the checkpoint mapped for as long as the model's weight views live (and, for a
+// model loaded onto a backend of its own, that backend: declared first, destroyed last).
 struct LoadedModel {
+  std::shared_ptr<Backend> owned_backend;
   std::shared_ptr<Checkpoint> checkpoint;
   std::unique_ptr<Model> model;
 };

@@ -10,7 +10,7 @@
 
 namespace turbospark {
 
-std::unique_ptr<Model> make_qwen3_moe(const HfConfig& config, const Checkpoint& ckpt) {
+std::unique_ptr<Model> make_qwen3_moe(const HfConfig& config, const Checkpoint& ckpt, Backend& be) {
   DecoderHparams hp = read_common_hparams(config);
   hp.qk_norm = true;
   // transformers 5 writes num_local_experts; older configs num_experts.
@@ -33,7 +33,7 @@ std::unique_ptr<Model> make_qwen3_moe(const HfConfig& config, const Checkpoint& 
   info.architecture = "Qwen3MoeForCausalLM";
   info.family = "qwen3_moe";
   for (int64_t id : config.get_id_list("eos_token_id")) info.eos_ids.push_back(int32_t(id));
-  return std::make_unique<DecoderModel>(std::move(info), std::move(hp), TensorNames{}, ckpt);
+  return std::make_unique<DecoderModel>(std::move(info), std::move(hp), TensorNames{}, ckpt, be);
 }
 
 }  // namespace turbospark

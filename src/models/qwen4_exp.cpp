@@ -17,6 +17,8 @@
 #include "models/blocks/ple.h"
 #include "models/blocks/qsa_attention.h"
 #include "models/arena.h"
+#include "models/blocks/output.h"
+#include "models/weights.h"
 #include "models/blocks/rope.h"
 #include "models/model.h"
 
@@ -36,6 +38,7 @@ struct Hparams {
   int64_t hc_rank = 0;
   float eps = 1e-6f;
   AttentionParams attn;
+  std::vector<float> inv_freq;  // [rotary_dim / 2] host copy of attn.inv_freq
   QsaParams qsa;
   GatedDeltaNetParams gdn;
   int n_experts = 0, top_k = 0;
@@ -97,7 +100,7 @@ Hparams read_hparams(const HfConfig& c) {
   if (c.rope_type() != "default") fail("{}: rope_type {} is not supported for qwen4_exp", path, c.rope_type());
   a.scale = 1.f / std::sqrt(float(a.head_dim));
   a.norm_eps = hp.eps;
-  a.inv_freq = rope_inv_freq_default(c.rope_theta(10000.0), a.rotary_dim);
+  hp.inv_freq = rope_inv_freq_default(c.rope_theta(10000.0), a.rotary_dim);  // uploaded into attn at load
 
   // Layer types ("full_attention" is the real checkpoint's name for QSA layers).
   std::vector<std::string> types;
@@ -235,29 +238,29 @@ struct Workspace : ModelWorkspace {
 };
 
 struct State : SequenceState {
-  std::shared_ptr<float> storage;
+  Backend* backend = nullptr;
+  std::shared_ptr<float> storage;  // every Mat below, backend memory
+  int64_t storage_floats = 0;
   std::vector<GatedDeltaNetState> gdn;  // per layer (empty Mats on attention layers)
   std::vector<QsaState> qsa;
   std::vector<PleState> ple;
   int32_t eos = 0;
   int context = 0;
+  // Zeroes every recurrent state through the backend (ordered with queued work) and refills
+  // the host n-gram contexts with EOS. QSA keys need no clearing: positions are rewritten
+  // before they are read.
   void reset() override {
-    for (auto& g : gdn) {
-      for (const Mat* m : {&g.conv, &g.recurrent}) {
-        for (int64_t r = 0; r < m->rows; ++r) std::memset(m->row(r), 0, size_t(m->cols) * 4);
-      }
-    }
-    for (auto& p : ple) {
-      for (int64_t r = 0; r < p.conv.rows; ++r) std::memset(p.conv.row(r), 0, size_t(p.conv.cols) * 4);
-      p.context.assign(size_t(context), eos);
-    }
+    backend->zero_bytes(storage.get(), storage_floats * 4);
+    for (auto& p : ple) p.context.assign(size_t(context), eos);
   }
 };
 
 
 class Qwen4Exp final : public Model {
  public:
-  Qwen4Exp(const HfConfig& config, const Checkpoint& ck) : hp_(read_hparams(config)) {
+  Qwen4Exp(const HfConfig& config, const Checkpoint& ck, Backend& be) : hp_(read_hparams(config)) {
+    const WeightLoader ld{ck, be};
+    hp_.attn.inv_freq = ld.param(hp_.inv_freq);
     // Three checkpoint layouts: Qwen4ExpForCausalLM (model.*), the multimodal
     // Qwen4ExpForConditionalGeneration (model.language_model.*, vision tensors skipped) and
     // the language_model.model.* form.
@@ -273,9 +276,9 @@ class Qwen4Exp final : public Model {
       fail("{}: missing tensor model.embed_tokens.weight (nor the multimodal forms)", ck.dir());
     }
     const int64_t H = hp_.hidden;
-    embed_ = weight(ck, trunk_ + "embed_tokens.weight", hp_.vocab, H, -1);
-    lm_head_ = weight(ck, head, hp_.vocab, H, -1);
-    exit_mixer_ = HyperConnectionWeights::load(ck, trunk_ + "hyper_connection_mixer.", hp_.n_streams, H, hp_.hc_rank,
+    embed_ = ld.matrix(trunk_ + "embed_tokens.weight", hp_.vocab, H, -1);
+    lm_head_ = ld.matrix(head, hp_.vocab, H, -1);
+    exit_mixer_ = HyperConnectionWeights::load(ld, trunk_ + "hyper_connection_mixer.", hp_.n_streams, H, hp_.hc_rank,
                                                false, hp_.eps, -1);
     // bytes: every weight; active: what one decode token reads (dense parts, top-k experts).
     int64_t bytes = embed_.view.bytes() + lm_head_.view.bytes(), active = lm_head_.view.bytes();
@@ -287,36 +290,36 @@ class Qwen4Exp final : public Model {
       Layer L;
       L.spec = hp_.layers[size_t(i)];
       const std::string p = fmt::format("{}layers.{}.", trunk_, i);
-      L.attn_hc = HyperConnectionWeights::load(ck, p + "attn_hyper_connection.", hp_.n_streams, H, hp_.hc_rank, true,
+      L.attn_hc = HyperConnectionWeights::load(ld, p + "attn_hyper_connection.", hp_.n_streams, H, hp_.hc_rank, true,
                                                hp_.eps, i);
-      L.mlp_hc = HyperConnectionWeights::load(ck, p + "mlp_hyper_connection.", hp_.n_streams, H, hp_.hc_rank, true,
+      L.mlp_hc = HyperConnectionWeights::load(ld, p + "mlp_hyper_connection.", hp_.n_streams, H, hp_.hc_rank, true,
                                               hp_.eps, i);
       if (L.spec.mixer == MixerKind::kLinear) {
-        L.gdn = GatedDeltaNetWeights::load(ck, p + "linear_attn.", hp_.gdn, H, i);
+        L.gdn = GatedDeltaNetWeights::load(ld, p + "linear_attn.", hp_.gdn, H, i);
         dense(L.gdn.in_qkv.view.bytes() + L.gdn.in_z.view.bytes() + L.gdn.out.view.bytes());
       } else {
         const auto& a = hp_.attn;
         const int64_t qw = int64_t(a.n_heads) * a.head_dim, kvw = int64_t(a.n_kv_heads) * a.head_dim;
-        L.attn.q_gate = weight(ck, p + "self_attn.q_proj.weight", 2 * qw, H, i);
-        L.attn.k = weight(ck, p + "self_attn.k_proj.weight", kvw, H, i);
-        L.attn.v = weight(ck, p + "self_attn.v_proj.weight", kvw, H, i);
-        L.attn.o = weight(ck, p + "self_attn.o_proj.weight", H, qw, i);
-        L.attn.q_norm = ck.floats(p + "self_attn.q_norm.weight", {a.head_dim});
-        L.attn.k_norm = ck.floats(p + "self_attn.k_norm.weight", {a.head_dim});
+        L.attn.q_gate = ld.matrix(p + "self_attn.q_proj.weight", 2 * qw, H, i);
+        L.attn.k = ld.matrix(p + "self_attn.k_proj.weight", kvw, H, i);
+        L.attn.v = ld.matrix(p + "self_attn.v_proj.weight", kvw, H, i);
+        L.attn.o = ld.matrix(p + "self_attn.o_proj.weight", H, qw, i);
+        L.attn.q_norm = ld.floats(p + "self_attn.q_norm.weight", {a.head_dim});
+        L.attn.k_norm = ld.floats(p + "self_attn.k_norm.weight", {a.head_dim});
         const int64_t id = hp_.qsa.head_dim;
-        L.attn.index_qk = weight(ck, p + "self_attn.indexer.index_qk_proj.weight", (hp_.qsa.n_heads + 1) * id, H, i);
-        L.attn.index_q_norm = ck.floats(p + "self_attn.indexer.q_layernorm.weight", {id});
-        L.attn.index_k_norm = ck.floats(p + "self_attn.indexer.k_layernorm.weight", {id});
+        L.attn.index_qk = ld.matrix(p + "self_attn.indexer.index_qk_proj.weight", (hp_.qsa.n_heads + 1) * id, H, i);
+        L.attn.index_q_norm = ld.floats(p + "self_attn.indexer.q_layernorm.weight", {id});
+        L.attn.index_k_norm = ld.floats(p + "self_attn.indexer.k_layernorm.weight", {id});
         dense(L.attn.q_gate.view.bytes() + 2 * L.attn.k.view.bytes() + L.attn.o.view.bytes() +
               L.attn.index_qk.view.bytes());
       }
-      load_moe(ck, p + "mlp.", i, L);
+      load_moe(ld, p + "mlp.", i, L);
       const int64_t expert_bytes = 3 * L.moe.experts[0].gate.view.bytes();
       const int64_t shared_bytes = 3 * L.shared.gate.view.bytes() + L.moe.router.view.bytes();
       dense(shared_bytes + L.attn_hc.down.view.bytes() * 2 + L.attn_hc.inject.view.bytes() * 2);
       bytes += hp_.n_experts * expert_bytes;
       active += hp_.top_k * expert_bytes;
-      if (L.spec.ple_index >= 0) load_ple(ck, p + "ple.", i, L);
+      if (L.spec.ple_index >= 0) load_ple(ld, p + "ple.", i, L);
       layers_.push_back(std::move(L));
     }
     info_.architecture = config.architecture().empty() ? "Qwen4ExpForCausalLM" : config.architecture();
@@ -347,34 +350,28 @@ class Qwen4Exp final : public Model {
   void forward(Backend& be, const ForwardBatch& b) const override;
 
  private:
-  static Weight weight(const Checkpoint& ck, const std::string& name, int64_t rows, int64_t cols, int layer) {
-    Weight w;
-    w.view = ck.matrix(name, rows, cols);
-    w.name = name;
-    w.layer = layer;
-    return w;
-  }
-
-  void load_moe(const Checkpoint& ck, const std::string& p, int layer, Layer& L) const {
+  void load_moe(const WeightLoader& ld, const std::string& p, int layer, Layer& L) const {
+    const Checkpoint& ck = ld.ck;
     const int64_t H = hp_.hidden, I = hp_.moe_inter, E = hp_.n_experts;
-    L.moe.router = weight(ck, p + "gate.weight", E, H, layer);
+    L.moe.router = ld.matrix(p + "gate.weight", E, H, layer);
     L.moe.top_k = hp_.top_k;
     L.moe.renormalize = hp_.norm_topk;
     const bool fused = ck.has(p + "experts.gate_up_proj");
     for (int e = 0; e < E; ++e) {
       ExpertWeights ew;
       if (fused) {
-        const WeightView gate_up = ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H);
+        const WeightView gate_up =
+            ld.resident(ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H), p + "experts.gate_up_proj");
         ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows
         ew.up.view = gate_up.rows_slice(I, I);
-        ew.down.view = ck.matrix_in_stack(p + "experts.down_proj", e, E, H, I);
+        ew.down.view = ld.resident(ck.matrix_in_stack(p + "experts.down_proj", e, E, H, I), p + "experts.down_proj");
         ew.gate.name = ew.up.name = p + "experts.gate_up_proj";
         ew.down.name = p + "experts.down_proj";
       } else {
         const std::string ep = fmt::format("{}experts.{}.", p, e);
-        ew.gate = weight(ck, ep + "gate_proj.weight", I, H, layer);
-        ew.up = weight(ck, ep + "up_proj.weight", I, H, layer);
-        ew.down = weight(ck, ep + "down_proj.weight", H, I, layer);
+        ew.gate = ld.matrix(ep + "gate_proj.weight", I, H, layer);
+        ew.up = ld.matrix(ep + "up_proj.weight", I, H, layer);
+        ew.down = ld.matrix(ep + "down_proj.weight", H, I, layer);
       }
       for (Weight* w : {&ew.gate, &ew.up, &ew.down}) {
         w->layer = layer;
@@ -384,13 +381,14 @@ class Qwen4Exp final : public Model {
       L.moe.experts.push_back(std::move(ew));
     }
     const int64_t S = hp_.shared_inter;
-    L.shared.gate = weight(ck, p + "shared_expert.gate_proj.weight", S, H, layer);
-    L.shared.up = weight(ck, p + "shared_expert.up_proj.weight", S, H, layer);
-    L.shared.down = weight(ck, p + "shared_expert.down_proj.weight", H, S, layer);
-    L.shared_gate = weight(ck, p + "shared_expert_gate.weight", 1, H, layer);
+    L.shared.gate = ld.matrix(p + "shared_expert.gate_proj.weight", S, H, layer);
+    L.shared.up = ld.matrix(p + "shared_expert.up_proj.weight", S, H, layer);
+    L.shared.down = ld.matrix(p + "shared_expert.down_proj.weight", H, S, layer);
+    L.shared_gate = ld.matrix(p + "shared_expert_gate.weight", 1, H, layer);
   }
 
-  void load_ple(const Checkpoint& ck, const std::string& p, int layer, Layer& L) const {
+  void load_ple(const WeightLoader& ld, const std::string& p, int layer, Layer& L) const {
+    const Checkpoint& ck = ld.ck;
     PleWeights& w = L.ple;
     const int64_t H = hp_.hidden, CH = int64_t(hp_.n_streams) * H;
     w.spec = hp_.ngram;
@@ -402,12 +400,12 @@ class Qwen4Exp final : public Model {
     w.head_dim = hp_.ple_dim / w.spec.n_heads();
     w.conv_kernel = hp_.ple_kernel;
     w.eps = hp_.eps;
-    w.key = weight(ck, p + "key_proj.weight", CH, hp_.ple_dim, layer);
-    w.value = weight(ck, p + "value_proj.weight", H, hp_.ple_dim, layer);
-    w.norm_key = ck.floats(p + "norm_key.weight", {CH});
-    w.norm_query = ck.floats(p + "norm_query.weight", {CH});
-    w.norm_conv = ck.floats(p + "norm_conv.weight", {CH});
-    w.conv = ck.floats(p + "conv1d.weight", {CH, 1, hp_.ple_kernel});
+    w.key = ld.matrix(p + "key_proj.weight", CH, hp_.ple_dim, layer);
+    w.value = ld.matrix(p + "value_proj.weight", H, hp_.ple_dim, layer);
+    w.norm_key = ld.floats(p + "norm_key.weight", {CH});
+    w.norm_query = ld.floats(p + "norm_query.weight", {CH});
+    w.norm_conv = ld.floats(p + "norm_conv.weight", {CH});
+    w.conv = ld.floats(p + "conv1d.weight", {CH, 1, hp_.ple_kernel});
     // The table: one tensor, or shard_0..shard_{K-1} concatenated along rows. Only views
     // are kept: a real table is ~90 GiB and stays memory-mapped.
     const std::string table = p + "ple_embedding.ngram_embedding.";
@@ -418,7 +416,12 @@ class Qwen4Exp final : public Model {
         fail("{}: tensor {}: shape {} where [rows, {}] is expected", *t.file, name, t.shape_str(), w.head_dim);
       }
       w.shard_starts.push_back(rows);
-      w.table_shards.push_back(weight(ck, name, t.shape[0], w.head_dim, layer));
+      // Not resident: the table stays in the mapped checkpoint, rows gathered on the host.
+      Weight piece;
+      piece.view = ck.matrix(name, t.shape[0], w.head_dim);
+      piece.name = name;
+      piece.layer = layer;
+      w.table_shards.push_back(piece);
       rows += t.shape[0];
     };
     if (ck.has(table + "weight")) {
@@ -474,12 +477,17 @@ std::unique_ptr<ModelWorkspace> Qwen4Exp::new_workspace(Backend& be, int64_t R) 
       {&ws->ffn.router_logits, hp_.n_experts}, {&ws->ple.emb, std::max<int64_t>(hp_.ple_dim, 1)},
       {&ws->ple.key, CH}, {&ws->ple.query, CH}, {&ws->ple.gated, CH}, {&ws->ple.normed, CH}, {&ws->ple.conv, CH},
       {&ws->ple.value, H}});
+  ws->ffn.allocate_routing(be, R, hp_.top_k);
+  const int max_sel = hp_.qsa.max_selected();
+  ws->qsa.selected = be.alloc_array<int32_t>(R * max_sel);
+  ws->qsa.counts = be.alloc_array<int32_t>(R);
   ws->capacity = R;
   return ws;
 }
 
 std::unique_ptr<SequenceState> Qwen4Exp::new_sequence_state(Backend& be, int64_t max_context) const {
   auto st = std::make_unique<State>();
+  st->backend = &be;
   const int64_t CH = int64_t(hp_.n_streams) * hp_.hidden;
   const int n = hp_.n_layers;
   st->gdn.resize(size_t(n));
@@ -510,6 +518,7 @@ std::unique_ptr<SequenceState> Qwen4Exp::new_sequence_state(Backend& be, int64_t
     if (pass == 0) arena.allocate(be);
   }
   st->storage = arena.storage();
+  st->storage_floats = arena.total_floats();
   st->reset();
   return st;
 }
@@ -532,7 +541,7 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, streams);
     if (L.spec.ple_index >= 0) {
-      ple_layer(be, L.ple, b.tokens, streams, st.ple[size_t(i)], ws.ple);
+      ple_layer(be, L.ple, b.host_tokens, streams, st.ple[size_t(i)], ws.ple);
       trace("ple", i, streams);
     }
     hc_gated_residual(be, L.attn_hc, streams, ws.hc, mixed, &inject);
@@ -566,14 +575,14 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
   trace("hyper_connection", hp_.n_layers, out);
   Mat logits = ws.logits.rows_slice(0, out.rows);
   be.matmul(lm_head_, out, logits);
-  be.download(logits, b.logits);
   trace("lm_head", hp_.n_layers, logits);
+  download_outputs(be, b, logits);
 }
 
 }  // namespace
 
-std::unique_ptr<Model> make_qwen4_exp(const HfConfig& config, const Checkpoint& ckpt) {
-  return std::make_unique<Qwen4Exp>(config, ckpt);
+std::unique_ptr<Model> make_qwen4_exp(const HfConfig& config, const Checkpoint& ckpt, Backend& be) {
+  return std::make_unique<Qwen4Exp>(config, ckpt, be);
 }
 
 }  // namespace turbospark

@@ -7,32 +7,33 @@
 
 namespace turbospark {
 
-std::unique_ptr<Model> make_qwen3(const HfConfig&, const Checkpoint&);
-std::unique_ptr<Model> make_qwen3_moe(const HfConfig&, const Checkpoint&);
-std::unique_ptr<Model> make_qwen4_exp(const HfConfig&, const Checkpoint&);
-std::unique_ptr<Model> make_llama(const HfConfig&, const Checkpoint&);
-std::unique_ptr<Model> make_qwen2(const HfConfig&, const Checkpoint&);
-std::unique_ptr<Model> make_gemma3(const HfConfig&, const Checkpoint&);
-std::unique_ptr<Model> make_gpt_oss(const HfConfig&, const Checkpoint&);
-std::unique_ptr<Model> make_gemma4(const HfConfig&, const Checkpoint&);
+std::unique_ptr<Model> make_qwen3(const HfConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> make_qwen3_moe(const HfConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> make_qwen4_exp(const HfConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> make_llama(const HfConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> make_qwen2(const HfConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> make_gemma3(const HfConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> make_gpt_oss(const HfConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> make_gemma4(const HfConfig&, const Checkpoint&, Backend&);
 
 const std::vector<FamilyEntry>& families() {
   static const std::vector<FamilyEntry> kFamilies = {
-      {"llama", "LlamaForCausalLM", make_llama},
-      {"qwen2", "Qwen2ForCausalLM", make_qwen2},
-      {"qwen3", "Qwen3ForCausalLM", make_qwen3},
-      {"gemma3_text", "Gemma3ForCausalLM", make_gemma3},
-      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4},
-      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4},
-      {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe},
-      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss},
-      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp},
-      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp},
+      // model_type, architecture, factory, runs on CUDA
+      {"llama", "LlamaForCausalLM", make_llama, true},
+      {"qwen2", "Qwen2ForCausalLM", make_qwen2, true},
+      {"qwen3", "Qwen3ForCausalLM", make_qwen3, true},
+      {"gemma3_text", "Gemma3ForCausalLM", make_gemma3, true},
+      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4, false},
+      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, false},
+      {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe, true},
+      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, false},
+      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, false},
+      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, false},
   };
   return kFamilies;
 }
 
-LoadedModel load_model(const std::string& model_dir) {
+LoadedModel load_model(const std::string& model_dir, Backend& backend) {
   std::shared_ptr<Checkpoint> gguf_checkpoint;
   if (is_gguf_path(model_dir)) gguf_checkpoint = std::make_shared<Checkpoint>(model_dir);
   HfConfig config = gguf_checkpoint ? HfConfig::from_json(gguf_hf_config(*gguf_checkpoint->gguf()), model_dir)
@@ -49,9 +50,23 @@ LoadedModel load_model(const std::string& model_dir) {
     fail("{}: unsupported architecture {} (model_type {}); supported: {}", config.path(),
          arch.empty() ? "<none>" : arch, type.empty() ? "<none>" : type, known);
   }
+  if (backend.name() != "cpu" && !entry->cuda) {
+    fail("{}: {} is not supported on --device {} yet (it runs on --device cpu)", config.path(), entry->architecture,
+         backend.name());
+  }
   LoadedModel loaded;
   loaded.checkpoint = gguf_checkpoint ? gguf_checkpoint : std::make_shared<Checkpoint>(model_dir);
-  loaded.model = entry->make(config, *loaded.checkpoint);
+  const bool routed = config.has("num_experts") || config.has("num_local_experts");
+  backend.begin_weights(loaded.checkpoint->total_bytes(), routed);
+  loaded.model = entry->make(config, *loaded.checkpoint, backend);
+  backend.end_weights();
+  return loaded;
+}
+
+LoadedModel load_model(const std::string& model_dir) {
+  std::shared_ptr<Backend> cpu = make_cpu_backend(2);
+  LoadedModel loaded = load_model(model_dir, *cpu);
+  loaded.owned_backend = std::move(cpu);
   return loaded;
 }
 

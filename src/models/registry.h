@@ -9,18 +9,23 @@
 
 namespace turbospark {
 
-using FamilyFactory = std::unique_ptr<Model> (*)(const HfConfig&, const Checkpoint&);
+using FamilyFactory = std::unique_ptr<Model> (*)(const HfConfig&, const Checkpoint&, Backend&);
 
 struct FamilyEntry {
   const char* model_type;    // config.json model_type
   const char* architecture;  // architectures[0] it accepts
   FamilyFactory make;
+  bool cuda;                 // runs on the CUDA backend (else refused there by name)
 };
 
 const std::vector<FamilyEntry>& families();
 
 // Loads config.json and the safetensors checkpoint in `model_dir` and builds the family's
-// model. Unknown architectures are refused by name.
+// model, its weights and parameters resident on `backend` (which the model must not
+// outlive). Unknown architectures are refused by name.
+LoadedModel load_model(const std::string& model_dir, Backend& backend);
+// The same onto a 2-thread CPU backend the result owns: for inspecting a model (inspect,
+// convert) and for tests that run it on any CPU backend (CPU weights are host memory).
 LoadedModel load_model(const std::string& model_dir);
 
 }  // namespace turbospark

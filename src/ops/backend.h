@@ -1,22 +1,48 @@
 // The one small interface between models and hardware. A forward step records ops against
 // a Backend: the CPU backend runs each op eagerly on its thread pool; the CUDA backend
-// (next) enqueues the same ops on a stream and captures decode steps in graphs. Models never
+// enqueues the same ops on its stream (and captures decode steps in graphs). Models never
 // learn which, never touch raw kernels, and never branch on a weight's dtype: formats are
 // the backend's business.
 //
-// Activations are Mat views into buffers the backend allocated (host memory on CPU). Any
-// host write into such a buffer goes through upload() at an explicit row, so that on a
-// queued backend it is ordered with the work around it (the seed's PLE hazard).
+// Every pointer an op takes is backend memory: activations (Mat views into alloc()),
+// weights (views made resident()), small parameters (param()), routing results, positions,
+// token ids and QSA selections (BackendArray). On the CPU backend that is host memory; on
+// CUDA it is device memory the host must not touch. Host code writes such memory only
+// through upload ops at an explicit offset, so that on a queued backend the write is ordered
+// with the work around it (the seed's PLE hazard), and reads it only through download ops,
+// which are synchronisation points: a forward downloads only its logits (or, with greedy
+// sampling, the chosen ids), and --router-out's capture on purpose.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
 
 namespace turbospark {
+
+// n elements of T in backend memory, shared by whoever holds a copy. data() is a backend
+// pointer: pass it to ops, never dereference it on the host.
+template <typename T>
+class BackendArray {
+ public:
+  BackendArray() = default;
+  BackendArray(std::shared_ptr<void> storage, int64_t n) : storage_(std::move(storage)), n_(n) {}
+  T* data() const { return static_cast<T*>(storage_.get()); }
+  int64_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+
+ private:
+  std::shared_ptr<void> storage_;
+  int64_t n_ = 0;
+};
+
+// A small f32 parameter (norm weight, bias, inv_freq, sinks, A_log, conv weights...),
+// uploaded once at load: Backend::param().
+using Param = BackendArray<float>;
 
 // Where a weight lives at run time. The expert cache reads only this metadata.
 enum class Residency : uint8_t { kResident, kStreamedExpert };
@@ -43,7 +69,7 @@ struct ExpertWeights {
   Weight up;    // [inter, hidden]
   Weight down;  // [hidden, inter]
   Act act = Act::kSilu;
-  // gpt-oss: biases after each projection (host f32 owned by the model; null when absent),
+  // gpt-oss: biases after each projection (backend memory owned by the model; null when absent),
   // and when glu_limit > 0 its clamped GLU in place of act(gate) * up:
   // (clamp(up, -limit, limit) + 1) * g * sigmoid(glu_alpha * g), g = min(gate, limit).
   const float* gate_bias = nullptr;  // [inter]
@@ -68,22 +94,39 @@ inline WeightView fused_gate_up(const ExpertWeights& e) {
   return v;
 }
 
-// One layer's paged KV cache as the backend sees it (see engine/kv_cache.h).
+// One layer's paged KV cache as the backend sees it (see engine/kv_cache.h). Position p of
+// sequence s lives in physical block block_table[s * max_blocks + p / block_size], row
+// p % block_size. Pools and tables are backend memory. Rows of a micro-batch may belong to
+// different sequences (row_seq); null row_seq means every row is sequence 0.
 struct KvLayerView {
-  float* const* k_blocks = nullptr;  // per block: [block_size, n_kv_heads, head_dim] f32
-  float* const* v_blocks = nullptr;
-  const int32_t* block_table = nullptr;
+  float* k = nullptr;  // [n_blocks, block_size, n_kv_heads, head_dim] f32
+  float* v = nullptr;  // same
+  const int32_t* block_table = nullptr;  // [n_seqs, max_blocks] logical -> physical block
+  int max_blocks = 0;                    // row stride of block_table
+  const int32_t* row_seq = nullptr;      // [rows] sequence of each micro-batch row, or null
   int block_size = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
+
+  int64_t block_floats() const { return int64_t(block_size) * n_kv_heads * head_dim; }
+  int seq_of(int64_t row) const { return row_seq ? row_seq[row] : 0; }
+  // Host-side addressing for backends whose memory is host memory (the CPU backend).
+  float* k_at(int seq, int64_t pos) const { return k + slot(seq, pos); }
+  float* v_at(int seq, int64_t pos) const { return v + slot(seq, pos); }
+
+ private:
+  int64_t slot(int seq, int64_t pos) const {
+    const int32_t block = block_table[int64_t(seq) * max_blocks + pos / block_size];
+    return int64_t(block) * block_floats() + (pos % block_size) * int64_t(n_kv_heads) * head_dim;
+  }
 };
 
 // One layer's QSA indexer state as the backend sees it (see models/blocks/qsa.h).
 struct QsaView {
   Mat raw_keys;      // [max_context, head_dim] un-normalized index keys, one row per position
   Mat block_keys;    // [max_context / ratio, head_dim] pooled, normed, rotated complete blocks
-  const float* k_norm = nullptr;  // [head_dim], applied as (1 + w)
-  const float* inv_freq = nullptr;
+  const float* k_norm = nullptr;  // [head_dim], applied as (1 + w) (backend memory)
+  const float* inv_freq = nullptr;  // [rotary_dim / 2] (backend memory)
   int rotary_dim = 0;
   int ratio = 0;       // indexer_compress_ratio
   int block_topk = 0;  // indexer_budget / ratio
@@ -97,13 +140,56 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
 
-  // Scratch activations [rows, cols] f32, owned by the backend until released with the
-  // returned handle.
-  virtual std::shared_ptr<float> alloc(int64_t n_floats) = 0;
+  // ---- memory ----
+  // Zeroed backend memory, 64-byte aligned, freed when the last handle goes.
+  virtual std::shared_ptr<void> alloc_bytes(int64_t bytes) = 0;
+  // Host -> backend copy of `bytes` at `dst`, ordered after the work already recorded (the
+  // host buffer may be reused as soon as the call returns).
+  virtual void upload_bytes(void* dst, const void* src, int64_t bytes) = 0;
+  // Backend -> host copy after the work already recorded: a synchronisation point.
+  virtual void download_bytes(void* dst, const void* src, int64_t bytes) = 0;
+  // Zeroes `bytes` of backend memory at dst, ordered with the recorded work.
+  virtual void zero_bytes(void* dst, int64_t bytes) = 0;
+  // Waits for every recorded op (no-op on the eager CPU backend).
+  virtual void synchronize() {}
+
+  // Scratch activations of n_floats f32 (zeroed).
+  std::shared_ptr<float> alloc(int64_t n_floats) {
+    return std::static_pointer_cast<float>(alloc_bytes(n_floats * int64_t(sizeof(float))));
+  }
+  template <typename T>
+  BackendArray<T> alloc_array(int64_t n) {
+    return BackendArray<T>(alloc_bytes(n * int64_t(sizeof(T))), n);
+  }
+  template <typename T>
+  void upload_array(const BackendArray<T>& dst, std::span<const T> src, int64_t offset = 0) {
+    upload_bytes(dst.data() + offset, src.data(), int64_t(src.size_bytes()));
+  }
+  template <typename T>
+  void download_array(std::span<T> dst, const BackendArray<T>& src, int64_t offset = 0) {
+    download_bytes(dst.data(), src.data() + offset, int64_t(dst.size_bytes()));
+  }
   // Host -> backend copy into `dst` (rows of a Mat the backend allocated).
-  virtual void upload(const Mat& dst, const float* src) = 0;
-  // Backend -> host copy; a synchronisation point on queued backends.
-  virtual void download(const Mat& src, float* dst) = 0;
+  void upload(const Mat& dst, const float* src);
+  // Backend -> host copy of a Mat's rows; a synchronisation point on queued backends.
+  void download(const Mat& src, float* dst);
+  // A parameter vector uploaded once (at load).
+  Param param(std::span<const float> host) {
+    Param p = alloc_array<float>(int64_t(host.size()));
+    if (!host.empty()) upload_array(p, host);
+    return p;
+  }
+
+  // ---- weights ----
+  // Called once before a model's weights are made resident, with the bytes they will take:
+  // a backend with memory of its own reserves them here and refuses a model that does not fit
+  // (bytes needed, bytes free), naming expert streaming when the model has routed experts.
+  virtual void begin_weights(int64_t total_bytes, bool has_routed_experts) {}
+  // The weight as the backend reads it: the CPU backend reads checkpoint memory in place; a
+  // device backend copies every plane (data, scales, biases) into its memory once.
+  virtual WeightView resident(const WeightView& host, const std::string& name) { return host; }
+  // After the last resident(): reports the upload (bytes, seconds, GB/s) where there was one.
+  virtual void end_weights() {}
 
   // y = x W^T for W [out, in]; one row of x is a GEMV (decode), many a GEMM (prefill).
   virtual void matmul(const Weight& w, const Mat& x, const Mat& y) = 0;
@@ -120,10 +206,16 @@ class Backend {
   virtual void swiglu(const Mat& gate, const Mat& up, const Mat& out) = 0;
   virtual void embedding(const Weight& table, const int32_t* ids, int64_t n, float scale, const Mat& out) = 0;
   virtual void add(const Mat& y, const Mat& x) = 0;  // y += x
-  // Softmax top-k routing of router logits [rows, n_experts] into idx/weight [rows, k].
-  virtual void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight) = 0;
-  // out[t] = sum_j weight[t, j] * expert_{idx[t, j]}(x[t]). Routing stays on the backend:
-  // resident experts need no host round trip (the streaming path syncs here, by design).
+  // Softmax top-k routing of router logits [rows, n_experts] into idx/weight [rows, k]
+  // (backend memory); when expert_scale (backend memory, [n_experts]) is non-null each
+  // chosen weight is then multiplied by its expert's scale (Gemma 4).
+  virtual void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
+                                   const float* expert_scale = nullptr) = 0;
+  // Softmax of each row of x into y (may alias): --router-out's probabilities.
+  virtual void softmax_rows(const Mat& x, const Mat& y) = 0;
+  // ids[t] = argmax_j logits[t, j] (lowest index on ties; -1 when the row holds a NaN),
+  // backend memory [rows]: greedy sampling downloads only these.
+  virtual void argmax_rows(const Mat& logits, int32_t* ids) = 0;
   // y = post * act(pre * x), elementwise; y may alias x.
   virtual void unary(const Mat& x, Act act, float pre, float post, const Mat& y) = 0;
   // x *= act(gate); gate has x.cols columns, or 1 column broadcast over the row.
@@ -160,10 +252,28 @@ class Backend {
                                   const int32_t* selected, const int32_t* counts, int max_selected,
                                   const Mat& out) = 0;
 
+  // out[t] = sum_j weight[t, j] * expert_{idx[t, j]}(x[t]). Routing stays on the backend:
+  // resident experts need no host round trip (the streaming path will sync here, by design).
   virtual void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
                            const float* weight, int k, const Mat& out) = 0;
 };
 
+inline void Backend::upload(const Mat& dst, const float* src) {
+  if (dst.stride == dst.cols) return upload_bytes(dst.data, src, dst.rows * dst.cols * 4);
+  for (int64_t r = 0; r < dst.rows; ++r) upload_bytes(dst.row(r), src + r * dst.cols, dst.cols * 4);
+}
+
+inline void Backend::download(const Mat& src, float* dst) {
+  if (src.stride == src.cols) return download_bytes(dst, src.data, src.rows * src.cols * 4);
+  for (int64_t r = 0; r < src.rows; ++r) download_bytes(dst + r * src.cols, src.row(r), src.cols * 4);
+}
+
 std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+
+// The CUDA backend on device `ordinal` (backends/cuda/; built with TURBOSPARK_CUDA=ON).
+// Throws naming the reason when this build has no CUDA or no GPU is usable.
+std::unique_ptr<Backend> make_cuda_backend(int ordinal = 0);
+// Whether this build has the CUDA backend and a GPU is present (for --device auto).
+bool cuda_available();
 
 }  // namespace turbospark

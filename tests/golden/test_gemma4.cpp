@@ -64,9 +64,10 @@ TEST(Gemma4Kv, SharedLayersOwnNoCache) {
   KvCache kv(*be, spec, 64);
   kv.reserve(40);
   const int64_t blocks = (40 + kKvBlockSize - 1) / kKvBlockSize;
-  EXPECT_EQ(kv.allocated_bytes(), 2 * blocks * kKvBlockSize * (2 * 16 * 3 + 1 * 32) * 4);
-  EXPECT_EQ(kv.layer(4).k_blocks[0], nullptr);
-  EXPECT_EQ(kv.layer(5).v_blocks[0], nullptr);
+  EXPECT_EQ(kv.used_bytes(), 2 * blocks * kKvBlockSize * (2 * 16 * 3 + 1 * 32) * 4);
+  EXPECT_EQ(kv.pool_bytes(), 2 * ((64 + kKvBlockSize - 1) / kKvBlockSize) * kKvBlockSize * (2 * 16 * 3 + 1 * 32) * 4);
+  EXPECT_EQ(kv.layer(4).k, nullptr);
+  EXPECT_EQ(kv.layer(5).v, nullptr);
 }
 
 // Malformed configs: one line naming the field.

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -20,15 +21,41 @@ namespace turbospark::cpu {
 namespace {
 
 // max |a - b| / max |b|: the error normalised by the reference's scale, as llama.cpp's
-// test-backend-ops does, so one bound fits outputs of any magnitude.
+// test-backend-ops does, so one bound fits outputs of any magnitude. +infinity when either
+// side holds a NaN or an infinity anywhere, or the sizes differ: std::max(num, NaN) keeps
+// num, so a NaN-blind maximum would let a NaN-producing kernel pass.
 double normalized_error(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
     num = std::max(num, std::abs(double(a[i]) - double(b[i])));
     den = std::max(den, std::abs(double(b[i])));
   }
   return den > 0 ? num / den : num;
+}
+
+TEST(Kernels, NormalizedErrorFailsOnNonFiniteValues) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> ref = {1.f, -2.f, 0.5f, 4.f, 3.f};
+  EXPECT_EQ(normalized_error(ref, ref), 0.0);
+  std::vector<float> off = ref;
+  off[2] += 0.04f;  // |diff| 0.04 over max |ref| 4
+  EXPECT_NEAR(normalized_error(off, ref), 0.01, 1e-7);
+  EXPECT_EQ(normalized_error(std::vector<float>(3, 0.f), std::vector<float>(3, 0.f)), 0.0);
+  for (size_t at : {size_t(0), size_t(2), ref.size() - 1}) {  // the last element too: no early exit skips it
+    for (float bad : {nan, -nan, inf, -inf}) {
+      std::vector<float> a = ref, b = ref;
+      a[at] = bad;
+      EXPECT_EQ(normalized_error(a, ref), std::numeric_limits<double>::infinity()) << "a[" << at << "] = " << bad;
+      b[at] = bad;
+      EXPECT_EQ(normalized_error(ref, b), std::numeric_limits<double>::infinity()) << "b[" << at << "] = " << bad;
+      EXPECT_EQ(normalized_error(a, b), std::numeric_limits<double>::infinity()) << "both [" << at << "] = " << bad;
+    }
+  }
+  // NaN on both sides in the scale-free all-zero case too.
+  EXPECT_EQ(normalized_error({0.f, nan}, {0.f, 0.f}), std::numeric_limits<double>::infinity());
 }
 
 constexpr double kTol = 1e-5;
@@ -350,9 +377,9 @@ TEST(Kernels, RefRopeRotatesPairsOnly) {
 struct PagedKv {
   int n_kv_heads, head_dim, block_size;
   std::vector<float> k_dense, v_dense;
-  std::vector<std::vector<float>> k_storage, v_storage;
-  std::vector<float*> k_ptrs, v_ptrs;
+  std::vector<float> k_pool, v_pool;  // [n_physical, block_size, n_kv, head_dim]
   std::vector<int32_t> block_table;
+  int64_t n_physical = 0;
 
   PagedKv(int64_t n_positions, int n_kv, int hd, int bs, std::mt19937& rng)
       : n_kv_heads(n_kv), head_dim(hd), block_size(bs) {
@@ -363,24 +390,30 @@ struct PagedKv {
     fill_uniform(v_dense, rng, -1.f, 1.f);
     const int64_t n_blocks = (n_positions + bs - 1) / bs;
     // Physical blocks: one more than needed (an unused one), in a shuffled order.
-    const int64_t n_physical = n_blocks + 1;
-    k_storage.assign(size_t(n_physical), std::vector<float>(size_t(bs * row), NAN));
-    v_storage.assign(size_t(n_physical), std::vector<float>(size_t(bs * row), NAN));
-    for (auto& b : k_storage) k_ptrs.push_back(b.data());
-    for (auto& b : v_storage) v_ptrs.push_back(b.data());
+    n_physical = n_blocks + 1;
+    k_pool.assign(size_t(n_physical * bs * row), NAN);
+    v_pool.assign(size_t(n_physical * bs * row), NAN);
     std::vector<int32_t> physical(static_cast<size_t>(n_physical));
     std::iota(physical.begin(), physical.end(), 0);
     std::shuffle(physical.begin(), physical.end(), rng);
     block_table.assign(physical.begin(), physical.begin() + n_blocks);
     for (int64_t p = 0; p < n_positions; ++p) {
       const size_t b = size_t(block_table[size_t(p / bs)]);
-      std::memcpy(k_storage[b].data() + (p % bs) * row, k_dense.data() + p * row, size_t(row) * 4);
-      std::memcpy(v_storage[b].data() + (p % bs) * row, v_dense.data() + p * row, size_t(row) * 4);
+      std::memcpy(k_pool.data() + (int64_t(b) * bs + p % bs) * row, k_dense.data() + p * row, size_t(row) * 4);
+      std::memcpy(v_pool.data() + (int64_t(b) * bs + p % bs) * row, v_dense.data() + p * row, size_t(row) * 4);
     }
   }
 
   KvView view() const {
-    return KvView{k_ptrs.data(), v_ptrs.data(), block_table.data(), block_size, n_kv_heads, head_dim};
+    KvView v;
+    v.k = const_cast<float*>(k_pool.data());
+    v.v = const_cast<float*>(v_pool.data());
+    v.block_table = block_table.data();
+    v.max_blocks = int(block_table.size());
+    v.block_size = block_size;
+    v.n_kv_heads = n_kv_heads;
+    v.head_dim = head_dim;
+    return v;
   }
 };
 

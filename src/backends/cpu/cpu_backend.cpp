@@ -1,5 +1,8 @@
 // The CPU backend: every op runs eagerly on the backend's own thread pool.
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "backends/cpu/hybrid_ops.h"
@@ -15,15 +18,21 @@
 namespace turbospark {
 namespace {
 
-cpu::KvView to_kernel_view(const KvLayerView& kv) {
-  cpu::KvView v;
-  v.k_blocks = kv.k_blocks;
-  v.v_blocks = kv.v_blocks;
-  v.block_table = kv.block_table;
-  v.block_size = kv.block_size;
-  v.n_kv_heads = kv.n_kv_heads;
-  v.head_dim = kv.head_dim;
-  return v;
+// Runs fn(first_row, n_rows, view) over maximal runs of consecutive rows of one sequence,
+// the view's block table pointing at that sequence's row: the kernels see one sequence.
+template <typename Fn>
+void for_each_sequence_run(const KvLayerView& kv, int64_t rows, Fn&& fn) {
+  int64_t t0 = 0;
+  while (t0 < rows) {
+    const int seq = kv.seq_of(t0);
+    int64_t t1 = t0 + 1;
+    while (t1 < rows && kv.seq_of(t1) == seq) ++t1;
+    KvLayerView one = kv;
+    one.block_table = kv.block_table + int64_t(seq) * kv.max_blocks;
+    one.row_seq = nullptr;
+    fn(t0, t1 - t0, one);
+    t0 = t1;
+  }
 }
 
 class CpuBackend final : public Backend {
@@ -32,22 +41,25 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
 
-  std::shared_ptr<float> alloc(int64_t n_floats) override {
-    // 64-byte aligned so vector loads of a row start never split a cache line.
-    size_t bytes = (size_t(std::max<int64_t>(n_floats, 1)) * sizeof(float) + 63) / 64 * 64;
-    float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
+  std::shared_ptr<void> alloc_bytes(int64_t n) override {
+    // 64-byte aligned so vector loads of a row start never split a cache line. Large
+    // allocations (KV pools sized for the whole context) are anonymous mappings: zero pages
+    // the kernel hands out on first touch, so capacity never used costs no memory.
+    const size_t bytes = (size_t(std::max<int64_t>(n, 1)) + 63) / 64 * 64;
+    if (bytes >= (size_t(1) << 20)) {
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) fail("out of memory mapping {} bytes of activations", bytes);
+      return std::shared_ptr<void>(p, [bytes](void* q) { munmap(q, bytes); });
+    }
+    void* p = std::aligned_alloc(64, bytes);
     if (!p) fail("out of memory allocating {} bytes of activations", bytes);
     std::memset(p, 0, bytes);
-    return std::shared_ptr<float>(p, [](float* q) { std::free(q); });
+    return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   }
 
-  void upload(const Mat& dst, const float* src) override {
-    for (int64_t r = 0; r < dst.rows; ++r) std::memcpy(dst.row(r), src + r * dst.cols, size_t(dst.cols) * 4);
-  }
-
-  void download(const Mat& src, float* dst) override {
-    for (int64_t r = 0; r < src.rows; ++r) std::memcpy(dst + r * src.cols, src.row(r), size_t(src.cols) * 4);
-  }
+  void upload_bytes(void* dst, const void* src, int64_t n) override { std::memcpy(dst, src, size_t(n)); }
+  void download_bytes(void* dst, const void* src, int64_t n) override { std::memcpy(dst, src, size_t(n)); }
+  void zero_bytes(void* dst, int64_t n) override { std::memset(dst, 0, size_t(n)); }
 
   void matmul(const Weight& w, const Mat& x, const Mat& y) override { matmul_view(w.view, x, y); }
 
@@ -70,17 +82,17 @@ class CpuBackend final : public Backend {
   void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions) override {
     const int64_t width = int64_t(kv.n_kv_heads) * kv.head_dim;
     for (int64_t t = 0; t < k.rows; ++t) {
-      int64_t p = positions[t];
-      int32_t block = kv.block_table[p / kv.block_size];
-      int64_t off = (p % kv.block_size) * width;
-      std::memcpy(kv.k_blocks[block] + off, k.row(t), size_t(width) * 4);
-      std::memcpy(kv.v_blocks[block] + off, v.row(t), size_t(width) * 4);
+      std::memcpy(kv.k_at(kv.seq_of(t), positions[t]), k.row(t), size_t(width) * 4);
+      std::memcpy(kv.v_at(kv.seq_of(t), positions[t]), v.row(t), size_t(width) * 4);
     }
   }
 
   void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                  int window, const float* sinks, const Mat& out) override {
-    cpu::attention(pool_, q, positions, to_kernel_view(kv), n_heads, scale, window, sinks, out);
+    for_each_sequence_run(kv, q.rows, [&](int64_t t0, int64_t n, const KvLayerView& one) {
+      cpu::attention(pool_, q.rows_slice(t0, n), positions + t0, one, n_heads, scale, window, sinks,
+                     out.rows_slice(t0, n));
+    });
   }
 
   void swiglu(const Mat& gate, const Mat& up, const Mat& out) override { cpu::swiglu(gate, up, out); }
@@ -99,8 +111,38 @@ class CpuBackend final : public Backend {
 
   void add(const Mat& y, const Mat& x) override { cpu::add_scaled(y, x, 1.f); }
 
-  void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight) override {
+  void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
+                           const float* expert_scale) override {
     cpu::router_softmax_topk(logits, k, renormalize, idx, weight);
+    if (expert_scale) {
+      for (int64_t j = 0; j < logits.rows * k; ++j) weight[j] *= expert_scale[idx[j]];
+    }
+  }
+
+  void softmax_rows(const Mat& x, const Mat& y) override {
+    for (int64_t t = 0; t < x.rows; ++t) {
+      const float* in = x.row(t);
+      float* o = y.row(t);
+      const float mx = *std::max_element(in, in + x.cols);
+      float sum = 0.f;
+      for (int64_t c = 0; c < x.cols; ++c) sum += (o[c] = std::exp(in[c] - mx));
+      for (int64_t c = 0; c < x.cols; ++c) o[c] /= sum;
+    }
+  }
+
+  void argmax_rows(const Mat& logits, int32_t* ids) override {
+    for (int64_t t = 0; t < logits.rows; ++t) {
+      const float* row = logits.row(t);
+      int32_t best = 0;
+      for (int64_t c = 0; c < logits.cols; ++c) {
+        if (std::isnan(row[c])) {
+          best = -1;
+          break;
+        }
+        if (row[c] > row[best]) best = int32_t(c);  // the first of equal maxima wins
+      }
+      ids[t] = best;
+    }
   }
 
   void unary(const Mat& x, Act act, float pre, float post, const Mat& y) override { cpu::unary(x, act, pre, post, y); }
@@ -134,7 +176,10 @@ class CpuBackend final : public Backend {
   }
   void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
                           const int32_t* counts, int max_selected, const Mat& out) override {
-    cpu::attention_selected(pool_, q, kv, n_heads, scale, selected, counts, max_selected, out);
+    for_each_sequence_run(kv, q.rows, [&](int64_t t0, int64_t n, const KvLayerView& one) {
+      cpu::attention_selected(pool_, q.rows_slice(t0, n), one, n_heads, scale, selected + t0 * max_selected,
+                              counts + t0, max_selected, out.rows_slice(t0, n));
+    });
   }
 
   void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,

@@ -247,7 +247,6 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
 void attention_selected(ThreadPool& pool, const Mat& q, const KvLayerView& kv, int n_heads, float scale,
                         const int32_t* selected, const int32_t* counts, int max_selected, const Mat& out) {
   const int hd = kv.head_dim, group = n_heads / kv.n_kv_heads;
-  const int64_t width = int64_t(kv.n_kv_heads) * hd;
   pool.parallel_for(q.rows * n_heads, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores(static_cast<size_t>(max_selected));
     for (int64_t job = b; job < e; ++job) {
@@ -259,7 +258,7 @@ void attention_selected(ThreadPool& pool, const Mat& q, const KvLayerView& kv, i
       float mx = -INFINITY;
       for (int i = 0; i < cnt; ++i) {
         const int64_t p = sel[i];
-        const float* k = kv.k_blocks[kv.block_table[p / kv.block_size]] + (p % kv.block_size) * width + kvh * hd;
+        const float* k = kv.k_at(kv.seq_of(t), p) + kvh * hd;
         float dot = 0.f;
         for (int j = 0; j < hd; ++j) dot += qh[j] * k[j];
         scores[size_t(i)] = dot * scale;
@@ -271,7 +270,7 @@ void attention_selected(ThreadPool& pool, const Mat& q, const KvLayerView& kv, i
       std::fill(o, o + hd, 0.f);
       for (int i = 0; i < cnt; ++i) {
         const int64_t p = sel[i];
-        const float* v = kv.v_blocks[kv.block_table[p / kv.block_size]] + (p % kv.block_size) * width + kvh * hd;
+        const float* v = kv.v_at(kv.seq_of(t), p) + kvh * hd;
         const float w = scores[size_t(i)] / sum;
         for (int j = 0; j < hd; ++j) o[j] += w * v[j];
       }

@@ -393,14 +393,15 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
   }
 
   const int64_t row_stride = int64_t(n_kv) * hd;
-  auto row_of = [&](int64_t p, float* const* blocks) {
-    return blocks[a.kv.block_table[p / a.kv.block_size]] + (p % a.kv.block_size) * row_stride;
+  auto row_of = [&](int64_t p, float* pool) {
+    return pool + int64_t(a.kv.block_table[p / a.kv.block_size]) * a.kv.block_floats() +
+           (p % a.kv.block_size) * row_stride;
   };
   for (int64_t b0 = first; b0 <= last; b0 += kPosBlock) {
     const int np = int(std::min<int64_t>(kPosBlock, last - b0 + 1));
     for (int j = 0; j < np; ++j) {
-      sc.k_base[size_t(j)] = row_of(b0 + j, a.kv.k_blocks);
-      sc.v_base[size_t(j)] = row_of(b0 + j, a.kv.v_blocks);
+      sc.k_base[size_t(j)] = row_of(b0 + j, a.kv.k);
+      sc.v_base[size_t(j)] = row_of(b0 + j, a.kv.v);
     }
 #if TS_CPU_AVX2
     // One head's walk over positions is strided (head_dim floats out of every
@@ -408,8 +409,8 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
     // the unit is memory bound (decode: few queries per K/V vector) the next block's whole
     // rows - which the unit reads in full - are fetched explicitly.
     for (int64_t p = b0 + kPosBlock; gq <= 4 && p < std::min(last + 1, b0 + 2 * kPosBlock); ++p) {
-      const char* kp = reinterpret_cast<const char*>(row_of(p, a.kv.k_blocks));
-      const char* vp = reinterpret_cast<const char*>(row_of(p, a.kv.v_blocks));
+      const char* kp = reinterpret_cast<const char*>(row_of(p, a.kv.k));
+      const char* vp = reinterpret_cast<const char*>(row_of(p, a.kv.v));
       for (int64_t c = 0; c < row_stride * 4; c += 64) {
         _mm_prefetch(kp + c, _MM_HINT_T1);
         _mm_prefetch(vp + c, _MM_HINT_T1);

@@ -11,6 +11,7 @@
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
+#include "ops/backend.h"
 
 namespace turbospark::cpu {
 
@@ -31,17 +32,10 @@ void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float w
 void rope_neox(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t* positions,
                const float* inv_freq, float attention_factor = 1.f);
 
-// A read-only view of one layer's paged KV cache: logical position p lives in block
-// block_table[p / block_size], row p % block_size. Each block stores K as
-// [block_size, n_kv_heads, head_dim] float32 and V likewise.
-struct KvView {
-  float* const* k_blocks = nullptr;
-  float* const* v_blocks = nullptr;
-  const int32_t* block_table = nullptr;
-  int block_size = 0;
-  int n_kv_heads = 0;
-  int head_dim = 0;
-};
+// One layer's paged KV cache (ops/backend.h). The kernels here see one sequence: row_seq
+// null and block_table that sequence's row (the CPU backend splits a micro-batch of several
+// sequences into runs of rows of one sequence).
+using KvView = KvLayerView;
 
 // Causal grouped-query attention over the cache. q is [rows, n_heads * head_dim]; query row
 // t sits at position q_positions[t] and attends to cached positions

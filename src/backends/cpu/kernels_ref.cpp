@@ -90,14 +90,8 @@ void attention(const Mat& q, const int64_t* q_positions, const KvView& kv, int n
   TS_CHECK(q.cols >= int64_t(n_heads) * hd && out.cols >= int64_t(n_heads) * hd,
            "attention: q/out have {}/{} columns, need {}", q.cols, out.cols, n_heads * hd);
   const int group = n_heads / kv.n_kv_heads;
-  auto k_at = [&](int64_t p, int g) {
-    return kv.k_blocks[kv.block_table[p / kv.block_size]] +
-           ((p % kv.block_size) * kv.n_kv_heads + g) * hd;
-  };
-  auto v_at = [&](int64_t p, int g) {
-    return kv.v_blocks[kv.block_table[p / kv.block_size]] +
-           ((p % kv.block_size) * kv.n_kv_heads + g) * hd;
-  };
+  auto k_at = [&](int64_t p, int g) { return kv.k_at(0, p) + int64_t(g) * hd; };
+  auto v_at = [&](int64_t p, int g) { return kv.v_at(0, p) + int64_t(g) * hd; };
   std::vector<float> scores;
   std::vector<double> acc(hd);
   for (int64_t t = 0; t < q.rows; ++t) {

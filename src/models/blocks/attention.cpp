@@ -2,7 +2,7 @@
 
 namespace turbospark {
 
-static void project(Backend& be, const Weight& w, const std::vector<float>& bias, const Mat& x, const Mat& y) {
+static void project(Backend& be, const Weight& w, const Param& bias, const Mat& x, const Mat& y) {
   be.matmul(w, x, y);
   if (!bias.empty()) be.add_bias(y, bias.data());
 }

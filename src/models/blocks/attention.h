@@ -2,8 +2,6 @@
 // RoPE, KV-cache write, causal GQA (optional sliding window and sinks), output projection.
 #pragma once
 
-#include <vector>
-
 #include "ops/backend.h"
 
 namespace turbospark {
@@ -18,14 +16,14 @@ struct AttentionParams {
   float norm_eps = 1e-6f;
   float norm_offset = 0.f;  // 1 for (1 + w) q/k norms (Gemma)
   float attention_factor = 1.f;
-  std::vector<float> inv_freq;  // [rotary_dim / 2]
+  Param inv_freq;  // [rotary_dim / 2]
 };
 
 struct AttentionWeights {
   Weight q, k, v, o;                     // [heads*hd, hidden], [kv*hd, hidden] x2, [hidden, heads*hd]
-  std::vector<float> q_bias, k_bias, v_bias, o_bias;  // empty when the family has none
-  std::vector<float> q_norm, k_norm;     // [head_dim] f32, empty when no q/k norm
-  std::vector<float> sinks;              // [n_heads] f32, empty when no attention sinks
+  Param q_bias, k_bias, v_bias, o_bias;  // empty when the family has none
+  Param q_norm, k_norm;                  // [head_dim] f32, empty when no q/k norm
+  Param sinks;                           // [n_heads] f32, empty when no attention sinks
 };
 
 // Buffers sized for the micro-batch: q/out [rows, n_heads*hd], k/v [rows, n_kv*hd].

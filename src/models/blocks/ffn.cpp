@@ -1,7 +1,6 @@
 #include "models/blocks/ffn.h"
 
-#include <algorithm>
-#include <cmath>
+#include "core/error.h"
 
 namespace turbospark {
 
@@ -19,22 +18,15 @@ void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& 
   be.matmul(w.down, gate, out);
 }
 
-void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, std::vector<int32_t>& idx,
-                  std::vector<float>& weight, float* router_probs) {
-  const int64_t rows = logits.rows, n_experts = logits.cols;
+void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, const BackendArray<int32_t>& idx,
+                  const BackendArray<float>& weight, float* router_probs, const float* expert_scale) {
+  TS_CHECK(idx.size() >= logits.rows * top_k && weight.size() >= logits.rows * top_k,
+           "routing buffers hold {} entries, {} rows x top {} need more", idx.size(), logits.rows, top_k);
+  be.router_softmax_topk(logits, top_k, renormalize, idx.data(), weight.data(), expert_scale);
   if (router_probs) {
-    std::vector<float> host(size_t(rows * n_experts));
-    be.download(logits, host.data());
-    for (int64_t t = 0; t < rows; ++t) {
-      const float* l = host.data() + t * n_experts;
-      float mx = *std::max_element(l, l + n_experts), sum = 0.f;
-      for (int64_t e = 0; e < n_experts; ++e) sum += std::exp(l[e] - mx);
-      for (int64_t e = 0; e < n_experts; ++e) router_probs[t * n_experts + e] = std::exp(l[e] - mx) / sum;
-    }
+    be.softmax_rows(logits, logits);
+    be.download(logits, router_probs);
   }
-  idx.resize(size_t(rows * top_k));
-  weight.resize(size_t(rows * top_k));
-  be.router_softmax_topk(logits, top_k, renormalize, idx.data(), weight.data());
 }
 
 void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs) {

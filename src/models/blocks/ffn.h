@@ -23,18 +23,26 @@ struct MoeWeights {
 struct FfnScratch {
   Mat gate, up;          // [rows, inter] (dense)
   Mat router_logits;     // [rows, n_experts]
-  std::vector<int32_t> topk_idx;   // [rows, top_k]
-  std::vector<float> topk_weight;  // [rows, top_k]
+  BackendArray<int32_t> topk_idx;  // [rows, top_k]
+  BackendArray<float> topk_weight; // [rows, top_k]
+
+  // The routing buffers for micro-batches of up to `rows` rows.
+  void allocate_routing(Backend& be, int64_t rows, int top_k) {
+    topk_idx = be.alloc_array<int32_t>(rows * top_k);
+    topk_weight = be.alloc_array<float>(rows * top_k);
+  }
 };
 
 void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out);
 
 // Routing from router logits [rows, n_experts]: the top_k experts of each row and their
-// softmax weights (renormalized over the k when asked) into idx/weight [rows, top_k]; when
-// router_probs is non-null it also receives softmax(logits) [rows, n_experts] (the
-// --router-out capture path: an explicit download, off the normal decode path).
-void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, std::vector<int32_t>& idx,
-                  std::vector<float>& weight, float* router_probs);
+// softmax weights (renormalized over the k when asked, then scaled per expert when
+// expert_scale is non-null) into the scratch's idx/weight [rows, top_k], backend memory the
+// host never reads. When router_probs (host) is non-null it also receives softmax(logits)
+// [rows, n_experts]: the --router-out capture path, a deliberate download that overwrites
+// the logits.
+void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, const BackendArray<int32_t>& idx,
+                  const BackendArray<float>& weight, float* router_probs, const float* expert_scale = nullptr);
 
 // When router_probs is non-null it receives softmax(router logits) [rows, n_experts].
 void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs);

@@ -4,25 +4,21 @@
 
 namespace turbospark {
 
-GatedDeltaNetWeights GatedDeltaNetWeights::load(const Checkpoint& ck, const std::string& prefix,
+GatedDeltaNetWeights GatedDeltaNetWeights::load(const WeightLoader& ld, const std::string& prefix,
                                                 const GatedDeltaNetParams& p, int64_t hidden, int layer) {
   GatedDeltaNetWeights w;
   auto weight = [&](const std::string& name, int64_t rows, int64_t cols) {
-    Weight x;
-    x.view = ck.matrix(prefix + name, rows, cols);
-    x.name = prefix + name;
-    x.layer = layer;
-    return x;
+    return ld.matrix(prefix + name, rows, cols, layer);
   };
   w.in_qkv = weight("in_proj_qkv.weight", p.conv_dim(), hidden);
   w.in_z = weight("in_proj_z.weight", p.value_dim(), hidden);
   w.in_b = weight("in_proj_b.weight", p.n_v_heads, hidden);
   w.in_a = weight("in_proj_a.weight", p.n_v_heads, hidden);
   w.out = weight("out_proj.weight", hidden, p.value_dim());
-  w.conv = ck.floats(prefix + "conv1d.weight", {p.conv_dim(), 1, p.conv_kernel});
-  w.a_log = ck.floats(prefix + "A_log", {p.n_v_heads});
-  w.dt_bias = ck.floats(prefix + "dt_bias", {p.n_v_heads});
-  w.norm = ck.floats(prefix + "norm.weight", {p.dv});
+  w.conv = ld.floats(prefix + "conv1d.weight", {p.conv_dim(), 1, p.conv_kernel});
+  w.a_log = ld.floats(prefix + "A_log", {p.n_v_heads});
+  w.dt_bias = ld.floats(prefix + "dt_bias", {p.n_v_heads});
+  w.norm = ld.floats(prefix + "norm.weight", {p.dv});
   return w;
 }
 

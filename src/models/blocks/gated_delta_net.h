@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "models/weights.h"
 #include "ops/backend.h"
 
 namespace turbospark {
@@ -27,12 +28,12 @@ struct GatedDeltaNetWeights {
   Weight in_b;     // [nv, hidden]
   Weight in_a;     // [nv, hidden]
   Weight out;      // [hidden, nv*dv]
-  std::vector<float> conv;     // [conv_dim, K] f32
-  std::vector<float> a_log;    // [nv]
-  std::vector<float> dt_bias;  // [nv]
-  std::vector<float> norm;     // [dv], plain scale
+  Param conv;     // [conv_dim, K] f32
+  Param a_log;    // [nv]
+  Param dt_bias;  // [nv]
+  Param norm;     // [dv], plain scale
 
-  static GatedDeltaNetWeights load(const Checkpoint& ck, const std::string& prefix, const GatedDeltaNetParams& p,
+  static GatedDeltaNetWeights load(const WeightLoader& ld, const std::string& prefix, const GatedDeltaNetParams& p,
                                    int64_t hidden, int layer);
 };
 

@@ -18,7 +18,7 @@ struct Gemma4AttentionWeights {
   Weight k, v;                        // [n_kv * hd, hidden]; v absent (rows 0) when k_eq_v;
                                       // both absent on KV-shared layers
   Weight o;                           // [hidden, n_heads * hd]
-  std::vector<float> q_norm, k_norm;  // [hd] f32, scale w
+  Param q_norm, k_norm;  // [hd] f32, scale w
   const float* ones = nullptr;        // [hd] of 1.0: v_norm has no weight
   bool kv_shared = false;             // attend over another layer's cache, write nothing
 };

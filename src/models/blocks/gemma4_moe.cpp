@@ -1,8 +1,5 @@
 #include "models/blocks/gemma4_moe.h"
 
-#include <algorithm>
-#include <cmath>
-
 #include "models/blocks/ffn.h"
 
 namespace turbospark {
@@ -13,11 +10,9 @@ void gemma4_moe(Backend& be, const Gemma4MoeWeights& w, const Mat& residual, Gem
   Mat normed = s.normed.rows_slice(0, rows), logits = s.router_logits.rows_slice(0, rows);
   be.rmsnorm(residual, w.router_norm.data(), w.eps, normed, 0.f);
   be.matmul(w.router, normed, logits);
-  route_tokens(be, logits, w.top_k, /*renormalize=*/true, s.topk_idx, s.topk_weight, router_probs);
-  // The per-expert scale is applied to the routing weights, which the CPU backend (like the
-  // shared MoE block) hands back in host memory; a queued backend would fold this into its
-  // top-k op instead.
-  for (size_t j = 0; j < s.topk_idx.size(); ++j) s.topk_weight[j] *= w.per_expert_scale[size_t(s.topk_idx[j])];
+  // The per-expert scale folds into the backend's top-k: the weights never visit the host.
+  route_tokens(be, logits, w.top_k, /*renormalize=*/true, s.topk_idx, s.topk_weight, router_probs,
+               w.per_expert_scale.data());
   be.rmsnorm(residual, w.pre_norm.data(), w.eps, normed, 0.f);
   be.moe_experts(w.experts, normed, s.topk_idx.data(), s.topk_weight.data(), w.top_k, out);
 }

@@ -13,9 +13,9 @@ namespace turbospark {
 
 struct Gemma4MoeWeights {
   Weight router;                        // [n_experts, hidden]
-  std::vector<float> router_norm;       // [hidden] f32: router.scale * hidden^-0.5
-  std::vector<float> per_expert_scale;  // [n_experts] f32
-  std::vector<float> pre_norm;          // [hidden] f32, pre_feedforward_layernorm_2
+  Param router_norm;       // [hidden] f32: router.scale * hidden^-0.5
+  Param per_expert_scale;  // [n_experts] f32
+  Param pre_norm;          // [hidden] f32, pre_feedforward_layernorm_2
   std::vector<ExpertWeights> experts;   // n_experts, act = GELU-tanh
   int top_k = 0;
   float eps = 1e-6f;
@@ -24,8 +24,8 @@ struct Gemma4MoeWeights {
 struct Gemma4MoeScratch {
   Mat normed;                      // [rows, hidden]
   Mat router_logits;               // [rows, n_experts]
-  std::vector<int32_t> topk_idx;   // [rows, top_k]
-  std::vector<float> topk_weight;  // [rows, top_k]
+  BackendArray<int32_t> topk_idx;  // [rows, top_k]
+  BackendArray<float> topk_weight; // [rows, top_k]
 };
 
 // out = sum_j w_j * expert_j(pre_norm(residual)). router_probs, when non-null, receives the

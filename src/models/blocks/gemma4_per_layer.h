@@ -15,7 +15,7 @@ namespace turbospark {
 struct Gemma4PerLayerInputWeights {
   Weight table;             // [vocab_per_layer, n_layers * dim], embed_tokens_per_layer
   Weight projection;        // [n_layers * dim, hidden], per_layer_model_projection
-  std::vector<float> norm;  // [dim] f32, per_layer_projection_norm
+  Param norm;  // [dim] f32, per_layer_projection_norm
   int n_layers = 0;
   int64_t dim = 0, hidden = 0;
   float eps = 1e-6f;
@@ -29,7 +29,7 @@ void gemma4_per_layer_inputs(Backend& be, const Gemma4PerLayerInputWeights& w, c
 struct Gemma4PerLayerGateWeights {
   Weight gate;                   // [dim, hidden], per_layer_input_gate
   Weight projection;             // [hidden, dim], per_layer_projection
-  std::vector<float> post_norm;  // [hidden] f32, post_per_layer_input_norm
+  Param post_norm;  // [hidden] f32, post_per_layer_input_norm
 };
 
 // x += post_norm(projection(act(gate(x)) * input)); input is this layer's [rows, dim] slice,

@@ -13,12 +13,12 @@ namespace turbospark {
 
 struct GptOssMoeWeights {
   Weight router;                       // [n_experts, hidden]
-  std::vector<float> router_bias;      // [n_experts] f32
+  Param router_bias;      // [n_experts] f32
   // gate/up [inter, hidden], down [hidden, inter]; their bias pointers point into the
   // vectors below, so this struct moves but never copies.
   std::vector<ExpertWeights> experts;
-  std::vector<float> gate_bias, up_bias;  // [n_experts, inter] f32, de-interleaved from gate_up_proj_bias
-  std::vector<float> down_bias;           // [n_experts, hidden] f32
+  Param gate_bias, up_bias;  // [n_experts, inter] f32, de-interleaved from gate_up_proj_bias
+  Param down_bias;           // [n_experts, hidden] f32
   int top_k = 0;
 
   GptOssMoeWeights() = default;

@@ -4,7 +4,7 @@
 
 namespace turbospark {
 
-HyperConnectionWeights HyperConnectionWeights::load(const Checkpoint& ck, const std::string& prefix, int n_streams,
+HyperConnectionWeights HyperConnectionWeights::load(const WeightLoader& ld, const std::string& prefix, int n_streams,
                                                     int64_t hidden, int64_t rank, bool with_inject, float eps,
                                                     int layer) {
   HyperConnectionWeights w;
@@ -12,13 +12,9 @@ HyperConnectionWeights HyperConnectionWeights::load(const Checkpoint& ck, const 
   w.n_streams = n_streams;
   w.hidden = hidden;
   w.eps = eps;
-  w.norm = ck.floats(prefix + "hc_norm.weight", {width});
+  w.norm = ld.floats(prefix + "hc_norm.weight", {width});
   auto weight = [&](const std::string& name, int64_t rows, int64_t cols) {
-    Weight x;
-    x.view = ck.matrix(prefix + name, rows, cols);
-    x.name = prefix + name;
-    x.layer = layer;
-    return x;
+    return ld.matrix(prefix + name, rows, cols, layer);
   };
   w.down = weight("input_mix_weight_down.weight", rank, width);
   w.up = weight("input_mix_weight_up.weight", width, rank);

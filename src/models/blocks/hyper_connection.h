@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "models/weights.h"
 #include "ops/backend.h"
 
 namespace turbospark {
@@ -14,7 +15,7 @@ namespace turbospark {
 class Checkpoint;
 
 struct HyperConnectionWeights {
-  std::vector<float> norm;  // [C*H] f32, applied as (1 + w) per group of H
+  Param norm;  // [C*H] f32, applied as (1 + w) per group of H
   Weight down;              // [rank, C*H]
   Weight up;                // [C*H, rank]
   Weight inject;            // [C, C*H]; absent (rows 0) for the exit mixer
@@ -22,7 +23,7 @@ struct HyperConnectionWeights {
   int64_t hidden = 0;
   float eps = 1e-6f;
 
-  static HyperConnectionWeights load(const Checkpoint& ck, const std::string& prefix, int n_streams, int64_t hidden,
+  static HyperConnectionWeights load(const WeightLoader& ld, const std::string& prefix, int n_streams, int64_t hidden,
                                      int64_t rank, bool with_inject, float eps, int layer);
 };
 

@@ -11,8 +11,14 @@ void output_logits(Backend& be, const ForwardBatch& b, const OutputWeights& w, i
   const Mat logits = logits_scratch.rows_slice(0, last.rows);
   be.matmul(*w.lm_head, normed, logits);
   if (w.softcap > 0) be.unary(logits, Act::kTanh, 1.f / w.softcap, w.softcap, logits);
-  be.download(logits, b.logits);
   b.emit("lm_head", n_layers, logits);
+  download_outputs(be, b, logits);
+}
+
+void download_outputs(Backend& be, const ForwardBatch& b, const Mat& logits) {
+  if (b.logits) return be.download(logits, b.logits);
+  be.argmax_rows(logits, b.greedy_ids_backend);
+  be.download_bytes(b.greedy_ids, b.greedy_ids_backend, logits.rows * int64_t(sizeof(int32_t)));
 }
 
 }  // namespace turbospark

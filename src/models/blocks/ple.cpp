@@ -1,5 +1,7 @@
 #include "models/blocks/ple.h"
 
+#include "core/quant_grouped.h"
+
 #include <algorithm>
 
 #include "core/error.h"
@@ -91,18 +93,22 @@ void ple_layer(Backend& be, const PleWeights& w, const int32_t* tokens, const Ma
   const int64_t rows = streams.rows, H = w.hidden;
   const int heads = w.spec.n_heads();
   ngram_row_ids(w.spec, w.hash, tokens, rows, state.context, s.ids);
-  // Each token's embedding lands in its own row of the widened `emb` buffer: a single-row
+  // The table stays in the mapped checkpoint (the real one is ~90 GiB): its rows are
+  // gathered on the host and uploaded whole. Each token's embedding lands in its own row of
+  // the widened `emb` buffer, and the upload is ordered with the queued work: a single-row
   // buffer would let every token of a micro-batch read the last token's n-grams on a queued
   // backend (the seed's PLE lesson).
   Mat emb = s.emb.rows_slice(0, rows);
+  s.host_emb.resize(size_t(rows * emb.cols));
   for (int64_t t = 0; t < rows; ++t) {
     for (int h = 0; h < heads; ++h) {
       const int64_t id = s.ids[size_t(t * heads + h)];
       size_t shard = size_t(std::upper_bound(w.shard_starts.begin(), w.shard_starts.end(), id) - w.shard_starts.begin()) - 1;
-      const int32_t local = int32_t(id - w.shard_starts[shard]);
-      be.embedding(w.table_shards[shard], &local, 1, 1.f, Mat(emb.row(t) + h * w.head_dim, 1, w.head_dim));
+      dequantize_weight_row(w.table_shards[shard].view, id - w.shard_starts[shard],
+                            s.host_emb.data() + t * emb.cols + h * w.head_dim);
     }
   }
+  be.upload(emb, s.host_emb.data());
   Mat key = s.key.rows_slice(0, rows), query = s.query.rows_slice(0, rows), value = s.value.rows_slice(0, rows);
   Mat gated = s.gated.rows_slice(0, rows), normed = s.normed.rows_slice(0, rows), conv = s.conv.rows_slice(0, rows);
   be.matmul(w.key, emb, key);

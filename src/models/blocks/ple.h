@@ -48,8 +48,8 @@ struct PleWeights {
   std::vector<int64_t> shard_starts;
   Weight key;     // [C*H, ple_dim]
   Weight value;   // [H, ple_dim]
-  std::vector<float> norm_key, norm_query, norm_conv;  // [C*H], (1 + w) per group
-  std::vector<float> conv;                             // [C*H, K]
+  Param norm_key, norm_query, norm_conv;  // [C*H], (1 + w) per group
+  Param conv;                             // [C*H, K]
   int conv_kernel = 0, n_streams = 0;
   int64_t hidden = 0, ple_dim = 0, head_dim = 0;
   float eps = 1e-6f;
@@ -64,7 +64,8 @@ struct PleScratch {
   Mat emb;                      // [rows, ple_dim]
   Mat key, query, gated, normed, conv;  // [rows, C*H]
   Mat value;                    // [rows, H]
-  std::vector<int64_t> ids;     // [rows, n_heads]
+  std::vector<int64_t> ids;     // [rows, n_heads] host: computed from the host token context
+  std::vector<float> host_emb;  // [rows, ple_dim] host staging of the gathered table rows
 };
 
 // streams += PLE(streams, tokens)

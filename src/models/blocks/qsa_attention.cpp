@@ -1,5 +1,7 @@
 #include "models/blocks/qsa_attention.h"
 
+#include "core/error.h"
+
 namespace turbospark {
 
 void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w, const Mat& x,
@@ -32,8 +34,8 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
   view.head_dim = id;
   view.eps = p.norm_eps;
   const int max_sel = qp.max_selected();
-  s.selected.resize(size_t(rows * max_sel));
-  s.counts.resize(size_t(rows));
+  TS_CHECK(s.selected.size() >= rows * max_sel && s.counts.size() >= rows, "QSA selection buffers hold {} rows, need {}",
+           s.counts.size(), rows);
   be.qsa_select(view, iq_rows, ik_rows, positions, s.selected.data(), s.counts.data(), max_sel);
 }
 

@@ -6,8 +6,6 @@
 // o_proj.
 #pragma once
 
-#include <vector>
-
 #include "models/blocks/attention.h"
 
 namespace turbospark {
@@ -23,9 +21,9 @@ struct QsaAttentionWeights {
   Weight q_gate;  // [n_heads * 2 * head_dim, hidden]: per head [query, gate]
   Weight k, v;    // [n_kv * head_dim, hidden]
   Weight o;       // [hidden, n_heads * head_dim]
-  std::vector<float> q_norm, k_norm;  // [head_dim], (1 + w)
+  Param q_norm, k_norm;  // [head_dim], (1 + w)
   Weight index_qk;                    // [(index_heads + 1) * index_dim, hidden]: queries then the key
-  std::vector<float> index_q_norm, index_k_norm;  // [index_dim], (1 + w)
+  Param index_q_norm, index_k_norm;  // [index_dim], (1 + w)
 };
 
 // Per-sequence index keys for one layer (backend memory).
@@ -38,7 +36,8 @@ struct QsaScratch {
   Mat q_gate;            // [rows, n_heads * 2 * hd]
   Mat q, gate, k, v, attn;
   Mat index_qk, index_q, index_k;
-  std::vector<int32_t> selected, counts;
+  BackendArray<int32_t> selected;  // [rows, max_selected] positions each query row attends to
+  BackendArray<int32_t> counts;    // [rows]
 };
 
 // The indexer: fills s.selected / s.counts for every row of x.

@@ -1,0 +1,37 @@
+// Loading a family's tensors onto the backend, once, at load: matrices made resident (the
+// CPU backend reads them in place from the mapped checkpoint; CUDA copies them to the
+// device) and small parameters (norm weights, biases, sinks, conv weights...) uploaded as
+// backend tensors, so that no kernel ever reads host memory inside a step.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "formats/safetensors.h"
+#include "ops/backend.h"
+
+namespace turbospark {
+
+struct WeightLoader {
+  const Checkpoint& ck;
+  Backend& be;
+
+  // A [rows, cols] matrix weight of layer `layer` (-1: not in a layer), resident.
+  Weight matrix(const std::string& name, int64_t rows, int64_t cols, int layer) const {
+    Weight w;
+    w.view = be.resident(ck.matrix(name, rows, cols), name);
+    w.name = name;
+    w.layer = layer;
+    return w;
+  }
+  // A float tensor of the expected shape, uploaded.
+  Param floats(const std::string& name, const std::vector<int64_t>& shape) const {
+    return be.param(ck.floats(name, shape));
+  }
+  Param param(std::span<const float> host) const { return be.param(host); }
+  WeightView resident(const WeightView& view, const std::string& name) const { return be.resident(view, name); }
+};
+
+}  // namespace turbospark
