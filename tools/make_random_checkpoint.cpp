@@ -3,6 +3,7 @@
 //
 //   make_random_checkpoint --preset qwen3-0.6b --out /tmp/qwen3-0.6b-random
 //   make_random_checkpoint --preset qwen3-moe-2b --out /tmp/qwen3-moe-2b-random [--layers 8]
+//   make_random_checkpoint --preset qwen3-8b | qwen3-30b-a3b --out DIR [--layers N]
 //   make_random_checkpoint --preset qwen4-exp --out /tmp/qwen4-exp-random [--layers 3]
 //   make_random_checkpoint --preset gemma4-26b-a4b --out /tmp/gemma4-26b-a4b-random [--layers 3]
 //   make_random_checkpoint --preset gpt-oss-20b[-mxfp4] --out /tmp/gpt-oss-20b-random [--layers 2]
@@ -38,6 +39,11 @@ Shape preset(const std::string& name) {
   if (name == "qwen3-moe-2b") {
     return {"qwen3_moe", "Qwen3MoeForCausalLM", 151936, 1024, 3072, 16, 16, 4, 128, 64, 8, 512, false};
   }
+  // Qwen3-8B and Qwen3-30B-A3B widths (the CUDA benches: dense and MoE at real shapes).
+  if (name == "qwen3-8b") return {"qwen3", "Qwen3ForCausalLM", 151936, 4096, 12288, 36, 32, 8, 128, 0, 0, 0, false};
+  if (name == "qwen3-30b-a3b") {
+    return {"qwen3_moe", "Qwen3MoeForCausalLM", 151936, 2048, 6144, 48, 32, 4, 128, 128, 8, 768, false};
+  }
   if (name == "qwen4-exp") return {"qwen4_exp_text", "Qwen4ExpForCausalLM", 248320, 2048, 0, 3, 16, 2, 256, 512, 10, 512, false};
   // Gemma 4 26B-A4B widths (as published: 128 experts top-8 beside a dense GeGLU MLP, 16 heads,
   // sliding layers 8 KV heads x 256, full layers 2 KV heads x 512 with k_eq_v), reduced depth.
@@ -47,7 +53,7 @@ Shape preset(const std::string& name) {
   if (name == "gpt-oss-20b" || name == "gpt-oss-20b-mxfp4") {
     return {"gpt_oss", "GptOssForCausalLM", 201088, 2880, 2880, 24, 64, 8, 64, 32, 4, 2880, false};
   }
-  fail("--preset {}: unknown (qwen3-0.6b, qwen3-moe-2b, qwen4-exp, gemma4-26b-a4b, gpt-oss-20b, gpt-oss-20b-mxfp4)", name);
+  fail("--preset {}: unknown (qwen3-0.6b, qwen3-8b, qwen3-moe-2b, qwen3-30b-a3b, qwen4-exp, gemma4-26b-a4b, gpt-oss-20b, gpt-oss-20b-mxfp4)", name);
 }
 
 // Uniform values with the fan-in standard deviation; xorshift keeps multi-GiB writes fast.
@@ -316,7 +322,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Write a random bf16 checkpoint at real model shapes (for benchmarks)"};
   std::string preset_name, out;
   int64_t layers = 0;
-  app.add_option("--preset", preset_name, "qwen3-0.6b or qwen3-moe-2b")->required();
+  app.add_option("--preset", preset_name, "qwen3-0.6b, qwen3-8b, qwen3-moe-2b, qwen3-30b-a3b, qwen4-exp, gemma4-26b-a4b, gpt-oss-20b[-mxfp4]")->required();
   app.add_option("--out", out, "Output directory")->required();
   app.add_option("--layers", layers, "Override the number of layers (reduced depth)");
   CLI11_PARSE(app, argc, argv);

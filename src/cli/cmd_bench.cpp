@@ -20,7 +20,7 @@ namespace turbospark::cli {
 
 void add_bench_command(CLI::App& app) {
   struct Opts {
-    std::string model, device = "cpu";
+    std::string model, device = "auto";
     int64_t prompt = 128, decode = 32;
     int threads = 0, repeat = 3;
     bool no_membw = false, profile = false;
@@ -32,7 +32,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--decode", o->decode, "Tokens to decode")->capture_default_str();
   cmd->add_option("--repeat", o->repeat, "Repetitions (the median is reported)")->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
-  cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
+  cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
+      ->capture_default_str();
   cmd->add_flag("--no-membw", o->no_membw, "Skip measuring DRAM bandwidth");
   cmd->add_flag("--profile", o->profile, "Time each block (attention, GDN, QSA indexer, PLE, MoE, ...) in one extra run");
   cmd->callback([o] {
@@ -56,10 +57,9 @@ void add_bench_command(CLI::App& app) {
       double tp = std::chrono::duration<double>(Clock::now() - t0).count();
       prefill_tps.push_back(double(o->prompt) / tp);
       auto t1 = Clock::now();
-      for (int64_t i = 0; i < o->decode; ++i) {
-        int32_t next[1] = {argmax(logits.data(), info.vocab_size)};
-        logits = session.feed(next);
-      }
+      // Greedy decode as `run` does it: only the chosen id leaves the backend each step.
+      int32_t next[1] = {argmax(logits.data(), info.vocab_size)};
+      for (int64_t i = 0; i < o->decode; ++i) next[0] = session.feed_greedy(next);
       double td = std::chrono::duration<double>(Clock::now() - t1).count();
       decode_tps.push_back(double(o->decode) / td);
     }
@@ -116,7 +116,12 @@ void add_bench_command(CLI::App& app) {
       table("prefill", prefill_blocks, double(o->prompt));
       table("decode", decode_blocks, double(o->decode));
     }
-    if (!o->no_membw) {
+    if (!o->no_membw && rt.backend->name() != "cpu") {
+      const double peak = rt.backend->copy_bandwidth_gbs();
+      fmt::print("device copy  {:.0f} GB/s measured (device-to-device copy, bytes read + written, median of 5) -> "
+                 "decode at {:.0f}% of it\n",
+                 peak, 100.0 * gbs / peak);
+    } else if (!o->no_membw) {
       rt.backend.reset();  // its workers stop spinning before the bandwidth probe
       ThreadPool pool(o->threads);
       // The median of five probes: on a shared host one probe varies by 1.5x run to run.

@@ -63,7 +63,7 @@ bool read_message(bool interactive, std::string* out) {
 
 void add_chat_command(CLI::App& app) {
   struct Opts {
-    std::string model, system, device = "cpu";
+    std::string model, system, device = "auto";
     int64_t max_tokens = 1024, ctx = 0;
     int threads = 0;
     bool quiet = false;
@@ -82,7 +82,8 @@ void add_chat_command(CLI::App& app) {
   cmd->add_option("--seed", o->sampling.seed, "Random seed")->capture_default_str();
   cmd->add_option("--ctx", o->ctx, "Context length in tokens (default: the model's, at most 8192)");
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
-  cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
+  cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
+      ->capture_default_str();
   cmd->add_flag("--quiet,-q", o->quiet, "No load progress or per-reply timing on stderr");
   cmd->callback([o] {
     const std::string path = o->model.empty() ? default_model_path() : o->model;

@@ -13,7 +13,7 @@ namespace turbospark::cli {
 namespace {
 
 struct GenOpts {
-  std::string model, prompt, tokens, format = "text", device = "cpu", image;
+  std::string model, prompt, tokens, format = "text", device = "auto", image;
   int64_t max_tokens = 128, ctx = 0;
   int threads = 0;
   bool raw = false, quiet = false, verbose_prompt = false;
@@ -29,7 +29,8 @@ void add_sampling_options(CLI::App* cmd, GenOpts& o) {
   cmd->add_option("--seed", o.sampling.seed, "Random seed")->capture_default_str();
   cmd->add_option("--ctx", o.ctx, "Context length in tokens (default: the model's)");
   cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)");
-  cmd->add_option("--device", o.device, "cpu (cuda when built with it)");
+  cmd->add_option("--device", o.device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
+      ->capture_default_str();
   cmd->add_option("--image", o.image, "Image input (refused: vision towers are not supported yet)");
   cmd->add_flag("--verbose-prompt", o.verbose_prompt, "Print the prompt as the model sees it (after the chat template)");
 }

@@ -16,7 +16,7 @@ namespace turbospark::cli {
 
 void add_logits_command(CLI::App& app) {
   struct Opts {
-    std::string model, tokens, out, router_out, trace_out, device = "cpu";
+    std::string model, tokens, out, router_out, trace_out, device = "auto";
     int64_t chunk = 0;
     int threads = 0;
   };
@@ -30,7 +30,8 @@ void add_logits_command(CLI::App& app) {
   cmd->add_option("--router-out", o->router_out, "Also write router probabilities [layers, T, n_experts] .npy (MoE models)");
   cmd->add_option("--trace-out", o->trace_out,
                   "Also write every traced activation as DIR/<name>_<layer>.npy [T, cols] (dump-and-diff)");
-  cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
+  cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
+      ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->callback([o] {
     std::vector<int32_t> tokens = parse_token_list(o->tokens);
@@ -47,7 +48,10 @@ void add_logits_command(CLI::App& app) {
       session.trace = [&](const char* name, int layer, const Mat& m) {
         auto& [cols, data] = traced[fmt::format("{}_{}", name, layer)];
         cols = m.cols;
-        for (int64_t r = 0; r < m.rows; ++r) data.insert(data.end(), m.row(r), m.row(r) + m.cols);
+        // The view is backend memory: downloaded (a deliberate sync of this diagnostic path).
+        const size_t at = data.size();
+        data.resize(at + size_t(m.rows * m.cols));
+        rt.backend->download(m, data.data() + at);
       };
     }
     std::vector<float> router;

@@ -54,7 +54,7 @@ double log_softmax_row(const float* logits, int32_t n_vocab, int32_t next, uint1
 
 void add_perplexity_command(CLI::App& app) {
   struct Opts {
-    std::string model, file, kld_out, device = "cpu";
+    std::string model, file, kld_out, device = "auto";
     int64_t ctx = 512, chunks = -1;
     int threads = 0;
   };
@@ -68,7 +68,8 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--chunks", o->chunks, "Use at most this many chunks (default: all)");
   cmd->add_option("--kl-divergence-base", o->kld_out,
                   "Also write the scored log-probabilities in llama-perplexity's format (for its --kl-divergence)");
-  cmd->add_option("--device", o->device, "cpu (cuda when built with it)");
+  cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
+      ->capture_default_str();
   cmd->add_option("--threads,-t", o->threads, "Worker threads (default: all cores)");
   cmd->callback([o] {
     std::ifstream in(o->file, std::ios::binary);

@@ -90,7 +90,16 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
   LoadedRuntime rt;
   rt.backend = make_backend(device, threads);
   if (!quiet) fmt::print(stderr, "loading {} on {} ...\n", path, rt.backend->name());
-  rt.model = load_model(path, *rt.backend);
+  try {
+    rt.model = load_model(path, *rt.backend);
+  } catch (const Error& e) {
+    // auto means "the GPU when it can run this model": a family the CUDA backend refuses, or
+    // a model too large for the device, runs on the CPU instead, and says so.
+    if (device != "auto" || rt.backend->name() == "cpu") throw;
+    fmt::print(stderr, "--device auto: {}; running on cpu\n", e.what());
+    rt.backend = make_cpu_backend(threads);
+    rt.model = load_model(path, *rt.backend);
+  }
   if (rt.backend->name() == "cpu") prefault_weights(*rt.model.checkpoint, quiet);
   const ModelInfo& info = rt.model.model->info();
   rt.stop_ids = info.eos_ids;

@@ -150,6 +150,10 @@ class Backend {
   virtual void download_bytes(void* dst, const void* src, int64_t bytes) = 0;
   // Zeroes `bytes` of backend memory at dst, ordered with the recorded work.
   virtual void zero_bytes(void* dst, int64_t bytes) = 0;
+  // The device memory's copy bandwidth in GB/s (bytes read + written by a large
+  // device-to-device copy), the roofline bench reports decode against; 0 where the backend
+  // has no memory of its own (the CPU bench probes DRAM itself).
+  virtual double copy_bandwidth_gbs() { return 0; }
   // Waits for every recorded op (no-op on the eager CPU backend).
   virtual void synchronize() {}
 

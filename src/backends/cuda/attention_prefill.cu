@@ -1,0 +1,307 @@
+// Attention over the paged KV cache for many query rows (prefill chunks, mixed batches):
+// tiled flash attention with an online softmax, f32 SIMT tiles. Same math as
+// attention_decode.cu (see there and backends/cpu/kernels_ref.cpp).
+//
+// Precision choice: f32 SIMT, not tensor cores. The cache and activations of this interface
+// are f32 and the CPU agreement bound is 1e-5..1e-4; bf16 (or tf32) mma tiles would put
+// ~1e-3 on the scores. A bf16-tile WMMA/mma.sync variant belongs with a bf16 KV pool.
+//
+// Tile: 64 query vectors x 32 keys per step, 256 threads. The 64 query vectors are
+// (row, head) pairs of one KV head's GQA group -- 64 / group rows x group heads -- so one
+// K/V tile in shared memory serves every head that reads it. Threads form 16 x 16 (ty, tx):
+// thread (ty, tx) owns query vectors 4ty..4ty+3; for scores it owns keys tx and tx + 16, for
+// the output dims 4tx + 64c .. +3 (c < kHdMax / 64). The 16 threads of a query vector sit in
+// one half-warp, so its row max and sum are 4 xor-shuffles. Shared rows are padded by one
+// float4 (kHdMax + 4) so the 128-bit reads of a quarter-warp land in 8 distinct bank
+// groups.
+//
+// Rows of one tile may belong to different sequences (row_seq): the tile walks the keys once
+// per distinct sequence among its rows (usually one), over [min lo, max pos] of that
+// sequence's rows, masking every query vector that is not of that sequence or whose own
+// [lo, pos] excludes the key. Causal prefill tiles thus stop at their last row's position.
+//
+// Bound: at long context, FLOPs (4 * head_dim per query-key pair, f32 FMA; on an H200 SIMT
+// peak is ~67 TFLOP/s and shared-memory bandwidth ~1/3 of that here); at short context,
+// loading K/V tiles (each KV byte read once per 64 / group rows).
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/ops.h"
+
+namespace turbospark::cuda {
+
+// attention_decode.cu
+void check_attention_shapes(const char* op, const Mat& q, const KvLayerView& kv, int n_heads, const Mat& out);
+
+namespace {
+
+constexpr int kTileQ = 64;    // query vectors per tile
+constexpr int kTileK = 32;    // keys per step
+constexpr int kThreads = 256;
+
+template <int kHdMax>
+struct PrefillSmem {
+  static constexpr int kLd = kHdMax + 4;  // Q and K rows, padded one float4
+  static constexpr int kLdP = kTileK + 4;
+  static constexpr size_t kFloats = size_t(kTileQ) * kLd + size_t(kTileK) * kLd + size_t(kTileK) * kHdMax +
+                                    size_t(kTileQ) * kLdP;
+  static constexpr size_t kBytes = kFloats * sizeof(float);
+};
+
+struct PagedKv {
+  const float* k;
+  const float* v;
+  const int32_t* block_table;
+  const int32_t* row_seq;
+  int max_blocks;
+  int block_size;
+  int n_kv_heads;
+  int head_dim;
+};
+
+template <int kHdMax>
+__global__ void __launch_bounds__(kThreads)
+    attention_prefill_kernel(const float* __restrict__ q, int64_t q_stride, int64_t rows,
+                             const int64_t* __restrict__ positions, PagedKv kv, int group, float scale, int window,
+                             const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride) {
+  using S = PrefillSmem<kHdMax>;
+  constexpr int kLd = S::kLd, kLdP = S::kLdP;
+  constexpr int kDimGroups = kHdMax / 64 > 0 ? kHdMax / 64 : 1;  // float4 output groups per thread
+  extern __shared__ __align__(16) float smem[];
+  float* s_q = smem;                     // [kTileQ][kLd]
+  float* s_k = s_q + kTileQ * kLd;       // [kTileK][kLd]
+  float* s_v = s_k + kTileK * kLd;       // [kTileK][kHdMax]
+  float* s_p = s_v + kTileK * kHdMax;    // [kTileQ][kLdP]
+  __shared__ long long s_pos[kTileQ], s_lo[kTileQ];
+  __shared__ int s_seq[kTileQ], s_state[kTileQ];  // state: 0 pending, 1 in this pass, 2 done or empty
+  __shared__ int s_cur_seq;
+  __shared__ long long s_kmin, s_kmax;
+
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  const int kv_head = blockIdx.y;
+  const int rows_per_tile = kTileQ / group;
+  const int64_t row0 = int64_t(blockIdx.x) * rows_per_tile;
+  const int hd = kv.head_dim, hd4 = hd / 4;
+  const int64_t row_floats = int64_t(kv.n_kv_heads) * hd;
+
+  // Query vectors: m -> (row row0 + m / group, head kv_head * group + m % group).
+  if (tid < kTileQ) {
+    const int64_t t = row0 + tid / group;
+    const bool ok = tid < rows_per_tile * group && t < rows;
+    const long long pos = ok ? positions[t] : 0;
+    s_pos[tid] = pos;
+    s_lo[tid] = window > 0 ? max(0ll, pos - window + 1) : 0ll;
+    s_seq[tid] = ok ? (kv.row_seq ? kv.row_seq[t] : 0) : -1;
+    s_state[tid] = ok ? 0 : 2;
+  }
+  for (int i = tid; i < kTileQ * kHdMax; i += kThreads) {
+    const int m = i / kHdMax, d = i % kHdMax;
+    const int64_t t = row0 + m / group;
+    float val = 0.f;
+    if (m < rows_per_tile * group && t < rows && d < hd)
+      val = q[t * q_stride + int64_t(kv_head * group + m % group) * hd + d];
+    s_q[m * kLd + d] = val;
+  }
+
+  float o[4][kDimGroups][4];
+  float m_run[4], l_run[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m_run[i] = -INFINITY;
+    l_run[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < kDimGroups; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[i][c][e] = 0.f;
+  }
+
+  for (;;) {
+    __syncthreads();  // s_state / s_q ready; the previous pass's readers are done
+    if (tid == 0) {
+      int cur = -1;
+      long long kmin = 0, kmax = -1;
+      for (int m = 0; m < kTileQ; ++m) {
+        if (s_state[m] != 0) continue;
+        if (cur < 0) cur = s_seq[m], kmin = s_lo[m], kmax = s_pos[m];
+        if (s_seq[m] != cur) continue;
+        s_state[m] = 1;
+        kmin = min(kmin, s_lo[m]);
+        kmax = max(kmax, s_pos[m]);
+      }
+      s_cur_seq = cur;
+      s_kmin = kmin;
+      s_kmax = kmax;
+    }
+    __syncthreads();
+    const int cur_seq = s_cur_seq;
+    if (cur_seq < 0) break;
+    const long long kmin = s_kmin, kmax = s_kmax;
+    const int32_t* table = kv.block_table + int64_t(cur_seq) * kv.max_blocks;
+    // Per owned query vector: active in this pass, and its visible range.
+    bool act[4];
+    long long lo_i[4], pos_i[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 4 * ty + i;
+      act[i] = s_state[m] == 1;
+      lo_i[i] = s_lo[m];
+      pos_i[i] = s_pos[m];
+    }
+
+    for (long long k0 = kmin; k0 <= kmax; k0 += kTileK) {
+      // K and V tiles: kTileK keys x head_dim, 128-bit loads (pools 16-byte aligned, head_dim
+      // % 4 == 0); keys past kmax and dims past head_dim are zero.
+      for (int i = tid; i < kTileK * (kHdMax / 4); i += kThreads) {
+        const int n = i / (kHdMax / 4), d4 = i % (kHdMax / 4);
+        const long long p = k0 + n;
+        float4 kk = make_float4(0.f, 0.f, 0.f, 0.f), vv = kk;
+        if (p <= kmax && d4 < hd4) {
+          const unsigned pu = unsigned(p), blk = pu / unsigned(kv.block_size);  // positions < 2^31
+          const int64_t off =
+              (int64_t(table[blk]) * kv.block_size + (pu - blk * unsigned(kv.block_size))) * row_floats +
+              int64_t(kv_head) * hd + 4 * d4;
+          kk = __ldg(reinterpret_cast<const float4*>(kv.k + off));
+          vv = __ldg(reinterpret_cast<const float4*>(kv.v + off));
+        }
+        *reinterpret_cast<float4*>(&s_k[n * kLd + 4 * d4]) = kk;
+        *reinterpret_cast<float4*>(&s_v[n * kHdMax + 4 * d4]) = vv;
+      }
+      __syncthreads();
+
+      // Scores for (4ty + i, tx + 16j).
+      float s[4][2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = 0.f;
+      for (int d = 0; d < hd; d += 4) {
+        float4 qa[4], kb[2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qa[i] = *reinterpret_cast<const float4*>(&s_q[(4 * ty + i) * kLd + d]);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) kb[j] = *reinterpret_cast<const float4*>(&s_k[(tx + 16 * j) * kLd + d]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            s[i][j] += qa[i].x * kb[j].x + qa[i].y * kb[j].y + qa[i].z * kb[j].z + qa[i].w * kb[j].w;
+      }
+      // Mask, online softmax update, probabilities to shared memory.
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const long long p = k0 + tx + 16 * j;
+          const bool ok = act[i] && p >= lo_i[i] && p <= pos_i[i];
+          s[i][j] = ok ? s[i][j] * scale : -INFINITY;
+          tile_max = fmaxf(tile_max, s[i][j]);
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+        const float m_new = fmaxf(m_run[i], tile_max);
+        const float corr = m_run[i] == m_new ? 1.f : expf(m_run[i] - m_new);
+        float row_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float e = s[i][j] == -INFINITY ? 0.f : expf(s[i][j] - m_new);
+          row_sum += e;
+          s_p[(4 * ty + i) * kLdP + tx + 16 * j] = e;
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, off);
+        l_run[i] = l_run[i] * corr + row_sum;
+        m_run[i] = m_new;
+#pragma unroll
+        for (int c = 0; c < kDimGroups; ++c)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[i][c][e] *= corr;
+      }
+      __syncthreads();
+
+      // o += P V over the tile's keys.
+      {
+        for (int n = 0; n < kTileK; n += 4) {
+          float4 pr[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pr[i] = *reinterpret_cast<const float4*>(&s_p[(4 * ty + i) * kLdP + n]);
+#pragma unroll
+          for (int nn = 0; nn < 4; ++nn) {
+#pragma unroll
+            for (int c = 0; c < kDimGroups; ++c) {
+              const float4 vv = *reinterpret_cast<const float4*>(&s_v[(n + nn) * kHdMax + 4 * tx + 64 * c]);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const float pv = nn == 0 ? pr[i].x : nn == 1 ? pr[i].y : nn == 2 ? pr[i].z : pr[i].w;
+                o[i][c][0] += pv * vv.x;
+                o[i][c][1] += pv * vv.y;
+                o[i][c][2] += pv * vv.z;
+                o[i][c][3] += pv * vv.w;
+              }
+            }
+          }
+        }
+      }
+      __syncthreads();  // s_k / s_v / s_p are rewritten by the next step
+    }
+    __syncthreads();  // every thread has read this pass's s_state before it changes
+    if (tid < kTileQ && s_state[tid] == 1) s_state[tid] = 2;
+  }
+
+  // Normalize (with the sink) and write: out[t, h * hd + d].
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = 4 * ty + i;
+    const int64_t t = row0 + m / group;
+    if (m >= rows_per_tile * group || t >= rows) continue;
+    const int h = kv_head * group + m % group;
+    float factor = 1.f / l_run[i];
+    if (sinks) {
+      const float mf = fmaxf(m_run[i], sinks[h]);
+      const float f = expf(m_run[i] - mf);
+      factor = f / (l_run[i] * f + expf(sinks[h] - mf));
+    }
+    float* orow = out + t * out_stride + int64_t(h) * hd;
+#pragma unroll
+    for (int c = 0; c < kDimGroups; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = 4 * tx + 64 * c + e;
+        if (d < hd) orow[d] = o[i][c][e] * factor;
+      }
+  }
+}
+
+template <int kHdMax>
+void launch_prefill(const Mat& q, const int64_t* positions, const PagedKv& kv, int group, float scale, int window,
+                    const float* sinks, const Mat& out, cudaStream_t stream) {
+  constexpr size_t bytes = PrefillSmem<kHdMax>::kBytes;
+  // Above 48 KB the dynamic limit must be raised (head_dim 128: 76 KB, 2 blocks/SM; 256: 141 KB,
+  // 1 block/SM; 64: 44 KB, 4-5 blocks/SM).
+  TS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<kHdMax>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(bytes)),
+                "attention_prefill: shared memory {} bytes for head_dim <= {}", bytes, kHdMax);
+  const int rows_per_tile = kTileQ / group;
+  const dim3 grid(unsigned((q.rows + rows_per_tile - 1) / rows_per_tile), unsigned(kv.n_kv_heads));
+  attention_prefill_kernel<kHdMax><<<grid, kThreads, bytes, stream>>>(q.data, q.stride, q.rows, positions, kv, group,
+                                                                       scale, window, sinks, out.data, out.stride);
+}
+
+}  // namespace
+
+void attention_prefill(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
+                       int window, const float* sinks, const Mat& out, cudaStream_t stream) {
+  check_attention_shapes("attention_prefill", q, kv, n_heads, out);
+  if (q.rows == 0) return;
+  const int group = n_heads / kv.n_kv_heads;
+  TS_CHECK(group <= kTileQ, "attention_prefill: GQA group {} above {}", group, kTileQ);
+  const PagedKv pk{kv.k, kv.v, kv.block_table, kv.row_seq, kv.max_blocks, kv.block_size, kv.n_kv_heads, kv.head_dim};
+  // head_dim 32 runs the 64 instance: the output layout needs 16 threads x float4 per 64 dims.
+  if (kv.head_dim <= 64) {
+    launch_prefill<64>(q, positions, pk, group, scale, window, sinks, out, stream);
+  } else if (kv.head_dim <= 128) {
+    launch_prefill<128>(q, positions, pk, group, scale, window, sinks, out, stream);
+  } else {
+    launch_prefill<256>(q, positions, pk, group, scale, window, sinks, out, stream);
+  }
+  TS_CUDA_LAUNCH_CHECK("attention_prefill rows {} heads {}/{} head_dim {} window {}", q.rows, n_heads, kv.n_kv_heads,
+                       kv.head_dim, window);
+}
+
+}  // namespace turbospark::cuda

@@ -1,0 +1,589 @@
+// Routed experts: out[t] = sum_j weight[t, j] * expert_{idx[t, j]}(x[t]), where each expert is
+// a gated FFN down(glu(gate x + gb, up x + ub)) + db and glu is SiLU(g) * u, GELU-tanh(g) * u,
+// or gpt-oss's clamped GLU. idx/weight [rows, k] stay in device memory: kernels read expert
+// ids there and find each expert's planes in a device-side descriptor table (one per expert
+// vector, uploaded at its first use).
+//
+// Decode (rows <= kMoeDecodeMaxRows): two launches.
+//   gate_up: one warp per (pair, inter row), pair = (t, j); the warp streams expert e's gate
+//     and up rows together (for gpt-oss's interleaved gate/up they are adjacent rows of one
+//     matrix) against x[t] and writes glu(...) to h[pair]. Grid (inter / 8, rows * k).
+//   down: one warp per (t, hidden row) loops over the k experts of row t, so the weighted sum
+//     is formed in registers: no atomics, deterministic, out written once. Grid (hidden / 8, rows).
+//   Bound: HBM on the k selected experts' bytes (3 * inter * hidden per expert and row).
+//
+// Prefill (more rows): rows are grouped by expert on the device: count pairs per expert,
+// prefix-sum to offsets and to 64-row tile offsets, scatter pair ids into expert order. Then
+// one grouped kernel per projection covers every expert's tiles: block (m_tile, n_tile) finds
+// its expert by binary search over the tile offsets (device memory; the grid is the host-known
+// upper bound pairs / 64 + min(experts, pairs) + 1 and surplus blocks exit at once), gathers
+// its rows' activations as bf16 into shared memory, dequantizes the expert's weight tile to
+// bf16 and multiplies on tensor cores (WMMA 16x16x16, f32 accumulate). Each expert's weights
+// are read once per 64-row tile of its rows. A final kernel forms the weighted sum per row.
+//   Bound: tensor-core FLOPs for experts with many rows; for the common few-rows-per-expert
+//   case the weight bytes (HBM). This first grouped kernel is deliberately simple: no
+//   cp.async / TMA pipelining of the tile loads and no wgmma, so it runs well below either
+//   bound; those are the next steps (see NOTES_matmul.md).
+#include <mma.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "backends/cuda/matmul.h"
+#include "backends/cuda/quant.cuh"
+
+namespace turbospark::cuda {
+namespace {
+
+// One expert as kernels see it. No padding: tables are compared bytewise to notice changes.
+struct MoeExpertDesc {
+  DeviceWeight gate;  // [inter, hidden]
+  DeviceWeight up;    // [inter, hidden]
+  DeviceWeight down;  // [hidden, inter]
+  const float* gate_bias;  // [inter] or null
+  const float* up_bias;    // [inter] or null
+  const float* down_bias;  // [hidden] or null
+};
+static_assert(sizeof(MoeExpertDesc) == 3 * sizeof(DeviceWeight) + 3 * sizeof(void*));
+static_assert(sizeof(DeviceWeight) == 6 * 8 + 2 * 8 + 2 * 4);
+
+enum class Glu : int32_t { kSilu, kGeluTanh, kClamped };
+
+struct MoeParams {
+  int32_t n_experts;
+  int32_t k;
+  int64_t hidden;
+  int64_t inter;
+  Glu glu;
+  float glu_alpha;
+  float glu_limit;
+};
+
+__device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fc00000); }
+
+__device__ __forceinline__ float apply_glu(const MoeParams& p, float g, float u) {
+  switch (p.glu) {
+    case Glu::kSilu: return g / (1.f + expf(-g)) * u;
+    case Glu::kGeluTanh:
+      return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+    default: {
+      const float gc = fminf(g, p.glu_limit);
+      const float uc = fminf(fmaxf(u, -p.glu_limit), p.glu_limit);
+      return (uc + 1.f) * (gc * (1.f / (1.f + expf(-(gc * p.glu_alpha)))));
+    }
+  }
+}
+
+__device__ __forceinline__ bool valid_expert(int32_t e, const MoeParams& p) { return e >= 0 && e < p.n_experts; }
+
+// ---- decode ------------------------------------------------------------------------------------
+
+constexpr int kDecodeThreads = 256;  // 8 warps = 8 output rows per block
+constexpr int kDecodeRowsPerBlock = kDecodeThreads / kWarp;
+
+template <class F>
+__global__ void __launch_bounds__(kDecodeThreads)
+    moe_gate_up_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ x,
+                            int64_t x_stride, const int32_t* __restrict__ idx, float* __restrict__ h, int64_t ldh) {
+  const int64_t pair = blockIdx.y;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t i = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
+  if (i >= p.inter) return;
+  const int32_t e = idx[pair];
+  if (!valid_expert(e, p)) {
+    if (lane == 0) h[pair * ldh + i] = nan_f32();
+    return;
+  }
+  const MoeExpertDesc& d = experts[e];
+  const WeightRow wg = weight_row(d.gate, i), wu = weight_row(d.up, i);
+  const float* xr = x + (pair / p.k) * x_stride;
+  const int64_t n_units = p.hidden / kUnit;
+  float g = 0.f, u = 0.f;
+#pragma unroll 2
+  for (int64_t q = lane; q < n_units; q += kWarp) {
+    float vg[kUnit], vu[kUnit], xv[kUnit];
+    F::unit(wg, q, vg);
+    F::unit(wu, q, vu);
+    load_x8(xr + q * kUnit, xv);
+#pragma unroll
+    for (int c = 0; c < kUnit; ++c) g = fmaf(vg[c], xv[c], g), u = fmaf(vu[c], xv[c], u);
+  }
+  if constexpr (F::kTail) {
+    for (int64_t c = n_units * kUnit + lane; c < p.hidden; c += kWarp) {
+      const float xc = __ldg(xr + c);
+      g = fmaf(F::elem(wg, c), xc, g);
+      u = fmaf(F::elem(wu, c), xc, u);
+    }
+  }
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) {
+    if (d.gate_bias) g += d.gate_bias[i];
+    if (d.up_bias) u += d.up_bias[i];
+    h[pair * ldh + i] = apply_glu(p, g, u);
+  }
+}
+
+template <class F>
+__global__ void __launch_bounds__(kDecodeThreads)
+    moe_down_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
+                         int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
+                         float* __restrict__ out, int64_t out_stride) {
+  const int64_t t = blockIdx.y;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t o = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
+  if (o >= p.hidden) return;
+  float acc = 0.f;
+  for (int j = 0; j < p.k; ++j) {
+    const int64_t pair = t * p.k + j;
+    const int32_t e = idx[pair];
+    if (!valid_expert(e, p)) {
+      acc = nan_f32();
+      continue;
+    }
+    const MoeExpertDesc& d = experts[e];
+    float y = warp_sum(partial_dot<F>(weight_row(d.down, o), p.inter, h + pair * ldh, lane, kWarp));
+    if (d.down_bias) y += d.down_bias[o];
+    acc = fmaf(weight[pair], y, acc);
+  }
+  if (lane == 0) out[t * out_stride + o] = acc;
+}
+
+// ---- prefill: grouping -------------------------------------------------------------------------
+
+constexpr int kScanThreads = 1024;
+
+__global__ void moe_count_kernel(const int32_t* __restrict__ idx, int64_t n_pairs, MoeParams p,
+                                 int32_t* __restrict__ counts) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_pairs) return;
+  const int32_t e = idx[i];
+  if (valid_expert(e, p)) atomicAdd(&counts[e], 1);
+}
+
+// One block: exclusive prefix sums of the counts (row offsets) and of the counts in tiles
+// (tile offsets), E + 1 entries each; resets the scatter cursors. Experts in chunks of 1024.
+__global__ void __launch_bounds__(kScanThreads)
+    moe_scan_kernel(const int32_t* __restrict__ counts, int n_experts, int tile_rows, int32_t* __restrict__ offsets,
+                    int32_t* __restrict__ tile_offsets, int32_t* __restrict__ cursors) {
+  __shared__ int32_t s_rows[kScanThreads], s_tiles[kScanThreads];
+  int32_t carry_rows = 0, carry_tiles = 0;
+  for (int base = 0; base < n_experts; base += kScanThreads) {
+    const int e = base + int(threadIdx.x);
+    const int32_t c = e < n_experts ? counts[e] : 0;
+    const int32_t tiles = (c + tile_rows - 1) / tile_rows;
+    s_rows[threadIdx.x] = c;
+    s_tiles[threadIdx.x] = tiles;
+    __syncthreads();
+    for (int step = 1; step < kScanThreads; step *= 2) {  // Hillis-Steele inclusive scan
+      const int32_t r = threadIdx.x >= unsigned(step) ? s_rows[threadIdx.x - step] : 0;
+      const int32_t tl = threadIdx.x >= unsigned(step) ? s_tiles[threadIdx.x - step] : 0;
+      __syncthreads();
+      s_rows[threadIdx.x] += r;
+      s_tiles[threadIdx.x] += tl;
+      __syncthreads();
+    }
+    if (e < n_experts) {
+      offsets[e] = carry_rows + s_rows[threadIdx.x] - c;
+      tile_offsets[e] = carry_tiles + s_tiles[threadIdx.x] - tiles;
+      cursors[e] = 0;
+    }
+    carry_rows += s_rows[kScanThreads - 1];
+    carry_tiles += s_tiles[kScanThreads - 1];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    offsets[n_experts] = carry_rows;
+    tile_offsets[n_experts] = carry_tiles;
+  }
+}
+
+// sorted_pairs[pos] = pair for pos in expert e's range; pair_pos[pair] = pos (-1: bad expert id).
+// The order within an expert depends on atomics, but each pair's result does not.
+__global__ void moe_scatter_kernel(const int32_t* __restrict__ idx, int64_t n_pairs, MoeParams p,
+                                   const int32_t* __restrict__ offsets, int32_t* __restrict__ cursors,
+                                   int32_t* __restrict__ sorted_pairs, int32_t* __restrict__ pair_pos) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_pairs) return;
+  const int32_t e = idx[i];
+  if (!valid_expert(e, p)) {
+    pair_pos[i] = -1;
+    return;
+  }
+  const int32_t pos = offsets[e] + atomicAdd(&cursors[e], 1);
+  sorted_pairs[pos] = int32_t(i);
+  pair_pos[i] = pos;
+}
+
+// ---- prefill: grouped tensor-core tiles -----------------------------------------------------------
+
+constexpr int kBM = 64;   // rows (pairs) per tile
+constexpr int kBN = 64;   // output features per tile
+constexpr int kBK = 32;   // reduction depth per step: 4 units
+constexpr int kGroupedThreads = 128;  // 4 warps, each a 32 x 32 quarter of the tile (2 x 2 WMMA)
+constexpr int kLdAB = kBK + 8;        // bf16 smem row: +16 bytes staggers banks, keeps ldm % 8 == 0
+constexpr int kLdC = kBN + 4;         // f32 smem row for the epilogue (ldm % 4 == 0)
+constexpr int kSmemIn = (kBM + 2 * kBN) * kLdAB * 2;
+constexpr int kSmemOut = 2 * kBM * kLdC * 4;
+constexpr int kSmemBytes = kSmemIn > kSmemOut ? kSmemIn : kSmemOut;  // 34.8 KB: A/B tiles and C share it
+
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&v)[kUnit]) {
+  uint4 packed;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  *reinterpret_cast<uint4*>(dst) = packed;
+}
+
+// kGateUp: A = x rows gathered through sorted_pairs (row t = pair / k), B = gate and up, the
+// epilogue writes glu(...) to dst[pos] ([pairs, inter]). Else: A = h[pos] ([pairs, inter]),
+// B = down, the epilogue writes the projection (+ bias) to dst[pos] ([pairs, hidden]).
+template <class F, bool kGateUp>
+__global__ void __launch_bounds__(kGroupedThreads)
+    moe_grouped_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ a_src,
+                       int64_t a_stride, bool a_aligned, const int32_t* __restrict__ sorted_pairs,
+                       const int32_t* __restrict__ offsets, const int32_t* __restrict__ tile_offsets,
+                       float* __restrict__ dst, int64_t ld_dst) {
+  using namespace nvcuda;
+  constexpr int kMats = kGateUp ? 2 : 1;
+  const int mt = blockIdx.x;
+  const int n_experts = p.n_experts;
+  if (mt >= tile_offsets[n_experts]) return;
+  // The expert owning tile mt: the largest e with tile_offsets[e] <= mt (experts without rows
+  // share their successor's offset, so the largest is the one with tiles).
+  int lo = 0, hi = n_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_offsets[mid] <= mt) lo = mid;
+    else hi = mid - 1;
+  }
+  const int e = lo;
+  const int row_begin = offsets[e] + (mt - tile_offsets[e]) * kBM;
+  const int row_end = min(row_begin + kBM, offsets[e + 1]);
+  const int64_t n0 = int64_t(blockIdx.y) * kBN;
+  const int64_t n_out = kGateUp ? p.inter : p.hidden;
+  const int64_t depth = kGateUp ? p.hidden : p.inter;
+  const MoeExpertDesc& d = experts[e];
+
+  __shared__ __align__(128) unsigned char smem[kSmemBytes];
+  auto* sa = reinterpret_cast<__nv_bfloat16*>(smem);   // [kBM][kLdAB]
+  auto* sb = sa + kBM * kLdAB;                          // [kMats][kBN][kLdAB]
+  auto* sc = reinterpret_cast<float*>(smem);            // [kMats][kBM][kLdC], after the main loop
+
+  // Each thread loads 2 A chunks and 2 units of each B matrix per step: slot s = tid + 128 i
+  // is (row s / 4, unit s % 4) of the 64 x 32 tile.
+  const float* a_row[2];
+  int a_col[2];
+  WeightRow b_row[kMats][2];
+  bool b_valid[2];
+  int b_n[2], b_q[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = threadIdx.x + kGroupedThreads * i;
+    const int r = s / 4;
+    a_col[i] = 8 * (s % 4);
+    const int pos = row_begin + r;
+    a_row[i] = nullptr;
+    if (pos < row_end) a_row[i] = kGateUp ? a_src + int64_t(sorted_pairs[pos] / p.k) * a_stride : a_src + pos * a_stride;
+    b_n[i] = r;
+    b_q[i] = s % 4;
+    b_valid[i] = n0 + r < n_out;
+    const int64_t wr = b_valid[i] ? n0 + r : 0;
+    if constexpr (kGateUp) {
+      b_row[0][i] = weight_row(d.gate, wr);
+      b_row[1][i] = weight_row(d.up, wr);
+    } else {
+      b_row[0][i] = weight_row(d.down, wr);
+    }
+  }
+
+  const int warp = threadIdx.x / kWarp, warp_m = warp / 2, warp_n = warp % 2;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMats][2][2];
+#pragma unroll
+  for (int m = 0; m < kMats; ++m)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[m][i][j], 0.f);
+
+  for (int64_t k0 = 0; k0 < depth; k0 += kBK) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = threadIdx.x + kGroupedThreads * i;
+      const int64_t kk = k0 + a_col[i];
+      float v[kUnit];
+      if (a_row[i] && a_aligned && kk + kUnit <= depth) {
+        load_x8(a_row[i] + kk, v);
+      } else {
+#pragma unroll
+        for (int c = 0; c < kUnit; ++c) v[c] = a_row[i] && kk + c < depth ? a_row[i][kk + c] : 0.f;
+      }
+      store_bf16x8(sa + (s / 4) * kLdAB + a_col[i], v);
+    }
+#pragma unroll
+    for (int m = 0; m < kMats; ++m) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int64_t kk = k0 + 8 * b_q[i];
+        float v[kUnit];
+        if (b_valid[i] && kk + kUnit <= depth) {
+          F::unit(b_row[m][i], kk / kUnit, v);
+        } else {
+#pragma unroll
+          for (int c = 0; c < kUnit; ++c) v[c] = 0.f;
+          if constexpr (F::kTail) {
+            if (b_valid[i])
+#pragma unroll
+              for (int c = 0; c < kUnit; ++c)
+                if (kk + c < depth) v[c] = F::elem(b_row[m][i], kk + c);
+          }
+        }
+        store_bf16x8(sb + (m * kBN + b_n[i]) * kLdAB + 8 * b_q[i], v);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], sa + (32 * warp_m + 16 * i) * kLdAB + kk, kLdAB);
+#pragma unroll
+      for (int m = 0; m < kMats; ++m) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          // B^T rows in smem = B column-major: element (k, n) at sb[n][k].
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+          wmma::load_matrix_sync(fb, sb + (m * kBN + 32 * warp_n + 16 * j) * kLdAB + kk, kLdAB);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[m][i][j], fa[i], fb, acc[m][i][j]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int m = 0; m < kMats; ++m)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        wmma::store_matrix_sync(sc + (m * kBM + 32 * warp_m + 16 * i) * kLdC + 32 * warp_n + 16 * j, acc[m][i][j],
+                                kLdC, wmma::mem_row_major);
+  __syncthreads();
+  for (int s = threadIdx.x; s < kBM * kBN; s += kGroupedThreads) {
+    const int r = s / kBN, c = s % kBN;
+    const int pos = row_begin + r;
+    const int64_t n = n0 + c;
+    if (pos >= row_end || n >= n_out) continue;
+    float v = sc[r * kLdC + c];
+    if constexpr (kGateUp) {
+      if (d.gate_bias) v += d.gate_bias[n];
+      float u = sc[(kBM + r) * kLdC + c];
+      if (d.up_bias) u += d.up_bias[n];
+      v = apply_glu(p, v, u);
+    } else {
+      if (d.down_bias) v += d.down_bias[n];
+    }
+    dst[int64_t(pos) * ld_dst + n] = v;
+  }
+}
+
+// out[t, :] = sum_j weight[t, j] * y[pair_pos[t k + j], :]; one block per row.
+__global__ void moe_combine_kernel(const float* __restrict__ y, int64_t ldy, const int32_t* __restrict__ pair_pos,
+                                   const float* __restrict__ weight, int k, int64_t hidden, float* __restrict__ out,
+                                   int64_t out_stride) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const int32_t pos = pair_pos[t * k + j];
+      acc = pos < 0 ? nan_f32() : fmaf(weight[t * k + j], y[int64_t(pos) * ldy + c], acc);
+    }
+    out[t * out_stride + c] = acc;
+  }
+}
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+bool vec_aligned(const WeightView& w) {
+  return reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
+}
+
+bool same_format(const WeightView& a, const WeightView& b) {
+  return a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols && a.scales_dtype == b.scales_dtype &&
+         a.group_size == b.group_size;
+}
+
+}  // namespace
+
+const WeightMatmul::MoeTable& WeightMatmul::moe_table(const std::vector<ExpertWeights>& experts,
+                                                      cudaStream_t stream) {
+  std::vector<MoeExpertDesc> descs(experts.size());
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const ExpertWeights& x = experts[e];
+    descs[e] = {device_weight(x.gate.view), device_weight(x.up.view), device_weight(x.down.view),
+                x.gate_bias, x.up_bias, x.down_bias};
+  }
+  const size_t bytes = descs.size() * sizeof(MoeExpertDesc);
+  MoeTable& table = moe_tables_[{static_cast<const void*>(experts.data()), experts.size()}];
+  if (table.host.size() == bytes && std::memcmp(table.host.data(), descs.data(), bytes) == 0) return table;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TS_CUDA_CHECK(cudaStreamIsCapturing(stream, &status), "moe_experts table");
+  TS_CHECK(status == cudaStreamCaptureStatusNone,
+           "moe_experts: the descriptor table of {} experts is new or changed while a graph is being captured: run "
+           "the layer once before capture",
+           experts.size());
+  if (!table.device) TS_CUDA_CHECK(cudaMalloc(&table.device, bytes), "moe_experts table of {} bytes", bytes);
+  table.host.assign(reinterpret_cast<const unsigned char*>(descs.data()),
+                    reinterpret_cast<const unsigned char*>(descs.data()) + bytes);
+  // Stream-ordered after any queued kernel still reading the old table; the source stays
+  // alive in table.host.
+  TS_CUDA_CHECK(cudaMemcpyAsync(table.device, table.host.data(), bytes, cudaMemcpyHostToDevice, stream),
+                "moe_experts table upload ({} bytes)", bytes);
+  return table;
+}
+
+void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
+                               const float* weight, int k, const Mat& out, cudaStream_t stream) {
+  TS_CHECK(!experts.empty() && k >= 1, "moe_experts: {} experts, top-k {}", experts.size(), k);
+  const ExpertWeights& e0 = experts[0];
+  const int64_t hidden = e0.gate.view.cols, inter = e0.gate.view.rows;
+  TS_CHECK(x.cols == hidden && out.cols == hidden && out.rows == x.rows,
+           "moe_experts: x [{}, {}] and out [{}, {}] for experts of hidden {}", x.rows, x.cols, out.rows, out.cols,
+           hidden);
+  TS_CHECK(e0.act == Act::kSilu || e0.act == Act::kGeluTanh || e0.glu_limit > 0,
+           "moe_experts: expert activation {} is not SiLU, GELU-tanh or the clamped GLU", int(e0.act));
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const ExpertWeights& w = experts[e];
+    TS_CHECK(same_format(w.gate.view, e0.gate.view) && same_format(w.up.view, e0.gate.view) &&
+                 same_format(w.down.view, e0.down.view) && w.down.view.rows == hidden && w.down.view.cols == inter,
+             "moe_experts: expert {} ({} gate [{}, {}], {} up [{}, {}], {} down [{}, {}]) differs from expert 0 "
+             "({} [{}, {}] gate/up, {} down)",
+             e, dtype_name(w.gate.view.dtype), w.gate.view.rows, w.gate.view.cols, dtype_name(w.up.view.dtype),
+             w.up.view.rows, w.up.view.cols, dtype_name(w.down.view.dtype), w.down.view.rows, w.down.view.cols,
+             dtype_name(e0.gate.view.dtype), inter, hidden, dtype_name(e0.down.view.dtype));
+    TS_CHECK(w.act == e0.act && w.glu_limit == e0.glu_limit && w.glu_alpha == e0.glu_alpha,
+             "moe_experts: expert {} has another activation than expert 0", e);
+    check_weight(w.gate.view, "moe_experts gate");
+    check_weight(w.up.view, "moe_experts up");
+    check_weight(w.down.view, "moe_experts down");
+  }
+  if (x.rows == 0) return;
+  bool gate_up_vec = true, down_vec = true;
+  for (const ExpertWeights& w : experts) {
+    gate_up_vec = gate_up_vec && vec_aligned(w.gate.view) && vec_aligned(w.up.view);
+    down_vec = down_vec && vec_aligned(w.down.view);
+  }
+
+  const MoeTable& table = moe_table(experts, stream);
+  const auto* descs = static_cast<const MoeExpertDesc*>(table.device);
+  MoeParams p;
+  p.n_experts = int32_t(experts.size());
+  p.k = k;
+  p.hidden = hidden;
+  p.inter = inter;
+  p.glu = e0.glu_limit > 0 ? Glu::kClamped : e0.act == Act::kSilu ? Glu::kSilu : Glu::kGeluTanh;
+  p.glu_alpha = e0.glu_alpha;
+  p.glu_limit = e0.glu_limit;
+  const int64_t rows = x.rows, n_pairs = rows * k;
+  const int64_t ldh = round_up(inter, 4);  // 16-byte aligned rows: the down pass loads them as float4
+  auto* h = static_cast<float*>(moe_hidden_.get(size_t(n_pairs * ldh) * 4, stream, "moe hidden"));
+
+  // Every expert's views must suit the format variant chosen from expert 0's.
+  auto check_all = [&](auto fmt, bool gate_up) {
+    using F = decltype(fmt);
+    for (size_t e = 0; e < experts.size(); ++e) {
+      const WeightView* views[2] = {gate_up ? &experts[e].gate.view : &experts[e].down.view,
+                                    gate_up ? &experts[e].up.view : &experts[e].down.view};
+      for (const WeightView* v : views)
+        TS_CHECK(aligned_for<F>(*v), "moe_experts: expert {} {} rows not {}-byte aligned", e,
+                 gate_up ? "gate/up" : "down", F::kAlign);
+    }
+  };
+
+  if (rows <= kMoeDecodeMaxRows) {
+    int64_t xs = 0;
+    const float* xa = aligned_rows(x, &xs, stream);
+    dispatch_weight_format(
+        e0.gate.view, "moe_experts gate/up",
+        [&](auto fmt) {
+          using F = decltype(fmt);
+          check_all(fmt, true);
+          const dim3 grid(unsigned((inter + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(n_pairs));
+          moe_gate_up_gemv_kernel<F><<<grid, kDecodeThreads, 0, stream>>>(descs, p, xa, xs, idx, h, ldh);
+          TS_CUDA_LAUNCH_CHECK("moe gate_up gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
+                               inter, hidden, rows, k);
+        },
+        gate_up_vec);
+    dispatch_weight_format(
+        e0.down.view, "moe_experts down",
+        [&](auto fmt) {
+          using F = decltype(fmt);
+          check_all(fmt, false);
+          const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
+          moe_down_gemv_kernel<F><<<grid, kDecodeThreads, 0, stream>>>(descs, p, h, ldh, idx, weight, out.data,
+                                                                       out.stride);
+          TS_CUDA_LAUNCH_CHECK("moe down gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
+                               inter, rows, k);
+        },
+        down_vec);
+    return;
+  }
+
+  // Prefill: group pairs by expert on the device.
+  const int64_t n_experts = p.n_experts;
+  const size_t n_ints = size_t(n_experts) * 2 + size_t(n_experts + 1) * 2 + size_t(n_pairs) * 2;
+  auto* ints = static_cast<int32_t*>(moe_index_.get(n_ints * 4, stream, "moe grouping"));
+  int32_t* counts = ints;
+  int32_t* cursors = counts + n_experts;
+  int32_t* offsets = cursors + n_experts;
+  int32_t* tile_offsets = offsets + n_experts + 1;
+  int32_t* sorted_pairs = tile_offsets + n_experts + 1;
+  int32_t* pair_pos = sorted_pairs + n_pairs;
+  TS_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(n_experts) * 4, stream), "moe counts reset");
+  const unsigned pair_blocks = unsigned((n_pairs + 255) / 256);
+  moe_count_kernel<<<pair_blocks, 256, 0, stream>>>(idx, n_pairs, p, counts);
+  TS_CUDA_LAUNCH_CHECK("moe count: {} pairs over {} experts", n_pairs, n_experts);
+  moe_scan_kernel<<<1, kScanThreads, 0, stream>>>(counts, int(n_experts), kBM, offsets, tile_offsets, cursors);
+  TS_CUDA_LAUNCH_CHECK("moe scan: {} experts", n_experts);
+  moe_scatter_kernel<<<pair_blocks, 256, 0, stream>>>(idx, n_pairs, p, offsets, cursors, sorted_pairs, pair_pos);
+  TS_CUDA_LAUNCH_CHECK("moe scatter: {} pairs", n_pairs);
+
+  // Tiles: sum_e ceil(c_e / kBM) <= n_pairs / kBM + (number of experts with rows).
+  const int64_t max_tiles = n_pairs / kBM + std::min<int64_t>(n_experts, n_pairs) + 1;
+  const bool x_aligned = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride % 4 == 0;
+  dispatch_weight_format(
+      e0.gate.view, "moe_experts gate/up",
+      [&](auto fmt) {
+        using F = decltype(fmt);
+        check_all(fmt, true);
+        const dim3 grid(unsigned(max_tiles), unsigned((inter + kBN - 1) / kBN));
+        moe_grouped_kernel<F, true><<<grid, kGroupedThreads, 0, stream>>>(
+            descs, p, x.data, x.stride, x_aligned, sorted_pairs, offsets, tile_offsets, h, ldh);
+        TS_CUDA_LAUNCH_CHECK("moe grouped gate_up {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
+                             inter, hidden, rows, k);
+      },
+      gate_up_vec);
+  const int64_t ldy = round_up(hidden, 4);
+  auto* y = static_cast<float*>(moe_out_.get(size_t(n_pairs * ldy) * 4, stream, "moe expert outputs"));
+  dispatch_weight_format(
+      e0.down.view, "moe_experts down",
+      [&](auto fmt) {
+        using F = decltype(fmt);
+        check_all(fmt, false);
+        const dim3 grid(unsigned(max_tiles), unsigned((hidden + kBN - 1) / kBN));
+        moe_grouped_kernel<F, false><<<grid, kGroupedThreads, 0, stream>>>(descs, p, h, ldh, true, sorted_pairs,
+                                                                           offsets, tile_offsets, y, ldy);
+        TS_CUDA_LAUNCH_CHECK("moe grouped down {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
+                             inter, rows, k);
+      },
+      down_vec);
+  moe_combine_kernel<<<unsigned(rows), 256, 0, stream>>>(y, ldy, pair_pos, weight, k, hidden, out.data, out.stride);
+  TS_CUDA_LAUNCH_CHECK("moe combine [{}, {}] top-{}", rows, hidden, k);
+}
+
+}  // namespace turbospark::cuda

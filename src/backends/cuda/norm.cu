@@ -1,0 +1,127 @@
+// RMSNorm over rows (Backend::rmsnorm): y = x * rsqrt(mean(x^2) + eps) * (weight + offset),
+// in f32 like transformers (variance in float32, then x * inv_rms, then * weight).
+//
+// Bound: memory. Each row is read twice (the second read hits L1: a row of 8192 floats is
+// 32 KB) and written once, so the target is 8 bytes per element at HBM bandwidth. Two
+// shapes matter: hidden-size rows (few, 1k-8k columns) and per-head q/k norms viewed as
+// [rows * heads, head_dim] (many rows of 64-256 columns). The first gets a block per row,
+// the second a warp per row so that short rows do not leave 7 of 8 warps idle.
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/ops.h"
+
+namespace turbospark::cuda {
+namespace {
+
+constexpr int kWarpRowsPerBlock = 8;    // warp-per-row kernel: 8 rows per 256-thread block
+constexpr int kBlockRowThreads = 256;   // block-per-row kernel
+constexpr int64_t kWarpRowMaxCols = 1024;
+
+// One warp per row. kVec: the row is float4-aligned (x, y, weight, strides, cols % 4).
+template <bool kVec>
+__global__ void rmsnorm_warp_kernel(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ weight,
+                                    float eps, float* y, int64_t y_stride, int64_t rows, int cols,
+                                    float weight_offset) {
+  const int64_t row = int64_t(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % kWarp;
+  const float* xr = x + row * x_stride;
+  float* yr = y + row * y_stride;
+  float sum_sq = 0.f;
+  if constexpr (kVec) {
+    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    for (int c = lane; c < cols / 4; c += kWarp) {
+      const float4 v = x4[c];
+      sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (int c = lane; c < cols; c += kWarp) sum_sq += xr[c] * xr[c];
+  }
+  sum_sq = warp_sum(sum_sq);
+  const float inv_rms = 1.f / sqrtf(sum_sq / float(cols) + eps);
+  // y may alias x: every lane reads an element before writing that same element only.
+  if constexpr (kVec) {
+    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    const float4* w4 = reinterpret_cast<const float4*>(weight);
+    float4* y4 = reinterpret_cast<float4*>(yr);
+    for (int c = lane; c < cols / 4; c += kWarp) {
+      const float4 v = x4[c], w = w4[c];
+      y4[c] = make_float4((v.x * inv_rms) * (w.x + weight_offset), (v.y * inv_rms) * (w.y + weight_offset),
+                          (v.z * inv_rms) * (w.z + weight_offset), (v.w * inv_rms) * (w.w + weight_offset));
+    }
+  } else {
+    for (int c = lane; c < cols; c += kWarp) yr[c] = (xr[c] * inv_rms) * (weight[c] + weight_offset);
+  }
+}
+
+// One block of kBlockRowThreads per row, for long rows.
+template <bool kVec>
+__global__ void __launch_bounds__(kBlockRowThreads) rmsnorm_block_kernel(const float* __restrict__ x, int64_t x_stride,
+                                                                         const float* __restrict__ weight, float eps,
+                                                                         float* y, int64_t y_stride, int cols,
+                                                                         float weight_offset) {
+  __shared__ float scratch[kWarp];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * x_stride;
+  float* yr = y + row * y_stride;
+  float sum_sq = 0.f;
+  if constexpr (kVec) {
+    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    for (int c = threadIdx.x; c < cols / 4; c += blockDim.x) {
+      const float4 v = x4[c];
+      sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) sum_sq += xr[c] * xr[c];
+  }
+  sum_sq = block_sum(sum_sq, scratch);  // contains the barrier that orders every read before any write
+  const float inv_rms = 1.f / sqrtf(sum_sq / float(cols) + eps);
+  if constexpr (kVec) {
+    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    const float4* w4 = reinterpret_cast<const float4*>(weight);
+    float4* y4 = reinterpret_cast<float4*>(yr);
+    for (int c = threadIdx.x; c < cols / 4; c += blockDim.x) {
+      const float4 v = x4[c], w = w4[c];
+      y4[c] = make_float4((v.x * inv_rms) * (w.x + weight_offset), (v.y * inv_rms) * (w.y + weight_offset),
+                          (v.z * inv_rms) * (w.z + weight_offset), (v.w * inv_rms) * (w.w + weight_offset));
+    }
+  } else {
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = (xr[c] * inv_rms) * (weight[c] + weight_offset);
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset, cudaStream_t stream) {
+  TS_CHECK(x.rows == y.rows && x.cols == y.cols, "rmsnorm: x [{}, {}] vs y [{}, {}]", x.rows, x.cols, y.rows, y.cols);
+  TS_CHECK(x.cols > 0 && x.cols < (int64_t(1) << 31), "rmsnorm: {} columns", x.cols);
+  if (x.rows == 0) return;
+  const bool vec = aligned16(x.data) && aligned16(y.data) && aligned16(weight) && x.stride % 4 == 0 &&
+                   y.stride % 4 == 0 && x.cols % 4 == 0;
+  const int cols = int(x.cols);
+  if (x.cols <= kWarpRowMaxCols) {
+    // Warp per row: 8 rows per 256-thread block; a 1024-column row is 8 float4 loads per lane.
+    const int blocks = ceil_div(x.rows, kWarpRowsPerBlock);
+    if (vec) {
+      rmsnorm_warp_kernel<true><<<blocks, kWarpRowsPerBlock * kWarp, 0, stream>>>(
+          x.data, x.stride, weight, eps, y.data, y.stride, x.rows, cols, weight_offset);
+    } else {
+      rmsnorm_warp_kernel<false><<<blocks, kWarpRowsPerBlock * kWarp, 0, stream>>>(
+          x.data, x.stride, weight, eps, y.data, y.stride, x.rows, cols, weight_offset);
+    }
+  } else {
+    TS_CHECK(x.rows <= 0x7fffffff, "rmsnorm: {} rows", x.rows);
+    // Block per row: 256 threads x float4 covers 1024 columns per sweep (hidden 8192: 8 sweeps).
+    if (vec) {
+      rmsnorm_block_kernel<true><<<int(x.rows), kBlockRowThreads, 0, stream>>>(x.data, x.stride, weight, eps, y.data,
+                                                                               y.stride, cols, weight_offset);
+    } else {
+      rmsnorm_block_kernel<false><<<int(x.rows), kBlockRowThreads, 0, stream>>>(x.data, x.stride, weight, eps,
+                                                                                y.data, y.stride, cols, weight_offset);
+    }
+  }
+  TS_CUDA_LAUNCH_CHECK("rmsnorm [{}, {}] (stride {} -> {})", x.rows, x.cols, x.stride, y.stride);
+}
+
+}  // namespace turbospark::cuda

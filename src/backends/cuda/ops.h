@@ -1,0 +1,79 @@
+// Launchers of the CUDA backend's non-matmul ops: norms, RoPE, elementwise, router, paged KV
+// writes and attention. Each mirrors the Backend method of the same name (ops/backend.h)
+// plus a trailing stream: every pointer is device memory, every launcher only enqueues on
+// `stream` (no synchronisation, nothing read back, so all of them can be captured in a CUDA
+// graph) and checks its launch naming the op and shape. The math is the CPU backend's
+// (backends/cpu/kernels_ref.cpp, hybrid_ops.cpp): tests/device/test_cuda_ops.cpp holds
+// each launcher to it.
+//
+// Alignment: Mats may be any strided views. Kernels take 128-bit paths only when every base
+// pointer is 16-byte aligned and every row stride and width is a multiple of 4 floats, and
+// fall back to scalar (still coalesced) accesses otherwise.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "ops/backend.h"
+
+namespace turbospark::cuda {
+
+// ---- norm.cu ----
+// y = x * rsqrt(mean(x^2) + eps) * (weight + weight_offset) per row, f32; y may alias x.
+// Also run on [rows * heads, head_dim] views for per-head q/k norms.
+void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset, cudaStream_t stream);
+
+// ---- elementwise.cu ----
+void add(const Mat& y, const Mat& x, cudaStream_t stream);                // y += x
+void add_bias(const Mat& y, const float* bias, cudaStream_t stream);      // y[t, :] += bias
+void swiglu(const Mat& gate, const Mat& up, const Mat& out, cudaStream_t stream);  // silu(gate) * up
+// gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+void clamped_swiglu(const Mat& gate, const Mat& up, float alpha, float limit, const Mat& out, cudaStream_t stream);
+void unary(const Mat& x, Act act, float pre, float post, const Mat& y, cudaStream_t stream);  // y = post*act(pre*x)
+void mul_act(const Mat& x, const Mat& gate, Act act, cudaStream_t stream);  // x *= act(gate), gate 1 col broadcasts
+void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const Mat& b, cudaStream_t stream);
+void copy(const Mat& src, const Mat& dst, cudaStream_t stream);
+
+// ---- rope.cu ----
+// In place, rotate-half, over x viewed as [rows, n_heads, head_dim]; positions [rows] int64,
+// inv_freq [rotary_dim / 2] f32, both device memory.
+void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t* positions, const float* inv_freq,
+          float attention_factor, cudaStream_t stream);
+
+// ---- router.cu ----
+// idx int32 / weight f32 [rows, k]; expert_scale [n_experts] or null. n_experts <= 512,
+// k <= 16.
+void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
+                         const float* expert_scale, cudaStream_t stream);
+void softmax_rows(const Mat& x, const Mat& y, cudaStream_t stream);  // y may alias x
+// ids int32 [rows]: lowest index on ties, -1 for a row holding a NaN (as the CPU backend).
+void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream);
+
+// ---- kv_cache.cu ----
+// k, v [rows, n_kv_heads * head_dim] into the paged pools at positions[t] of row_seq[t].
+void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions, cudaStream_t stream);
+
+// ---- attention_decode.cu / attention_prefill.cu ----
+// Causal GQA over the paged cache (Backend::attention). Unlike the Backend method it takes a
+// scratch buffer: the decode kernel splits each row's context into parts (flash-decoding)
+// whose partial softmax states go there. attention_scratch_floats(rows, n_heads, head_dim)
+// floats let it use its full split factor; a smaller scratch (or null, 0) only lowers the
+// split factor (1 split needs none), never the result. Scratch must not be shared by two
+// attention calls in flight on different streams.
+int64_t attention_scratch_floats(int64_t rows, int n_heads, int head_dim);
+// Picks the kernel by row count: decode (split-K over the context, parallel over rows) for
+// few rows, the tiled prefill kernel otherwise. Both are exposed for tests and for a caller
+// that knows its batch better (e.g. many decode rows of distinct sequences -> decode).
+void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
+               const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream);
+void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
+                      int window, const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats,
+                      cudaStream_t stream);
+void attention_prefill(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
+                       int window, const float* sinks, const Mat& out, cudaStream_t stream);
+// Row count up to which attention() takes the decode kernel.
+constexpr int64_t kAttentionDecodeMaxRows = 16;
+
+}  // namespace turbospark::cuda

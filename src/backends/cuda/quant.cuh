@@ -1,0 +1,478 @@
+// Device-side dequantization of every weight format, shared by the matmul, embedding and MoE
+// kernels (gemv.cu, gemm.cu, embedding.cu, moe.cu). Byte layouts are those of core/quant.h
+// (ggml blocks) and core/quant_grouped.h (MXFP4, INT4_AFFINE); the scalar dequantizers there
+// are the ground truth these are tested against (tests/device/test_cuda_matmul.cpp).
+//
+// One abstraction for all formats: a row of `cols` elements is read as units of kUnit = 8
+// consecutive elements (unit u = elements [8u, 8u + 8)), each dequantized into 8 f32
+// registers by Format::unit(row, u, v). Every ggml block (32 or 256 elements), every MXFP4
+// group (32) and every INT4_AFFINE group (a power of two >= 8) is a whole number of units, so
+// a unit never straddles two scales, and kernels stride units across threads the same way
+// for every format (lane-contiguous units read contiguous bytes across a warp: coalesced).
+// Float formats may have cols % 8 != 0 (odd hidden sizes, tests use 67): they also provide
+// elem(row, i) for the tail past the last whole unit (kTail).
+//
+// Alignment: each format states kAlign, the byte alignment its loads need of the row start
+// (data pointer and row_bytes). ggml blocks of 18/22/34/210 bytes only guarantee 2-byte
+// alignment, so those formats load 16-bit halves; Q4_K/Q5_K blocks (144/176 bytes) and MXFP4
+// groups (16 bytes) allow 8-byte loads. Float formats come in two variants: kVec (16-byte
+// loads; row start 16-byte aligned) and scalar (any strided view), picked at dispatch.
+//
+// Instantiation: dispatch_weight_format() is the one list of formats; every kernel is
+// instantiated by calling it with a generic lambda, so adding a format is one line there.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "backends/cuda/common.cuh"
+#include "core/dtype.h"
+#include "core/quant.h"
+#include "core/quant_grouped.h"
+#include "core/tensor.h"
+
+namespace turbospark::cuda {
+
+constexpr int kUnit = 8;  // elements per dequantized unit (see above)
+
+// A weight matrix as kernels see it: the WeightView's planes and strides, by value.
+struct DeviceWeight {
+  const uint8_t* data = nullptr;
+  const uint8_t* scales = nullptr;
+  const uint8_t* biases = nullptr;
+  int64_t row_bytes = 0;
+  int64_t scales_row_bytes = 0;
+  int64_t biases_row_bytes = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int32_t group_shift = 0;  // INT4_AFFINE: log2(group_size)
+  int32_t unused = 0;       // explicit padding: tables of these are compared bytewise (moe.cu)
+};
+
+// One row's planes.
+struct WeightRow {
+  const uint8_t* data;
+  const uint8_t* scales;
+  const uint8_t* biases;
+  int32_t group_shift;
+};
+
+__device__ __forceinline__ WeightRow weight_row(const DeviceWeight& w, int64_t r) {
+  return {w.data + r * w.row_bytes, w.scales + r * w.scales_row_bytes, w.biases + r * w.biases_row_bytes,
+          w.group_shift};
+}
+
+// ---- loads (read-only path; weights never change during a kernel) ---------------------------
+
+__device__ __forceinline__ uint32_t ld_u8(const uint8_t* p) { return __ldg(p); }
+__device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint16_t*>(p)); }
+__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) { return __ldg(reinterpret_cast<const uint32_t*>(p)); }
+// 4 bytes at a 2-byte-aligned address.
+__device__ __forceinline__ uint32_t ld_u32_a2(const uint8_t* p) { return ld_u16(p) | ld_u16(p + 2) << 16; }
+__device__ __forceinline__ uint2 ld_u64(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+__device__ __forceinline__ uint4 ld_u128(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ float f16_at(const uint8_t* p) { return f16_bits_to_f32(uint16_t(ld_u16(p))); }
+
+// 8 nibbles of two little-endian words (element i of the unit = bits [4i + shift...]) as
+// w = d * (q + offset): the shared tail of Q4_0 / Q4_1.
+__device__ __forceinline__ void nibbles_affine(uint32_t lo, uint32_t hi, int shift, float d, float offset_or_min,
+                                               bool min_form, float (&v)[kUnit]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float q0 = float((lo >> (8 * i + shift)) & 0xF), q1 = float((hi >> (8 * i + shift)) & 0xF);
+    v[i] = min_form ? d * q0 + offset_or_min : d * (q0 + offset_or_min);
+    v[4 + i] = min_form ? d * q1 + offset_or_min : d * (q1 + offset_or_min);
+  }
+}
+
+// ---- float formats ----------------------------------------------------------------------------
+
+template <bool kVec>
+struct FmtF32 {
+  static constexpr DType kDType = DType::F32;
+  static constexpr int kAlign = kVec ? 16 : 4;
+  static constexpr bool kTail = true;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* p = w.data + u * 32;
+    if constexpr (kVec) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kUnit; ++i) v[i] = __ldg(reinterpret_cast<const float*>(p) + i);
+    }
+  }
+  static __device__ __forceinline__ float elem(const WeightRow& w, int64_t i) {
+    return __ldg(reinterpret_cast<const float*>(w.data) + i);
+  }
+};
+
+// F16 and BF16: 8 halves = 16 bytes per unit.
+template <DType kType, bool kVec>
+struct FmtHalf {
+  static constexpr DType kDType = kType;
+  static constexpr int kAlign = kVec ? 16 : 2;
+  static constexpr bool kTail = true;
+  static __device__ __forceinline__ float cvt(uint32_t h) {
+    if constexpr (kType == DType::BF16) return bf16_bits_to_f32(uint16_t(h));
+    else return f16_bits_to_f32(uint16_t(h));
+  }
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* p = w.data + u * 16;
+    if constexpr (kVec) {
+      const uint4 q = ld_u128(p);
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[2 * i] = cvt(words[i] & 0xFFFF), v[2 * i + 1] = cvt(words[i] >> 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kUnit; ++i) v[i] = cvt(ld_u16(p + 2 * i));
+    }
+  }
+  static __device__ __forceinline__ float elem(const WeightRow& w, int64_t i) { return cvt(ld_u16(w.data + 2 * i)); }
+};
+
+// ---- ggml 32-element blocks: 4 units per block -------------------------------------------------
+// Unit p (0..3) of a block is elements 8p..8p+7: the low (p < 2) or high (p >= 2) nibbles of
+// qs[8 (p & 1) .. + 8].
+
+struct FmtQ4_0 {
+  static constexpr DType kDType = DType::Q4_0;
+  static constexpr int kAlign = 2;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ4_0));
+    const int p = int(u & 3);
+    const float d = f16_at(blk);
+    const uint8_t* qs = blk + 2 + 8 * (p & 1);
+    nibbles_affine(ld_u32_a2(qs), ld_u32_a2(qs + 4), 4 * (p >> 1), d, -8.f, false, v);
+  }
+};
+
+struct FmtQ4_1 {
+  static constexpr DType kDType = DType::Q4_1;
+  static constexpr int kAlign = 4;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ4_1));
+    const int p = int(u & 3);
+    const uint32_t dm = ld_u32(blk);
+    const float d = f16_bits_to_f32(uint16_t(dm & 0xFFFF)), m = f16_bits_to_f32(uint16_t(dm >> 16));
+    const uint8_t* qs = blk + 4 + 8 * (p & 1);
+    nibbles_affine(ld_u32(qs), ld_u32(qs + 4), 4 * (p >> 1), d, m, true, v);
+  }
+};
+
+// Q5: the 5th bit of element i is bit i of qh (little-endian u32).
+__device__ __forceinline__ void q5_unit(uint32_t lo, uint32_t hi, int shift, uint32_t qh_bits, float d, float off,
+                                        bool min_form, float (&v)[kUnit]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float q0 = float(((lo >> (8 * i + shift)) & 0xF) | ((qh_bits >> i) & 1) << 4);
+    const float q1 = float(((hi >> (8 * i + shift)) & 0xF) | ((qh_bits >> (4 + i)) & 1) << 4);
+    v[i] = min_form ? d * q0 + off : d * (q0 + off);
+    v[4 + i] = min_form ? d * q1 + off : d * (q1 + off);
+  }
+}
+
+struct FmtQ5_0 {
+  static constexpr DType kDType = DType::Q5_0;
+  static constexpr int kAlign = 2;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ5_0));
+    const int p = int(u & 3);
+    const float d = f16_at(blk);
+    const uint32_t qh = ld_u32_a2(blk + 2);
+    const uint8_t* qs = blk + 6 + 8 * (p & 1);
+    q5_unit(ld_u32_a2(qs), ld_u32_a2(qs + 4), 4 * (p >> 1), (qh >> (8 * p)) & 0xFF, d, -16.f, false, v);
+  }
+};
+
+struct FmtQ5_1 {
+  static constexpr DType kDType = DType::Q5_1;
+  static constexpr int kAlign = 8;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ5_1));
+    const int p = int(u & 3);
+    const uint2 head = ld_u64(blk);  // d, m, qh
+    const float d = f16_bits_to_f32(uint16_t(head.x & 0xFFFF)), m = f16_bits_to_f32(uint16_t(head.x >> 16));
+    const uint2 q = ld_u64(blk + 8 + 8 * (p & 1));
+    q5_unit(q.x, q.y, 4 * (p >> 1), (head.y >> (8 * p)) & 0xFF, d, m, true, v);
+  }
+};
+
+struct FmtQ8_0 {
+  static constexpr DType kDType = DType::Q8_0;
+  static constexpr int kAlign = 2;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ8_0));
+    const float d = f16_at(blk);
+    const uint8_t* qs = blk + 2 + 8 * (u & 3);
+    const uint32_t lo = ld_u32_a2(qs), hi = ld_u32_a2(qs + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = d * float(int8_t(lo >> (8 * i)));
+      v[4 + i] = d * float(int8_t(hi >> (8 * i)));
+    }
+  }
+};
+
+// ---- ggml k-quants: 256-element blocks, 32 units per block -----------------------------------
+
+// Sub-block s (0..7) scale and minimum of Q4_K/Q5_K's 12 packed bytes (quant::unpack_k4_scales).
+__device__ __forceinline__ void k4_scale_min(const uint8_t* packed, int s, float& sc, float& m) {
+  if (s < 4) {
+    sc = float(ld_u8(packed + s) & 63);
+    m = float(ld_u8(packed + s + 4) & 63);
+  } else {
+    const uint32_t b = ld_u8(packed + s + 4);
+    sc = float((b & 0xF) | (ld_u8(packed + s - 4) >> 6) << 4);
+    m = float((b >> 4) | (ld_u8(packed + s) >> 6) << 4);
+  }
+}
+
+// Unit u of a Q4_K/Q5_K block: sub-block s = u / 4 (32 elements), l0 = 8 (u % 4) within it;
+// sub-block s lives in the low (s even) or high (s odd) nibbles of qs[32 (s / 2) + l].
+template <bool kFive>
+struct FmtQK45 {
+  using Block = std::conditional_t<kFive, BlockQ5_K, BlockQ4_K>;
+  static constexpr DType kDType = kFive ? DType::Q5_K : DType::Q4_K;
+  static constexpr int kAlign = 16;
+  static constexpr bool kTail = false;
+  static constexpr int kQsOffset = kFive ? 48 : 16;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* blk = w.data + (u >> 5) * int64_t(sizeof(Block));
+    const int s = int(u >> 2) & 7, q = int(u & 3), j = s >> 1, shift = 4 * (s & 1);
+    const uint32_t dd = ld_u32(blk);
+    const float d = f16_bits_to_f32(uint16_t(dd & 0xFFFF)), dmin = f16_bits_to_f32(uint16_t(dd >> 16));
+    float sc, m;
+    k4_scale_min(blk + 4, s, sc, m);
+    const float d0 = d * sc, m0 = dmin * m;
+    const uint2 qs = ld_u64(blk + kQsOffset + 32 * j + 8 * q);
+    uint2 qh = {0, 0};
+    if constexpr (kFive) qh = ld_u64(blk + 16 + 8 * q);  // qh[l], l = 8q .. 8q + 7
+    const int hbit = 2 * j + (s & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t q0 = (qs.x >> (8 * i + shift)) & 0xF, q1 = (qs.y >> (8 * i + shift)) & 0xF;
+      if constexpr (kFive) {
+        q0 |= ((qh.x >> (8 * i + hbit)) & 1) << 4;
+        q1 |= ((qh.y >> (8 * i + hbit)) & 1) << 4;
+      }
+      v[i] = d0 * float(q0) - m0;
+      v[4 + i] = d0 * float(q1) - m0;
+    }
+  }
+};
+
+// Q6_K: unit u of a block: half h = u / 16, quarter k = (u / 4) % 4, l0 = 8 (u % 4). Elements
+// 128h + 32k + l take the low (k < 2) or high nibble of ql[64h + 32 (k & 1) + l], bits 2k..2k+1
+// of qh[32h + l], and scale scales[8h + 2k + l / 16].
+struct FmtQ6_K {
+  static constexpr DType kDType = DType::Q6_K;
+  static constexpr int kAlign = 2;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const uint8_t* blk = w.data + (u >> 5) * int64_t(sizeof(BlockQ6_K));
+    const int r = int(u & 31), h = r >> 4, k = (r >> 2) & 3, q = r & 3;
+    const float d = f16_at(blk + 208);
+    const float scale = d * float(int8_t(ld_u8(blk + 192 + 8 * h + 2 * k + (q >> 1))));
+    const uint8_t* ql = blk + 64 * h + 32 * (k & 1) + 8 * q;
+    const uint8_t* qh = blk + 128 + 32 * h + 8 * q;
+    const uint32_t l0 = ld_u32_a2(ql), l1 = ld_u32_a2(ql + 4), h0 = ld_u32_a2(qh), h1 = ld_u32_a2(qh + 4);
+    const int lshift = 4 * (k >> 1), hshift = 2 * k;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q0 = int(((l0 >> (8 * i + lshift)) & 0xF) | ((h0 >> (8 * i + hshift)) & 3) << 4) - 32;
+      const int q1 = int(((l1 >> (8 * i + lshift)) & 0xF) | ((h1 >> (8 * i + hshift)) & 3) << 4) - 32;
+      v[i] = scale * float(q0);
+      v[4 + i] = scale * float(q1);
+    }
+  }
+};
+
+// ---- grouped formats (scales in their own planes) --------------------------------------------
+
+// MXFP4: 16 packed bytes per 32-element group, one e8m0 scale byte per group; unit u is the 4
+// bytes at 4u (element 2k low nibble, 2k + 1 high).
+struct FmtMXFP4 {
+  static constexpr DType kDType = DType::MXFP4;
+  static constexpr int kAlign = 4;
+  static constexpr bool kTail = false;
+  // 2^(e - 127) exactly as mxfp4::e8m0_to_float (e = 0 is the subnormal 2^-127, 255 is +inf).
+  static __device__ __forceinline__ float e8m0(uint32_t e) { return __uint_as_float(e == 0 ? 0x00400000u : e << 23); }
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const float s = e8m0(ld_u8(w.scales + (u >> 2)));
+    const uint32_t q = ld_u32(w.data + 4 * u);
+    // Twice the e2m1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, one nibble each.
+    constexpr uint32_t kTwiceMagnitude = 0xC8643210u;
+#pragma unroll
+    for (int i = 0; i < kUnit; ++i) {
+      const uint32_t code = (q >> (4 * i)) & 0xF;
+      const float mag = float((kTwiceMagnitude >> (4 * (code & 7))) & 0xF) * 0.5f;
+      v[i] = (code & 8 ? -mag : mag) * s;
+    }
+  }
+};
+
+// INT4_AFFINE: w = scale * q + bias per group of 2^group_shift elements; unit u is the u32 at 4u.
+template <DType kPlane>
+struct FmtInt4Affine {
+  static constexpr DType kDType = DType::INT4_AFFINE;
+  static constexpr int kAlign = 4;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ float plane(const uint8_t* p, int64_t g) {
+    if constexpr (kPlane == DType::F32) return __ldg(reinterpret_cast<const float*>(p) + g);
+    else if constexpr (kPlane == DType::F16) return f16_at(p + 2 * g);
+    else return bf16_bits_to_f32(uint16_t(ld_u16(p + 2 * g)));
+  }
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const int64_t g = (u * kUnit) >> w.group_shift;
+    const float s = plane(w.scales, g), b = plane(w.biases, g);
+    const uint32_t q = ld_u32(w.data + 4 * u);
+#pragma unroll
+    for (int i = 0; i < kUnit; ++i) v[i] = s * float((q >> (4 * i)) & 0xF) + b;
+  }
+};
+
+// ---- host side: validation and the one list of formats ---------------------------------------
+
+inline bool is_pow2(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+
+inline int32_t log2_exact(int64_t v) {
+  int32_t s = 0;
+  while ((int64_t(1) << s) < v) ++s;
+  return s;
+}
+
+inline DeviceWeight device_weight(const WeightView& w) {
+  DeviceWeight d;
+  d.data = static_cast<const uint8_t*>(w.data);
+  d.scales = static_cast<const uint8_t*>(w.scales);
+  d.biases = static_cast<const uint8_t*>(w.biases);
+  d.row_bytes = w.row_bytes;
+  d.scales_row_bytes = w.scales_row_bytes;
+  d.biases_row_bytes = w.biases_row_bytes;
+  d.rows = w.rows;
+  d.cols = w.cols;
+  d.group_shift = w.dtype == DType::INT4_AFFINE ? log2_exact(w.group_size) : 0;
+  return d;
+}
+
+// Checks the view against its format's geometry; `op` names the caller in the message.
+inline void check_weight(const WeightView& w, const char* op) {
+  const std::string_view name = dtype_name(w.dtype);
+  TS_CHECK(w.data != nullptr || w.rows == 0, "{}: {} weight [{}, {}] has no data", op, name, w.rows, w.cols);
+  int64_t packed = 0;
+  switch (w.dtype) {
+    case DType::F32: packed = 4 * w.cols; break;
+    case DType::F16:
+    case DType::BF16: packed = 2 * w.cols; break;
+    case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1: case DType::Q8_0:
+    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
+      TS_CHECK(w.cols % block_size(w.dtype) == 0, "{}: {} weight [{}, {}]: cols not a multiple of the block size {}",
+               op, name, w.rows, w.cols, block_size(w.dtype));
+      packed = w.cols / block_size(w.dtype) * block_bytes(w.dtype);
+      break;
+    case DType::MXFP4:
+      TS_CHECK(w.cols % mxfp4::kGroup == 0 && w.scales != nullptr && (w.group_size == 0 || w.group_size == 32),
+               "{}: MXFP4 weight [{}, {}]: needs cols % 32 == 0 and an e8m0 scale plane (group 32)", op, w.rows,
+               w.cols);
+      packed = w.cols / 2;
+      break;
+    case DType::INT4_AFFINE:
+      TS_CHECK(is_pow2(w.group_size) && w.group_size >= kUnit && w.cols % w.group_size == 0 && w.scales &&
+                   w.biases && int4_affine::is_plane_dtype(w.scales_dtype),
+               "{}: INT4_AFFINE weight [{}, {}]: group size {} (a power of two >= 8 dividing cols), scale/bias "
+               "planes of BF16/F16/F32 (got {})",
+               op, w.rows, w.cols, w.group_size, dtype_name(w.scales_dtype));
+      packed = w.cols / 2;
+      break;
+    default: fail("{}: unsupported weight dtype {} (weight [{}, {}])", op, name, w.rows, w.cols);
+  }
+  TS_CHECK(w.row_bytes >= packed || w.rows <= 1, "{}: {} weight [{}, {}]: row stride {} bytes below the row size {}",
+           op, name, w.rows, w.cols, w.row_bytes, packed);
+}
+
+template <class F>
+inline bool aligned_for(const WeightView& w) {
+  return (reinterpret_cast<uintptr_t>(w.data) % F::kAlign) == 0 && (w.row_bytes % F::kAlign) == 0;
+}
+
+// Calls fn(Format{}) with the format type of w (after check_weight). The list of formats every
+// kernel is instantiated for; `op` names the caller in refusals. allow_vec = false keeps float
+// formats on their scalar-load variant (a kernel reading several views of which one is
+// unaligned).
+template <class Fn>
+inline void dispatch_weight_format(const WeightView& w, const char* op, Fn&& fn, bool allow_vec = true) {
+  check_weight(w, op);
+  auto run = [&](auto fmt) {
+    using F = decltype(fmt);
+    TS_CHECK(aligned_for<F>(w), "{}: {} weight [{}, {}]: data {} / row stride {} bytes not {}-byte aligned", op,
+             dtype_name(w.dtype), w.rows, w.cols, w.data, w.row_bytes, F::kAlign);
+    fn(fmt);
+  };
+  switch (w.dtype) {
+    case DType::F32: return allow_vec && aligned_for<FmtF32<true>>(w) ? run(FmtF32<true>{}) : run(FmtF32<false>{});
+    case DType::F16:
+      return allow_vec && aligned_for<FmtHalf<DType::F16, true>>(w) ? run(FmtHalf<DType::F16, true>{})
+                                                       : run(FmtHalf<DType::F16, false>{});
+    case DType::BF16:
+      return allow_vec && aligned_for<FmtHalf<DType::BF16, true>>(w) ? run(FmtHalf<DType::BF16, true>{})
+                                                        : run(FmtHalf<DType::BF16, false>{});
+    case DType::Q4_0: return run(FmtQ4_0{});
+    case DType::Q4_1: return run(FmtQ4_1{});
+    case DType::Q5_0: return run(FmtQ5_0{});
+    case DType::Q5_1: return run(FmtQ5_1{});
+    case DType::Q8_0: return run(FmtQ8_0{});
+    case DType::Q4_K: return run(FmtQK45<false>{});
+    case DType::Q5_K: return run(FmtQK45<true>{});
+    case DType::Q6_K: return run(FmtQ6_K{});
+    case DType::MXFP4: return run(FmtMXFP4{});
+    case DType::INT4_AFFINE:
+      switch (w.scales_dtype) {
+        case DType::BF16: return run(FmtInt4Affine<DType::BF16>{});
+        case DType::F16: return run(FmtInt4Affine<DType::F16>{});
+        default: return run(FmtInt4Affine<DType::F32>{});
+      }
+    default: fail("{}: unsupported weight dtype {}", op, dtype_name(w.dtype));
+  }
+}
+
+// ---- shared device building blocks -------------------------------------------------------------
+
+// 8 consecutive floats of a 16-byte-aligned activation row.
+__device__ __forceinline__ void load_x8(const float* __restrict__ x, float (&v)[kUnit]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(x)), b = __ldg(reinterpret_cast<const float4*>(x) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// This thread's share of dot(weight row, x) over `n_threads` threads (thread `t`), units strided
+// by n_threads so consecutive threads read consecutive units. x must be 16-byte aligned.
+template <class F>
+__device__ __forceinline__ float partial_dot(const WeightRow& w, int64_t cols, const float* __restrict__ x, int t,
+                                             int n_threads) {
+  const int64_t n_units = cols / kUnit;
+  float acc = 0.f;
+#pragma unroll 4
+  for (int64_t u = t; u < n_units; u += n_threads) {
+    float wv[kUnit], xv[kUnit];
+    F::unit(w, u, wv);
+    load_x8(x + u * kUnit, xv);
+#pragma unroll
+    for (int i = 0; i < kUnit; ++i) acc = fmaf(wv[i], xv[i], acc);
+  }
+  if constexpr (F::kTail) {
+    for (int64_t i = n_units * kUnit + t; i < cols; i += n_threads) acc = fmaf(F::elem(w, i), __ldg(x + i), acc);
+  }
+  return acc;
+}
+
+}  // namespace turbospark::cuda

@@ -1,0 +1,203 @@
+// Row-wise softmax family: MoE router softmax + top-k (Backend::router_softmax_topk),
+// softmax_rows (--router-out probabilities) and argmax_rows (greedy sampling).
+//
+// router_softmax_topk mirrors the CPU kernel step by step so that the chosen experts are
+// identical, ties included: p_e = exp(l_e - max) * (1 / sum) in f32, the k largest by
+// repeated arg-max where equal probabilities go to the lower index, then (renormalize)
+// p_j / (p_0 + ... + p_{k-1}) summed in pick order, then (expert_scale) p_j * scale[idx_j].
+// The only difference left is the order of the f32 sum over experts (a tree here, a loop
+// there): an ulp in 1/sum, which scales every probability alike.
+//
+// Bounds: all three are memory-bound on their input row (the router and softmax on
+// [rows, n_experts], tiny; argmax on [rows, vocab], 1 MB per row at vocab 262144).
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/ops.h"
+
+namespace turbospark::cuda {
+namespace {
+
+constexpr int kRouterMaxExperts = 512;
+constexpr int kRouterPerLane = kRouterMaxExperts / kWarp;  // 16 logits per lane, in registers
+constexpr int kRouterMaxK = 16;
+constexpr int kRouterRowsPerBlock = 4;  // one warp per row, 4 rows per 128-thread block
+
+// (value, index) arg-max across the warp: larger value wins, equal values go to the lower index.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+  }
+}
+
+// One warp per row. Lane l holds experts l, l + 32, ... (coalesced loads; for one lane, a
+// lower slot is a lower expert index, so a strict > keeps ties on the lower index).
+__global__ void __launch_bounds__(kRouterRowsPerBlock* kWarp)
+    router_topk_kernel(const float* __restrict__ logits, int64_t stride, int64_t rows, int n_experts, int k,
+                       bool renormalize, int32_t* __restrict__ idx, float* __restrict__ weight,
+                       const float* __restrict__ expert_scale) {
+  const int64_t row = int64_t(blockIdx.x) * kRouterRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
+  const int lane = threadIdx.x % kWarp;
+  const float* l = logits + row * stride;
+  float p[kRouterPerLane];
+  float m = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kRouterPerLane; ++s) {
+    const int e = lane + s * kWarp;
+    p[s] = e < n_experts ? l[e] : -INFINITY;
+    m = fmaxf(m, p[s]);
+  }
+  m = warp_max(m);
+  float sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < kRouterPerLane; ++s) {
+    const int e = lane + s * kWarp;
+    p[s] = e < n_experts ? expf(p[s] - m) : 0.f;
+    sum += p[s];
+  }
+  sum = warp_sum(sum);
+  const float inv = 1.f / sum;
+  // Probabilities are >= 0: -1 marks padding and -2 an expert already taken, so neither can
+  // win while an untaken expert (even one of probability 0) remains.
+#pragma unroll
+  for (int s = 0; s < kRouterPerLane; ++s) p[s] = lane + s * kWarp < n_experts ? p[s] * inv : -1.f;
+
+  float my_w = 0.f;  // lane j keeps the j-th pick
+  int my_i = 0;
+  for (int j = 0; j < k; ++j) {
+    float best = -3.f;
+    int best_i = 0x7fffffff;
+#pragma unroll
+    for (int s = 0; s < kRouterPerLane; ++s)
+      if (p[s] > best) best = p[s], best_i = lane + s * kWarp;
+    warp_argmax(best, best_i);
+    if (best_i % kWarp == lane) {
+#pragma unroll
+      for (int s = 0; s < kRouterPerLane; ++s)
+        if (s == best_i / kWarp) p[s] = -2.f;
+    }
+    if (lane == j) my_w = best, my_i = best_i;
+  }
+  if (renormalize) {
+    float picked = 0.f;  // summed in pick order, as the CPU does
+    for (int j = 0; j < k; ++j) picked += __shfl_sync(0xffffffffu, my_w, j);
+    my_w /= picked;
+  }
+  if (lane < k) {
+    if (expert_scale) my_w *= expert_scale[my_i];
+    idx[row * k + lane] = my_i;
+    weight[row * k + lane] = my_w;
+  }
+}
+
+constexpr int kSoftmaxThreads = 256;
+
+// One block per row: max, sum of exp, then exp / sum. y may alias x: the last pass starts
+// after block_sum's barrier, when every read of the first two is done, and each thread
+// rewrites only elements it reads itself.
+__global__ void __launch_bounds__(kSoftmaxThreads) softmax_rows_kernel(const float* x, int64_t x_stride, float* y,
+                                                                        int64_t y_stride, int cols) {
+  __shared__ float scratch[kWarp];
+  const float* xr = x + int64_t(blockIdx.x) * x_stride;
+  float* yr = y + int64_t(blockIdx.x) * y_stride;
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, xr[c]);
+  m = block_max(m, scratch);
+  float sum = 0.f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += expf(xr[c] - m);
+  sum = block_sum(sum, scratch);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = expf(xr[c] - m) / sum;
+}
+
+constexpr int kArgmaxThreads = 1024;
+
+// One block of 1024 threads per row; kVec: float4 loads (row 16-byte aligned, cols % 4 == 0).
+// A thread scans its elements in increasing index order with a strict >, then (value, index)
+// pairs reduce with ties to the lower index: the lowest index of the maximum wins. A row
+// holding a NaN gives -1, as on the CPU.
+template <bool kVec>
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_rows_kernel(const float* __restrict__ logits, int64_t stride, int cols, int32_t* __restrict__ ids) {
+  __shared__ float s_v[kArgmaxThreads / kWarp];
+  __shared__ int s_i[kArgmaxThreads / kWarp];
+  const float* l = logits + int64_t(blockIdx.x) * stride;
+  float best = -INFINITY;
+  int best_i = 0x7fffffff;
+  bool nan = false;
+  auto take = [&](float v, int i) {
+    nan |= v != v;
+    if (v > best) best = v, best_i = i;
+  };
+  if constexpr (kVec) {
+    const float4* l4 = reinterpret_cast<const float4*>(l);
+    for (int c = threadIdx.x; c < cols / 4; c += kArgmaxThreads) {
+      const float4 v = l4[c];
+      take(v.x, 4 * c);
+      take(v.y, 4 * c + 1);
+      take(v.z, 4 * c + 2);
+      take(v.w, 4 * c + 3);
+    }
+  } else {
+    for (int c = threadIdx.x; c < cols; c += kArgmaxThreads) take(l[c], c);
+  }
+  // A row of all -inf still names an index: the first element.
+  if (best_i == 0x7fffffff && threadIdx.x == 0) best_i = 0;
+  warp_argmax(best, best_i);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) s_v[warp] = best, s_i[warp] = best_i;
+  nan = __syncthreads_or(nan);
+  if (warp == 0) {
+    best = s_v[lane];
+    best_i = s_i[lane];
+    warp_argmax(best, best_i);
+    if (lane == 0) ids[blockIdx.x] = nan ? -1 : best_i;
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
+                         const float* expert_scale, cudaStream_t stream) {
+  TS_CHECK(k >= 1 && k <= logits.cols, "router: top-k {} with {} experts", k, logits.cols);
+  TS_CHECK(logits.cols <= kRouterMaxExperts && k <= kRouterMaxK,
+           "router: {} experts, top-{} (the CUDA router takes up to {} experts and top-{})", logits.cols, k,
+           kRouterMaxExperts, kRouterMaxK);
+  if (logits.rows == 0) return;
+  // Warp per row (all 512 logits of a row live in its 32 lanes' registers), 4 rows per block.
+  router_topk_kernel<<<ceil_div(logits.rows, kRouterRowsPerBlock), kRouterRowsPerBlock * kWarp, 0, stream>>>(
+      logits.data, logits.stride, logits.rows, int(logits.cols), k, renormalize, idx, weight, expert_scale);
+  TS_CUDA_LAUNCH_CHECK("router_softmax_topk [{}, {}] k {}", logits.rows, logits.cols, k);
+}
+
+void softmax_rows(const Mat& x, const Mat& y, cudaStream_t stream) {
+  TS_CHECK(x.rows == y.rows && x.cols == y.cols, "softmax_rows: x [{}, {}] vs y [{}, {}]", x.rows, x.cols, y.rows,
+           y.cols);
+  TS_CHECK(x.rows <= 0x7fffffff && x.cols < (int64_t(1) << 31), "softmax_rows: [{}, {}]", x.rows, x.cols);
+  if (x.rows == 0 || x.cols == 0) return;
+  // Block of 256 per row: rows are n_experts wide (<= 512), one or two elements per thread.
+  softmax_rows_kernel<<<int(x.rows), kSoftmaxThreads, 0, stream>>>(x.data, x.stride, y.data, y.stride, int(x.cols));
+  TS_CUDA_LAUNCH_CHECK("softmax_rows [{}, {}]", x.rows, x.cols);
+}
+
+void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream) {
+  TS_CHECK(logits.rows <= 0x7fffffff && logits.cols > 0 && logits.cols < (int64_t(1) << 31), "argmax_rows: [{}, {}]",
+           logits.rows, logits.cols);
+  if (logits.rows == 0) return;
+  // Block of 1024 per row: vocab 262144 is 64 float4 per thread. Greedy decode has 1 row, so
+  // this is one SM's bandwidth (~1 MB in ~10 us); a split over blocks would need scratch.
+  const bool vec = aligned16(logits.data) && logits.stride % 4 == 0 && logits.cols % 4 == 0;
+  if (vec) {
+    argmax_rows_kernel<true><<<int(logits.rows), kArgmaxThreads, 0, stream>>>(logits.data, logits.stride,
+                                                                            int(logits.cols), ids);
+  } else {
+    argmax_rows_kernel<false><<<int(logits.rows), kArgmaxThreads, 0, stream>>>(logits.data, logits.stride,
+                                                                             int(logits.cols), ids);
+  }
+  TS_CUDA_LAUNCH_CHECK("argmax_rows [{}, {}]", logits.rows, logits.cols);
+}
+
+}  // namespace turbospark::cuda

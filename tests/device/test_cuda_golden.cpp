@@ -1,0 +1,194 @@
+// The families on the CUDA backend against the same transformers goldens as the CPU suite
+// (tests/golden/), plus the engine invariants on the GPU: chunk boundaries, cached decode
+// against recompute, CPU and CUDA greedy ids, and refusals (a model that does not fit, a
+// family the backend does not run yet).
+//
+// Tolerance: weights are the same bf16 (or GGUF) bytes on both backends and activations f32;
+// decode-sized micro-batches (<= 8 rows) run the f32-accumulating GEMV and match the CPU to
+// float rounding, but prefill micro-batches go through cuBLASLt on bf16-rounded activations
+// (8 significant bits: ~4e-3 relative per product), so logits are held to 3e-2 of the logit
+// scale, and greedy ids to the CPU backend's (the goldens' greedy continuations on random
+// fixtures have near-ties a bf16 GEMM may flip, so ids are compared where the CPU's own
+// top-1 leads by more than the tolerance).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "core/npy.h"
+#include "engine/generate.h"
+#include "engine/sampler.h"
+#include "engine/session.h"
+#include "golden/golden.h"
+#include "models/registry.h"
+#include "test_util.h"
+
+namespace turbospark {
+namespace {
+
+using testing::fixture;
+using testing::Golden;
+using testing::load_golden;
+using testing::max_rel_error;
+
+constexpr double kCudaLogitTol = 3e-2;
+
+bool have_gpu() { return cuda_available(); }
+
+class CudaGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    cuda_ = make_cuda_backend(0);
+    loaded_ = load_model(fixture(GetParam()), *cuda_);
+    golden_ = load_golden(GetParam());
+  }
+  void TearDown() override {
+    loaded_ = {};
+    cuda_.reset();
+  }
+  const Model& model() const { return *loaded_.model; }
+  int64_t vocab() const { return model().info().vocab_size; }
+
+  std::unique_ptr<Backend> cuda_;
+  LoadedModel loaded_;
+  Golden golden_;
+};
+
+TEST_P(CudaGolden, LogitsMatchTransformersAtEveryChunkSize) {
+  const int64_t T = int64_t(golden_.tokens.size());
+  ASSERT_EQ(golden_.logits.shape, (std::vector<int64_t>{T, vocab()}));
+  for (int64_t max_batch : {kMaxPrefillBatch, int64_t(16)}) {
+    for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(2), int64_t(3), int64_t(5), kMaxPrefillBatch}) {
+      SessionOptions so;
+      so.max_prefill_batch = max_batch;
+      Session s(model(), *cuda_, so);
+      std::vector<float> logits = s.feed(golden_.tokens, chunk, /*all_logits=*/true);
+      ASSERT_EQ(int64_t(logits.size()), T * vocab());
+      const double err = max_rel_error(logits.data(), golden_.logits.data.data(), logits.size());
+      EXPECT_LT(err, kCudaLogitTol) << GetParam() << " chunk " << chunk << " max batch " << max_batch;
+      RecordProperty("err_chunk_" + std::to_string(chunk) + "_batch_" + std::to_string(max_batch), std::to_string(err));
+    }
+  }
+}
+
+// Decode-sized micro-batches take the GEMV path: f32 accumulation, so CUDA meets the CPU
+// suite's own tolerance there.
+TEST_P(CudaGolden, TokenByTokenMatchesTransformersToCpuTolerance) {
+  Session s(model(), *cuda_);
+  std::vector<float> logits = s.feed(golden_.tokens, /*chunk=*/1, /*all_logits=*/true);
+  EXPECT_LT(max_rel_error(logits.data(), golden_.logits.data.data(), logits.size()), 2e-4) << GetParam();
+}
+
+TEST_P(CudaGolden, CachedDecodeEqualsFullRecompute) {
+  const int64_t T = int64_t(golden_.tokens.size());
+  Session decode(model(), *cuda_);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<float> step = decode.feed(std::span<const int32_t>(&golden_.tokens[size_t(t)], 1));
+    if (t % 9 != 4 && t != T - 1) continue;
+    Session full(model(), *cuda_);
+    std::vector<float> again = full.feed(std::span<const int32_t>(golden_.tokens.data(), size_t(t + 1)), 1);
+    EXPECT_LT(max_rel_error(step.data(), again.data(), step.size()), 1e-5) << "position " << t;
+  }
+}
+
+TEST_P(CudaGolden, GreedyIdsEqualTheCpuBackend) {
+  auto cpu = make_cpu_backend(2);
+  LoadedModel on_cpu = load_model(fixture(GetParam()), *cpu);
+  SamplingParams sp;
+  sp.temperature = 0;
+  auto run = [&](const Model& m, Backend& be) {
+    Session s(m, be);
+    Sampler sampler(sp);
+    std::vector<int32_t> out;
+    std::span<const int32_t> prompt(golden_.tokens.data(), size_t(golden_.greedy_prompt_len));
+    generate(s, sampler, prompt, int64_t(golden_.greedy.size()), {}, [&](int32_t tok, bool) {
+      out.push_back(tok);
+      return true;
+    });
+    return out;
+  };
+  const std::vector<int32_t> cpu_ids = run(*on_cpu.model, *cpu);
+  const std::vector<int32_t> cuda_ids = run(model(), *cuda_);
+  EXPECT_EQ(cuda_ids, cpu_ids) << GetParam();
+  EXPECT_EQ(cpu_ids, golden_.greedy) << GetParam() << " (the CPU backend itself)";
+}
+
+INSTANTIATE_TEST_SUITE_P(Decoder, CudaGolden,
+                         ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen3_moe_norenorm_tiny", "qwen2_tiny",
+                                           "llama_tiny", "gemma3_tiny", "gemma3_p6_tiny"));
+
+// The long-prompt goldens (tools/fixtures/make_long_goldens.py): 160 tokens cross the
+// 64-row micro-batch boundary and the GEMV/GEMM switch several times.
+class CudaLongGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaLongGolden, LongPromptMatchesTransformers) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = fixture(GetParam());
+  ASSERT_TRUE(std::filesystem::exists(dir + "/long_golden.json")) << dir << "/long_golden.json missing";
+  auto cuda = make_cuda_backend(0);
+  LoadedModel m = load_model(dir, *cuda);
+  const auto json = testing::read_json(dir + "/long_golden.json");
+  const std::vector<int32_t> tokens = json["tokens"].get<std::vector<int32_t>>();
+  const NpyArray want = read_npy_f32(dir + "/long_logits.npy");
+  for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5), int64_t(100)}) {
+    Session s(*m.model, *cuda);
+    std::vector<float> logits = s.feed(tokens, chunk, true);
+    ASSERT_EQ(logits.size(), want.data.size());
+    EXPECT_LT(max_rel_error(logits.data(), want.data.data(), logits.size()), kCudaLogitTol) << "chunk " << chunk;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Decoder, CudaLongGolden,
+                         ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen2_tiny", "llama_tiny", "gemma3_tiny"));
+
+// GGUF fixtures (llama.cpp's converter) on CUDA: the block formats' device kernels on a
+// whole model.
+TEST(CudaGgufGolden, Q8AndBf16FilesMatchTransformers) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    const char* fixture;
+    const char* file;
+    double tol;
+  };
+  for (const Case& c : {Case{"qwen3_tiny", "model-bf16.gguf", kCudaLogitTol}, Case{"qwen3_tiny", "model-q8_0.gguf", 0.1},
+                        Case{"llama_tiny", "model-bf16.gguf", kCudaLogitTol}}) {
+    const std::string path = fixture(c.fixture) + "/" + c.file;
+    if (!std::filesystem::exists(path)) continue;
+    auto cuda = make_cuda_backend(0);
+    LoadedModel m = load_model(path, *cuda);
+    Golden g = load_golden(c.fixture);
+    Session s(*m.model, *cuda);
+    std::vector<float> logits = s.feed(g.tokens, 0, true);
+    EXPECT_LT(max_rel_error(logits.data(), g.logits.data.data(), logits.size()), c.tol) << path;
+  }
+}
+
+TEST(CudaRefusals, FamiliesWithoutCudaKernelsAreRefusedByName) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto cuda = make_cuda_backend(0);
+  try {
+    load_model(fixture("qwen4_exp_tiny"), *cuda);
+    FAIL() << "qwen4_exp loaded on cuda";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Qwen4ExpForCausalLM is not supported on --device cuda"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CudaRefusals, AModelThatDoesNotFitIsRefusedWithByteCounts) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto cuda = make_cuda_backend(0);
+  try {
+    cuda->begin_weights(int64_t(1) << 50, /*has_routed_experts=*/true);
+    FAIL() << "a petabyte of weights was accepted";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("GiB of device memory"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expert streaming"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
+}  // namespace turbospark

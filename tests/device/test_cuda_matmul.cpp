@@ -1,0 +1,573 @@
+// CUDA weight products (backends/cuda/matmul.h) against references on the host: every weight
+// format x ragged shapes for matmul (GEMV and GEMM paths), embedding and routed experts (decode
+// and grouped prefill paths), plus the refusal of an unsupported dtype by name.
+//
+// References: a float64 product of the rows core's scalar dequantizer (dequantize_weight_row)
+// produces, for every format. The CPU backend's quantized matmuls round activations to 8 bits
+// (Q8_K / q8 blocks, int8 MXFP4 and INT4 paths) while the CUDA kernels keep f32 activations,
+// so they are not a reference at 1e-5; the CPU backend is compared directly where it computes
+// in float (F32/F16/BF16 matmul, MXFP4 in exact mode, every embedding, BF16 experts).
+//
+// Weight bytes are made by quantizing random floats with core's quantizers (random bytes would
+// give Inf/NaN f16 scales). Strided views get 0xff padding between rows (NaN as any float), so
+// a kernel reading past a row fails. Outputs are NaN-poisoned before every run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backends/cpu/mxfp4.h"
+#include "backends/cuda/matmul.h"
+#include "core/error.h"
+#include "core/quant.h"
+#include "core/quant_grouped.h"
+#include "device/device_util.h"
+#include "ops/backend.h"
+
+namespace turbospark {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::normalized_error;
+using testing::random_floats;
+
+// Error bounds, per path:
+// GEMV / decode MoE / embedding: weights dequantized exactly in f32 registers, f32 FMA
+// accumulation over <= ~1000 terms: expected ~1e-7 relative, 1e-5 leaves room for a
+// different summation order and fma contraction in the dequantizers.
+constexpr double kF32Tol = 1e-5;
+// bf16 GEMM (cuBLASLt) and grouped MoE tiles: activations (and, unless stored as bf16,
+// weights; in the MoE also the hidden activations) rounded to bf16, 2^-9 relative each:
+// expected ~2e-3 relative, bounded at 1e-2 (2e-2 for the MoE's three roundings in series).
+constexpr double kBf16Tol = 1e-2;
+constexpr double kMoeBf16Tol = 2e-2;
+// F32 weights with 16-byte-aligned rows take TF32 (10-bit mantissas, expected ~5e-4), others
+// (odd column counts) the bf16 path: both are held to the bf16 bound.
+constexpr double kTf32Tol = kBf16Tol;
+
+struct Format {
+  DType dtype;
+  DType plane = DType::U8;  // INT4_AFFINE scale/bias dtype
+  int group = 0;            // INT4_AFFINE group size
+  std::string name() const {
+    std::string n(dtype_name(dtype));
+    if (dtype == DType::INT4_AFFINE) {
+      n.append("_").append(dtype_name(plane)).append("_g").append(std::to_string(group));
+    }
+    return n;
+  }
+  // Smallest column count the format allows (cols must be a multiple of it).
+  int64_t granule() const {
+    if (dtype == DType::F32 || dtype == DType::F16 || dtype == DType::BF16) return 1;
+    if (dtype == DType::INT4_AFFINE) return group;
+    return is_quantized(dtype) ? block_size(dtype) : 32;
+  }
+  bool is_float() const { return granule() == 1; }
+};
+
+const std::vector<Format>& all_formats() {
+  static const std::vector<Format> formats = {
+      {DType::F32},  {DType::F16},  {DType::BF16}, {DType::Q4_0}, {DType::Q4_1},
+      {DType::Q5_0}, {DType::Q5_1}, {DType::Q8_0}, {DType::Q4_K}, {DType::Q5_K},
+      {DType::Q6_K}, {DType::MXFP4}, {DType::INT4_AFFINE, DType::BF16, 32},
+      {DType::INT4_AFFINE, DType::F16, 64}, {DType::INT4_AFFINE, DType::F32, 128}};
+  return formats;
+}
+
+int64_t plane_size(DType t) { return int64_t(dtype_size(t)); }
+
+// A weight in host memory with the checkpoint's layout; `view` points into the vectors.
+struct HostWeight {
+  std::vector<uint8_t> data, scales, biases;
+  WeightView view;
+};
+
+// rows x cols random weights in format f. stride_mult > 1 spaces rows (every plane) that many
+// packed rows apart, with 0xff in the gaps.
+HostWeight make_weight(const Format& f, int64_t rows, int64_t cols, uint32_t seed, int stride_mult = 1) {
+  HostWeight h;
+  WeightView& v = h.view;
+  v.dtype = f.dtype;
+  v.rows = rows;
+  v.cols = cols;
+  const std::vector<float> src = random_floats(size_t(rows * cols), seed);
+  int64_t packed = 0, scale_bytes = 0, bias_bytes = 0;
+  if (f.dtype == DType::MXFP4) {
+    packed = cols / 2;
+    scale_bytes = cols / 32;
+    v.group_size = 32;
+    v.scales_dtype = DType::U8;
+  } else if (f.dtype == DType::INT4_AFFINE) {
+    packed = cols / 2;
+    scale_bytes = bias_bytes = cols / f.group * plane_size(f.plane);
+    v.group_size = f.group;
+    v.scales_dtype = f.plane;
+  } else {
+    packed = row_bytes(f.dtype, cols);
+  }
+  v.row_bytes = packed * stride_mult;
+  v.scales_row_bytes = scale_bytes * stride_mult;
+  v.biases_row_bytes = bias_bytes * stride_mult;
+  h.data.assign(size_t(std::max<int64_t>(rows * v.row_bytes, 1)), 0xff);
+  h.scales.assign(size_t(rows * v.scales_row_bytes), 0xff);
+  h.biases.assign(size_t(rows * v.biases_row_bytes), 0xff);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src.data() + r * cols;
+    uint8_t* d = h.data.data() + r * v.row_bytes;
+    if (f.dtype == DType::MXFP4) {
+      mxfp4::quantize_row(s, d, h.scales.data() + r * v.scales_row_bytes, cols);
+    } else if (f.dtype == DType::INT4_AFFINE) {
+      int4_affine::quantize_row(s, cols, f.group, f.plane, d, h.scales.data() + r * v.scales_row_bytes,
+                                h.biases.data() + r * v.biases_row_bytes);
+    } else {
+      quantize_row(f.dtype, s, d, cols);
+    }
+  }
+  v.data = h.data.data();
+  v.scales = h.scales.empty() ? nullptr : h.scales.data();
+  v.biases = h.biases.empty() ? nullptr : h.biases.data();
+  return h;
+}
+
+// Device copies of every plane, same layout; view points into device memory.
+struct DevWeight {
+  DeviceBuffer<uint8_t> data, scales, biases;
+  WeightView view;
+};
+
+DevWeight upload(const HostWeight& h) {
+  DevWeight d;
+  d.view = h.view;
+  d.data = DeviceBuffer<uint8_t>(h.data);
+  d.view.data = d.data.get();
+  if (!h.scales.empty()) {
+    d.scales = DeviceBuffer<uint8_t>(h.scales);
+    d.view.scales = d.scales.get();
+  }
+  if (!h.biases.empty()) {
+    d.biases = DeviceBuffer<uint8_t>(h.biases);
+    d.view.biases = d.biases.get();
+  }
+  return d;
+}
+
+std::vector<double> dequantized(const WeightView& w) {
+  std::vector<float> row(size_t(w.cols));
+  std::vector<double> out(size_t(w.rows * w.cols));
+  for (int64_t r = 0; r < w.rows; ++r) {
+    dequantize_weight_row(w, r, row.data());
+    std::copy(row.begin(), row.end(), out.begin() + r * w.cols);
+  }
+  return out;
+}
+
+// y[t, o] = sum_i w[o, i] x[t, i] in float64; x [rows, cols] dense.
+std::vector<float> reference_matmul(const WeightView& w, const std::vector<float>& x, int64_t rows) {
+  const std::vector<double> wd = dequantized(w);
+  std::vector<float> y(size_t(rows * w.rows));
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t o = 0; o < w.rows; ++o) {
+      double acc = 0;
+      for (int64_t i = 0; i < w.cols; ++i) acc += wd[size_t(o * w.cols + i)] * double(x[size_t(t * w.cols + i)]);
+      y[size_t(t * w.rows + o)] = float(acc);
+    }
+  return y;
+}
+
+// A device matrix [rows, cols] with row stride `stride` starting `offset` floats into its buffer
+// (offset 1 makes rows 4-byte but not 16-byte aligned).
+struct DevMat {
+  DeviceBuffer<float> buf;
+  Mat mat;
+  DevMat(int64_t rows, int64_t cols, int64_t stride, int64_t offset = 0)
+      : buf(size_t(std::max<int64_t>(rows * stride + offset, 1))), mat(buf.get() + offset, rows, cols, stride) {}
+  void upload(const std::vector<float>& dense) {
+    std::vector<float> host(buf.size(), 0.f);
+    for (int64_t r = 0; r < mat.rows; ++r)
+      std::copy_n(dense.begin() + r * mat.cols, mat.cols, host.begin() + (mat.data - buf.get()) + r * mat.stride);
+    buf.upload(host);
+  }
+  std::vector<float> download() const {
+    const std::vector<float> host = buf.download();
+    std::vector<float> dense(size_t(mat.rows * mat.cols));
+    for (int64_t r = 0; r < mat.rows; ++r)
+      std::copy_n(host.begin() + (mat.data - buf.get()) + r * mat.stride, mat.cols, dense.begin() + r * mat.cols);
+    return dense;
+  }
+};
+
+double matmul_tolerance(const Format& f, int64_t rows) {
+  if (rows <= cuda::kGemvMaxRows) return kF32Tol;
+  return f.dtype == DType::F32 ? kTf32Tol : kBf16Tol;
+}
+
+struct Shape {
+  int64_t rows, out, in_granules;  // in = in_granules * granule (float formats: see below)
+};
+
+// ---- matmul -------------------------------------------------------------------------------
+
+TEST(CudaMatmul, EveryFormatRaggedShapes) {
+  cuda::WeightMatmul mm;
+  // in columns: granule multiples for block formats; odd sizes for float formats.
+  const Shape shapes[] = {{1, 1, 1}, {1, 7, 4}, {1, 1000, 3}, {3, 129, 2}, {3, 7, 1},
+                          {17, 129, 3}, {17, 1000, 1}, {64, 129, 4}, {500, 7, 2}, {500, 129, 1}};
+  uint32_t seed = 1;
+  for (const Format& f : all_formats()) {
+    for (const Shape& s : shapes) {
+      const int64_t in = f.is_float() ? (s.in_granules == 1 ? 67 : 67 * s.in_granules + 5) : f.granule() * s.in_granules;
+      for (int variant = 0; variant < 2; ++variant) {
+        // variant 1: strided weight rows (2x), unaligned x and y with padded strides.
+        const int stride_mult = variant ? 2 : 1;
+        const HostWeight hw = make_weight(f, s.out, in, seed++, stride_mult);
+        const DevWeight dw = upload(hw);
+        const std::vector<float> x = random_floats(size_t(s.rows * in), seed++);
+        DevMat dx(s.rows, in, in + (variant ? 3 : 0), variant ? 1 : 0);
+        DevMat dy(s.rows, s.out, s.out + (variant ? 5 : 0), variant ? 1 : 0);
+        dx.upload(x);
+        dy.buf.poison();
+        mm.matmul(dw.view, dx.mat, dy.mat, nullptr);
+        const std::vector<float> got = dy.download();
+        const std::vector<float> want = reference_matmul(hw.view, x, s.rows);
+        const double err = normalized_error(got, want);
+        EXPECT_LE(err, matmul_tolerance(f, s.rows))
+            << f.name() << " rows " << s.rows << " out " << s.out << " in " << in << " variant " << variant;
+      }
+    }
+  }
+}
+
+// The CPU backend computes these formats in float (MXFP4 in its exact mode): agree with it.
+TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {
+  cpu::mxfp4_set_int8_activations(false);
+  auto cpu = make_cpu_backend(2);
+  cuda::WeightMatmul mm;
+  uint32_t seed = 100;
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::MXFP4}) {
+    const Format f{t};
+    for (int64_t rows : {1, 3, 17}) {
+      const int64_t out = 129, in = f.is_float() ? 131 : 256;
+      const HostWeight hw = make_weight(f, out, in, seed++);
+      const DevWeight dw = upload(hw);
+      std::vector<float> x = random_floats(size_t(rows * in), seed++), y(size_t(rows * out));
+      Weight w;
+      w.view = hw.view;
+      cpu->matmul(w, Mat(x.data(), rows, in), Mat(y.data(), rows, out));
+      DevMat dx(rows, in, in), dy(rows, out, out);
+      dx.upload(x);
+      dy.buf.poison();
+      mm.matmul(dw.view, dx.mat, dy.mat, nullptr);
+      EXPECT_LE(normalized_error(dy.download(), y), matmul_tolerance(f, rows)) << f.name() << " rows " << rows;
+    }
+  }
+  cpu::mxfp4_set_int8_activations(true);
+}
+
+// ---- embedding ----------------------------------------------------------------------------
+
+TEST(CudaEmbedding, EveryFormatAgainstCpuBackend) {
+  auto cpu = make_cpu_backend(2);
+  cuda::WeightMatmul mm;
+  uint32_t seed = 200;
+  const std::vector<int32_t> ids = {3, 0, 36, 3, 17};  // duplicates, first and last rows
+  const int64_t vocab = 37;
+  for (const Format& f : all_formats()) {
+    const int64_t cols = f.is_float() ? 67 : f.granule() * 3;
+    const HostWeight hw = make_weight(f, vocab, cols, seed++, 2);
+    const DevWeight dw = upload(hw);
+    const float scale = 0.75f;
+    std::vector<float> want(ids.size() * size_t(cols));
+    Weight w;
+    w.view = hw.view;
+    cpu->embedding(w, ids.data(), int64_t(ids.size()), scale, Mat(want.data(), int64_t(ids.size()), cols));
+    DeviceBuffer<int32_t> dids(ids);
+    DevMat out(int64_t(ids.size()), cols, cols + 3, 1);
+    out.buf.poison();
+    mm.embedding(dw.view, dids.get(), int64_t(ids.size()), scale, out.mat, nullptr);
+    EXPECT_LE(normalized_error(out.download(), want), 1e-6) << f.name();
+  }
+}
+
+TEST(CudaEmbedding, OutOfRangeIdGivesNanRow) {
+  cuda::WeightMatmul mm;
+  const HostWeight hw = make_weight(Format{DType::BF16}, 4, 16, 7);
+  const DevWeight dw = upload(hw);
+  DeviceBuffer<int32_t> ids(std::vector<int32_t>{1, 4});
+  DevMat out(2, 16, 16);
+  out.buf.poison();
+  mm.embedding(dw.view, ids.get(), 2, 1.f, out.mat, nullptr);
+  const std::vector<float> got = out.download();
+  for (int i = 0; i < 16; ++i) {
+    EXPECT_TRUE(std::isfinite(got[size_t(i)]));
+    EXPECT_TRUE(std::isnan(got[size_t(16 + i)]));
+  }
+}
+
+// ---- routed experts -------------------------------------------------------------------------
+
+enum class GluKind { kSilu, kGelu, kClamped };
+
+struct MoeCase {
+  Format gate_up, down;
+  int n_experts, k;
+  int64_t rows, hidden, inter;
+  GluKind glu;
+  bool biases, interleaved;
+};
+
+struct HostExperts {
+  std::vector<HostWeight> gate_up;  // one per expert: [inter, hidden] each, or fused [2 inter, hidden]
+  std::vector<HostWeight> gate, up, down;
+  std::vector<std::vector<float>> gate_bias, up_bias, down_bias;
+};
+
+// The even and odd rows of a fused [2 inter, hidden] matrix as the gate and up views.
+std::pair<WeightView, WeightView> split_interleaved(const WeightView& fused) {
+  WeightView g = fused;
+  g.rows = fused.rows / 2;
+  g.row_bytes *= 2;
+  g.scales_row_bytes *= 2;
+  g.biases_row_bytes *= 2;
+  WeightView u = g;
+  u.data = static_cast<const uint8_t*>(fused.data) + fused.row_bytes;
+  if (fused.scales) u.scales = static_cast<const uint8_t*>(fused.scales) + fused.scales_row_bytes;
+  if (fused.biases) u.biases = static_cast<const uint8_t*>(fused.biases) + fused.biases_row_bytes;
+  return {g, u};
+}
+
+double glu_ref(GluKind kind, double g, double u, double alpha, double limit) {
+  switch (kind) {
+    case GluKind::kSilu: return g / (1 + std::exp(-g)) * u;
+    case GluKind::kGelu: return 0.5 * g * (1 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u;
+    default: {
+      const double gc = std::min(g, limit), uc = std::clamp(u, -limit, limit);
+      return (uc + 1) * gc / (1 + std::exp(-gc * alpha));
+    }
+  }
+}
+
+void run_moe_case(cuda::WeightMatmul& mm, const MoeCase& c, uint32_t seed) {
+  const int E = c.n_experts;
+  const float alpha = 1.702f, limit = 2.f;  // inside the projections' range (std ~3): clamps engage on part
+  // Host weights and their device copies.
+  const size_t nE = size_t(E);
+  std::vector<HostWeight> fused(nE), gate(nE), up(nE), down(nE);
+  std::vector<DevWeight> dfused(nE), dgate(nE), dup(nE), ddown(nE);
+  std::vector<std::vector<float>> gb(nE), ub(nE), db(nE);
+  std::vector<DeviceBuffer<float>> dgb, dub, ddb;
+  std::vector<ExpertWeights> experts(nE);
+  std::vector<WeightView> host_gate(nE), host_up(nE);
+  for (int e = 0; e < E; ++e) {
+    ExpertWeights& x = experts[size_t(e)];
+    if (c.interleaved) {
+      fused[size_t(e)] = make_weight(c.gate_up, 2 * c.inter, c.hidden, seed++);
+      dfused[size_t(e)] = upload(fused[size_t(e)]);
+      std::tie(host_gate[size_t(e)], host_up[size_t(e)]) = split_interleaved(fused[size_t(e)].view);
+      std::tie(x.gate.view, x.up.view) = split_interleaved(dfused[size_t(e)].view);
+    } else {
+      gate[size_t(e)] = make_weight(c.gate_up, c.inter, c.hidden, seed++);
+      up[size_t(e)] = make_weight(c.gate_up, c.inter, c.hidden, seed++);
+      dgate[size_t(e)] = upload(gate[size_t(e)]);
+      dup[size_t(e)] = upload(up[size_t(e)]);
+      host_gate[size_t(e)] = gate[size_t(e)].view;
+      host_up[size_t(e)] = up[size_t(e)].view;
+      x.gate.view = dgate[size_t(e)].view;
+      x.up.view = dup[size_t(e)].view;
+    }
+    down[size_t(e)] = make_weight(c.down, c.hidden, c.inter, seed++);
+    ddown[size_t(e)] = upload(down[size_t(e)]);
+    x.down.view = ddown[size_t(e)].view;
+    x.gate_up_interleaved = c.interleaved;
+    x.act = c.glu == GluKind::kGelu ? Act::kGeluTanh : Act::kSilu;
+    if (c.glu == GluKind::kClamped) x.glu_alpha = alpha, x.glu_limit = limit;
+    if (c.biases) {
+      gb[size_t(e)] = random_floats(size_t(c.inter), seed++, -0.2f, 0.2f);
+      ub[size_t(e)] = random_floats(size_t(c.inter), seed++, -0.2f, 0.2f);
+      db[size_t(e)] = random_floats(size_t(c.hidden), seed++, -0.2f, 0.2f);
+    }
+  }
+  if (c.biases) {
+    for (int e = 0; e < E; ++e) {
+      dgb.emplace_back(gb[size_t(e)]);
+      dub.emplace_back(ub[size_t(e)]);
+      ddb.emplace_back(db[size_t(e)]);
+    }
+    for (int e = 0; e < E; ++e) {
+      experts[size_t(e)].gate_bias = dgb[size_t(e)].get();
+      experts[size_t(e)].up_bias = dub[size_t(e)].get();
+      experts[size_t(e)].down_bias = ddb[size_t(e)].get();
+    }
+  }
+  // Routing: k distinct experts per row from the first E - 1 (expert E - 1 is chosen by no
+  // row); rows repeat experts across each other.
+  std::mt19937 rng(seed++);
+  std::vector<int32_t> idx(size_t(c.rows * c.k));
+  std::vector<float> wts = random_floats(size_t(c.rows * c.k), seed++, 0.1f, 1.f);
+  std::vector<int32_t> pool(nE - 1);
+  for (int64_t t = 0; t < c.rows; ++t) {
+    for (int e = 0; e < E - 1; ++e) pool[size_t(e)] = e;
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int j = 0; j < c.k; ++j) idx[size_t(t * c.k + j)] = pool[size_t(j)];
+  }
+  const std::vector<float> x = random_floats(size_t(c.rows * c.hidden), seed++);
+
+  // float64 reference.
+  std::vector<std::vector<double>> wg(nE), wu(nE), wd(nE);
+  for (int e = 0; e < E; ++e) {
+    wg[size_t(e)] = dequantized(host_gate[size_t(e)]);
+    wu[size_t(e)] = dequantized(host_up[size_t(e)]);
+    wd[size_t(e)] = dequantized(down[size_t(e)].view);
+  }
+  std::vector<float> want(size_t(c.rows * c.hidden));
+  std::vector<double> h(size_t(c.inter));
+  for (int64_t t = 0; t < c.rows; ++t) {
+    std::vector<double> acc(size_t(c.hidden), 0.0);
+    for (int j = 0; j < c.k; ++j) {
+      const int e = idx[size_t(t * c.k + j)];
+      for (int64_t i = 0; i < c.inter; ++i) {
+        double g = 0, u = 0;
+        for (int64_t q = 0; q < c.hidden; ++q) {
+          g += wg[size_t(e)][size_t(i * c.hidden + q)] * x[size_t(t * c.hidden + q)];
+          u += wu[size_t(e)][size_t(i * c.hidden + q)] * x[size_t(t * c.hidden + q)];
+        }
+        if (c.biases) g += gb[size_t(e)][size_t(i)], u += ub[size_t(e)][size_t(i)];
+        h[size_t(i)] = glu_ref(c.glu, g, u, alpha, limit);
+      }
+      for (int64_t o = 0; o < c.hidden; ++o) {
+        double y = 0;
+        for (int64_t i = 0; i < c.inter; ++i) y += wd[size_t(e)][size_t(o * c.inter + i)] * h[size_t(i)];
+        if (c.biases) y += db[size_t(e)][size_t(o)];
+        acc[size_t(o)] += double(wts[size_t(t * c.k + j)]) * y;
+      }
+    }
+    for (int64_t o = 0; o < c.hidden; ++o) want[size_t(t * c.hidden + o)] = float(acc[size_t(o)]);
+  }
+
+  DeviceBuffer<int32_t> didx(idx);
+  DeviceBuffer<float> dwts(wts);
+  DevMat dx(c.rows, c.hidden, c.hidden + 1, 1);  // unaligned rows: the decode path realigns them
+  DevMat dout(c.rows, c.hidden, c.hidden + 2);
+  dx.upload(x);
+  dout.buf.poison();
+  mm.moe_experts(experts, dx.mat, didx.get(), dwts.get(), c.k, dout.mat, nullptr);
+  const double tol = c.rows <= cuda::kMoeDecodeMaxRows ? kF32Tol : kMoeBf16Tol;
+  EXPECT_LE(normalized_error(dout.download(), want), tol)
+      << "gate/up " << c.gate_up.name() << " down " << c.down.name() << " experts " << E << " k " << c.k << " rows "
+      << c.rows << " hidden " << c.hidden << " inter " << c.inter << " glu " << int(c.glu) << " biases " << c.biases
+      << " interleaved " << c.interleaved;
+}
+
+TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
+  cuda::WeightMatmul mm;
+  const Format bf16{DType::BF16}, f32{DType::F32}, f16{DType::F16}, q4k{DType::Q4_K}, q6k{DType::Q6_K},
+      q8{DType::Q8_0}, q40{DType::Q4_0}, mx{DType::MXFP4}, i4{DType::INT4_AFFINE, DType::BF16, 32};
+  std::vector<MoeCase> cases;
+  // Every variant (act x biases x interleaved) at decode and prefill sizes, bf16 and MXFP4.
+  for (const Format& f : {bf16, mx})
+    for (GluKind glu : {GluKind::kSilu, GluKind::kGelu, GluKind::kClamped})
+      for (bool biases : {false, true})
+        for (bool inter : {false, true})
+          for (int64_t rows : {1, 17}) cases.push_back({f, f, 8, 2, rows, 64, 96, glu, biases, inter});
+  // Rows, k and expert counts; odd float sizes; k-quants with a different down format.
+  const int64_t row_counts[] = {1, 3, 17, 64, 500};
+  for (int64_t rows : row_counts) {
+    cases.push_back({bf16, bf16, 4, 1, rows, 64, 32, GluKind::kSilu, false, false});
+    cases.push_back({f32, f32, 16, 8, rows, 67, 45, GluKind::kGelu, true, false});
+    cases.push_back({q4k, q6k, 128, 8, std::min<int64_t>(rows, 64), 256, 256, GluKind::kSilu, false, false});
+    cases.push_back({i4, q8, 32, 2, rows, 64, 96, GluKind::kClamped, true, true});
+  }
+  cases.push_back({f16, q40, 8, 8, 3, 96, 64, GluKind::kSilu, true, false});
+  cases.push_back({f16, q40, 8, 8, 33, 96, 64, GluKind::kSilu, true, false});
+  cases.push_back({q8, mx, 64, 8, 500, 64, 64, GluKind::kGelu, false, true});
+  uint32_t seed = 1000;
+  for (const MoeCase& c : cases) run_moe_case(mm, c, seed += 100);
+}
+
+// BF16 experts run in float on the CPU backend: agree with it (decode and prefill).
+TEST(CudaMoe, MatchesCpuBackendBf16) {
+  auto cpu = make_cpu_backend(2);
+  cuda::WeightMatmul mm;
+  const Format f{DType::BF16};
+  const int E = 6, k = 2;
+  const int64_t hidden = 64, inter = 32;
+  std::vector<HostWeight> g, u, d;
+  std::vector<DevWeight> dg, du, dd;
+  std::vector<ExpertWeights> host(E), dev(E);
+  for (int e = 0; e < E; ++e) {
+    g.push_back(make_weight(f, inter, hidden, 10 + e));
+    u.push_back(make_weight(f, inter, hidden, 20 + e));
+    d.push_back(make_weight(f, hidden, inter, 30 + e));
+  }
+  for (int e = 0; e < E; ++e) {
+    dg.push_back(upload(g[size_t(e)]));
+    du.push_back(upload(u[size_t(e)]));
+    dd.push_back(upload(d[size_t(e)]));
+    host[size_t(e)].gate.view = g[size_t(e)].view;
+    host[size_t(e)].up.view = u[size_t(e)].view;
+    host[size_t(e)].down.view = d[size_t(e)].view;
+    dev[size_t(e)].gate.view = dg[size_t(e)].view;
+    dev[size_t(e)].up.view = du[size_t(e)].view;
+    dev[size_t(e)].down.view = dd[size_t(e)].view;
+  }
+  for (int64_t rows : {1, 17}) {
+    std::vector<int32_t> idx(size_t(rows * k));
+    for (int64_t t = 0; t < rows; ++t) idx[size_t(t * k)] = int32_t(t % 5), idx[size_t(t * k + 1)] = int32_t((t + 2) % 5);
+    const std::vector<float> wts = random_floats(size_t(rows * k), 5, 0.1f, 1.f);
+    std::vector<float> x = random_floats(size_t(rows * hidden), 6), want(size_t(rows * hidden));
+    cpu->moe_experts(host, Mat(x.data(), rows, hidden), idx.data(), wts.data(), k, Mat(want.data(), rows, hidden));
+    DeviceBuffer<int32_t> didx(idx);
+    DeviceBuffer<float> dwts(wts);
+    DevMat dx(rows, hidden, hidden), dout(rows, hidden, hidden);
+    dx.upload(x);
+    dout.buf.poison();
+    mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, dout.mat, nullptr);
+    EXPECT_LE(normalized_error(dout.download(), want), rows <= cuda::kMoeDecodeMaxRows ? kF32Tol : kMoeBf16Tol)
+        << "rows " << rows;
+  }
+}
+
+// ---- refusals -------------------------------------------------------------------------------
+
+template <class Fn>
+void expect_refusal_naming(Fn&& fn, const std::string& what, const char* op) {
+  try {
+    fn();
+    ADD_FAILURE() << op << " accepted an unsupported dtype";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << op << ": " << e.what();
+  }
+}
+
+TEST(CudaMatmul, RefusesUnsupportedDtypeByName) {
+  cuda::WeightMatmul mm;
+  DeviceBuffer<uint8_t> bytes(4096);
+  WeightView w;
+  w.dtype = DType::I32;
+  w.data = bytes.get();
+  w.rows = 8;
+  w.cols = 16;
+  w.row_bytes = 64;
+  DevMat x1(1, 16, 16), y1(1, 8, 8), x17(17, 16, 16), y17(17, 8, 8);
+  DeviceBuffer<int32_t> ids(std::vector<int32_t>{0});
+  expect_refusal_naming([&] { mm.matmul(w, x1.mat, y1.mat, nullptr); }, "I32", "gemv");
+  expect_refusal_naming([&] { mm.matmul(w, x17.mat, y17.mat, nullptr); }, "I32", "gemm");
+  expect_refusal_naming([&] { mm.embedding(w, ids.get(), 1, 1.f, x1.mat, nullptr); }, "I32", "embedding");
+  std::vector<ExpertWeights> experts(2);
+  WeightView down = w;
+  down.rows = 16;
+  down.cols = 8;
+  down.row_bytes = 32;
+  for (ExpertWeights& e : experts) e.gate.view = w, e.up.view = w, e.down.view = down;
+  DeviceBuffer<float> wts(std::vector<float>{1.f});
+  DevMat mx(1, 16, 16), mout(1, 16, 16);
+  expect_refusal_naming([&] { mm.moe_experts(experts, mx.mat, ids.get(), wts.get(), 1, mout.mat, nullptr); }, "I32",
+                        "moe_experts");
+}
+
+}  // namespace
+}  // namespace turbospark

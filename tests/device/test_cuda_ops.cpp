@@ -1,0 +1,605 @@
+// The CUDA backend's non-matmul ops (backends/cuda/ops.h) against the CPU backend over ragged
+// shapes: every launcher runs on device copies of the inputs, the CPU backend runs the same
+// op on host copies, and the results are compared with normalized_error (||a - b|| / ||b||,
+// infinite on any NaN). Device outputs are NaN-poisoned first, and strided outputs must leave
+// their row padding poisoned (no write outside the view).
+//
+// Bounds: the math is f32 on both sides and differs only in summation order, so
+//  - elementwise, rope, rmsnorm, softmax: 1e-6 (a few ulp; expf/tanhf/sincosf are the precise
+//    versions on the device);
+//  - attention: 1e-5 (f32 sums over up to 4000 keys in different orders; V is drawn from
+//    [-0.5, 1.5] so that outputs are not near-zero averages whose relative error cancellation
+//    would inflate -- dropping or double-counting a single key of 4000 still moves the
+//    output by ~2e-4, 20x the bound);
+//  - router: expert indices exactly (ties to the lower index), weights 1e-6;
+//  - argmax, kv_write: exact.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/ops.h"
+#include "device/device_util.h"
+#include "ops/backend.h"
+
+namespace turbospark::testing {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+Backend& cpu() {
+  static std::unique_ptr<Backend> b = make_cpu_backend(2);
+  return *b;
+}
+
+// A non-default stream: the launchers must honour the one they are given.
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st = nullptr;
+    TS_CHECK(cudaStreamCreate(&st) == cudaSuccess, "cudaStreamCreate");
+    return st;
+  }();
+  return s;
+}
+
+void sync() { TS_CHECK(cudaStreamSynchronize(stream()) == cudaSuccess, "kernel failed: {}", cudaGetErrorString(cudaGetLastError())); }
+
+// A [rows, cols] f32 matrix with row stride cols + pad, on the host and on the device.
+struct Strided {
+  int64_t rows = 0, cols = 0, stride = 0;
+  std::vector<float> host;
+  DeviceBuffer<float> dev;
+
+  Strided(int64_t r, int64_t c, int64_t pad, uint32_t seed, float lo = -1.f, float hi = 1.f)
+      : rows(r), cols(c), stride(c + pad), host(random_floats(size_t(r * (c + pad)), seed, lo, hi)),
+        dev(host) {}
+  Mat h() { return Mat(host.data(), rows, cols, stride); }
+  Mat d() const { return Mat(dev.get(), rows, cols, stride); }
+  void poison() { dev.poison(); }
+  void upload() { dev.upload(host); }
+  std::vector<float> host_dense() const { return dense(host); }
+  std::vector<float> dev_dense() const {
+    sync();
+    return dense(dev.download());
+  }
+  // Whether every padding element of the device copy still holds the poison pattern.
+  bool dev_pads_poisoned() const {
+    sync();
+    const std::vector<float> all = dev.download();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = cols; c < stride; ++c) {
+        uint32_t bits;
+        std::memcpy(&bits, &all[size_t(r * stride + c)], 4);
+        if (bits != 0xffffffffu) return false;
+      }
+    return true;
+  }
+
+ private:
+  std::vector<float> dense(const std::vector<float>& all) const {
+    std::vector<float> out(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(all.begin() + r * stride, cols, out.begin() + r * cols);
+    return out;
+  }
+};
+
+std::string shape(int64_t rows, int64_t cols, int64_t pad) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "] pad " + std::to_string(pad);
+}
+
+const int64_t kRows[] = {1, 3, 17, 64, 500};
+const int64_t kCols[] = {1, 7, 64, 100, 1000, 1030, 4099};
+const int64_t kPads[] = {0, 3};
+
+// ---------------- rmsnorm ----------------
+
+TEST(CudaOps, RmsNorm) {
+  REQUIRE_GPU();
+  for (int64_t rows : kRows)
+    for (int64_t cols : kCols)
+      for (int64_t pad : kPads)
+        for (float offset : {0.f, 1.f}) {
+          SCOPED_TRACE(shape(rows, cols, pad) + " offset " + std::to_string(offset));
+          Strided x(rows, cols, pad, 1 + uint32_t(cols), -2.f, 2.f);
+          Strided y(rows, cols, pad, 2);
+          const std::vector<float> w = random_floats(size_t(cols), 3, -0.5f, 1.5f);
+          DeviceBuffer<float> dw(w);
+          cpu().rmsnorm(x.h(), w.data(), 1e-6f, y.h(), offset);
+          y.poison();
+          cuda::rmsnorm(x.d(), dw.get(), 1e-6f, y.d(), offset, stream());
+          EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+          if (pad) {
+          EXPECT_TRUE(y.dev_pads_poisoned());
+        }
+          // In place (y aliases x), as the per-head q/k norms run.
+          cpu().rmsnorm(x.h(), w.data(), 1e-6f, x.h(), offset);
+          cuda::rmsnorm(x.d(), dw.get(), 1e-6f, x.d(), offset, stream());
+          EXPECT_LT(normalized_error(x.dev_dense(), x.host_dense()), 1e-6);
+        }
+}
+
+// ---------------- elementwise ----------------
+
+TEST(CudaOps, AddAndBias) {
+  REQUIRE_GPU();
+  for (int64_t rows : kRows)
+    for (int64_t cols : kCols)
+      for (int64_t pad : kPads) {
+        SCOPED_TRACE(shape(rows, cols, pad));
+        Strided y(rows, cols, pad, 10), x(rows, cols, pad + 1, 11);
+        cpu().add(y.h(), x.h());
+        cuda::add(y.d(), x.d(), stream());
+        EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+        const std::vector<float> bias = random_floats(size_t(cols), 12);
+        DeviceBuffer<float> db(bias);
+        cpu().add_bias(y.h(), bias.data());
+        cuda::add_bias(y.d(), db.get(), stream());
+        EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+      }
+}
+
+TEST(CudaOps, SwigluAndClamped) {
+  REQUIRE_GPU();
+  for (int64_t rows : kRows)
+    for (int64_t cols : kCols)
+      for (int64_t pad : kPads) {
+        SCOPED_TRACE(shape(rows, cols, pad));
+        Strided g(rows, cols, pad, 20, -12.f, 12.f), u(rows, cols, pad, 21, -12.f, 12.f), o(rows, cols, pad, 22);
+        cpu().swiglu(g.h(), u.h(), o.h());
+        o.poison();
+        cuda::swiglu(g.d(), u.d(), o.d(), stream());
+        EXPECT_LT(normalized_error(o.dev_dense(), o.host_dense()), 1e-6);
+        if (pad) {
+          EXPECT_TRUE(o.dev_pads_poisoned());
+        }
+        // gpt-oss: alpha 1.702, limit 7 (inputs reach past the limit on both sides).
+        std::vector<float> ref(size_t(rows * cols));
+        Mat ref_m(ref.data(), rows, cols);
+        {
+          // The CPU backend exposes clamped_swiglu only inside moe_experts: mirror its formula.
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) {
+              const float gv = g.h().row(r)[c], uv = u.h().row(r)[c];
+              const float gc = std::min(gv, 7.f), uc = std::clamp(uv, -7.f, 7.f);
+              ref[size_t(r * cols + c)] = (uc + 1.f) * (gc * (1.f / (1.f + std::exp(-(gc * 1.702f)))));
+            }
+        }
+        o.poison();
+        cuda::clamped_swiglu(g.d(), u.d(), 1.702f, 7.f, o.d(), stream());
+        EXPECT_LT(normalized_error(o.dev_dense(), ref), 1e-6);
+        // In place into gate, as moe_experts runs it.
+        cuda::swiglu(g.d(), u.d(), g.d(), stream());
+        cpu().swiglu(g.h(), u.h(), g.h());
+        EXPECT_LT(normalized_error(g.dev_dense(), g.host_dense()), 1e-6);
+      }
+}
+
+TEST(CudaOps, UnaryAndMulAct) {
+  REQUIRE_GPU();
+  const Act acts[] = {Act::kIdentity, Act::kSilu, Act::kSigmoid, Act::kGeluTanh, Act::kTanh};
+  for (int64_t rows : {int64_t(1), int64_t(17), int64_t(500)})
+    for (int64_t cols : {int64_t(1), int64_t(7), int64_t(64), int64_t(1030)})
+      for (int64_t pad : kPads)
+        for (Act act : acts) {
+          SCOPED_TRACE(shape(rows, cols, pad) + " act " + std::to_string(int(act)));
+          Strided x(rows, cols, pad, 30, -6.f, 6.f), y(rows, cols, pad, 31);
+          cpu().unary(x.h(), act, 0.7f, 1.3f, y.h());
+          y.poison();
+          cuda::unary(x.d(), act, 0.7f, 1.3f, y.d(), stream());
+          EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+          if (pad) {
+          EXPECT_TRUE(y.dev_pads_poisoned());
+        }
+          // Full gate and 1-column broadcast gate.
+          for (int64_t gate_cols : {cols, int64_t(1)}) {
+            Strided z(rows, cols, pad, 32), gate(rows, gate_cols, pad, 33, -6.f, 6.f);
+            cpu().mul_act(z.h(), gate.h(), act);
+            cuda::mul_act(z.d(), gate.d(), act, stream());
+            // A 1-column gate on one row scales everything by a single act(g): GELU-tanh's
+            // 1 + tanh(u) cancels for negative g, and there the device's tanhf and the CPU's
+            // differ by 2.6e-5 relative (H200, measured); any other shape averages to < 1e-6.
+            const double bound = (act == Act::kGeluTanh && gate_cols == 1) ? 1e-4 : 1e-6;
+            EXPECT_LT(normalized_error(z.dev_dense(), z.host_dense()), bound) << "gate cols " << gate_cols;
+          }
+        }
+}
+
+TEST(CudaOps, CopyAndSplitHeads) {
+  REQUIRE_GPU();
+  for (int64_t rows : kRows)
+    for (int64_t pad : kPads) {
+      for (int64_t cols : kCols) {
+        SCOPED_TRACE("copy " + shape(rows, cols, pad));
+        Strided src(rows, cols, pad + 2, 40), dst(rows, cols, pad, 41);
+        dst.poison();
+        cuda::copy(src.d(), dst.d(), stream());
+        EXPECT_EQ(normalized_error(dst.dev_dense(), src.host_dense()), 0.0);
+        if (pad) {
+          EXPECT_TRUE(dst.dev_pads_poisoned());
+        }
+      }
+      for (int heads : {1, 5, 16})
+        for (int hd : {7, 64, 128}) {
+          SCOPED_TRACE("split_heads " + shape(rows, 2 * heads * hd, pad) + " heads " + std::to_string(heads) +
+                       " hd " + std::to_string(hd));
+          Strided ab(rows, 2 * int64_t(heads) * hd, pad, 42);
+          Strided a(rows, int64_t(heads) * hd, pad, 43), b(rows, int64_t(heads) * hd, pad, 44);
+          cpu().split_heads(ab.h(), heads, hd, a.h(), b.h());
+          a.poison();
+          b.poison();
+          cuda::split_heads(ab.d(), heads, hd, a.d(), b.d(), stream());
+          EXPECT_EQ(normalized_error(a.dev_dense(), a.host_dense()), 0.0);
+          EXPECT_EQ(normalized_error(b.dev_dense(), b.host_dense()), 0.0);
+          if (pad) {
+          EXPECT_TRUE(a.dev_pads_poisoned() && b.dev_pads_poisoned());
+        }
+        }
+    }
+}
+
+// ---------------- rope ----------------
+
+TEST(CudaOps, Rope) {
+  REQUIRE_GPU();
+  std::mt19937 rng(50);
+  for (int64_t rows : {int64_t(1), int64_t(3), int64_t(17), int64_t(64)})
+    for (int heads : {1, 4, 8})
+      for (int hd : {64, 80, 128, 256})
+        for (int rot : {hd, hd / 2, 32})
+          for (float factor : {1.f, 1.2f}) {
+            SCOPED_TRACE("rows " + std::to_string(rows) + " heads " + std::to_string(heads) + " hd " +
+                         std::to_string(hd) + " rot " + std::to_string(rot) + " factor " + std::to_string(factor));
+            const int64_t pad = rows % 2 ? 5 : 0;
+            Strided x(rows, int64_t(heads) * hd, pad, uint32_t(rng()));
+            std::vector<int64_t> pos(static_cast<size_t>(rows));
+            // Up to 2^19: large angles, where __cosf/__sinf would be far off.
+            for (auto& p : pos) p = int64_t(rng() % (1u << 19));
+            pos[0] = 0;
+            std::vector<float> inv_freq(size_t(rot / 2));
+            for (int i = 0; i < rot / 2; ++i) inv_freq[size_t(i)] = float(std::pow(1e6, -2.0 * i / rot));
+            DeviceBuffer<int64_t> dpos(pos);
+            DeviceBuffer<float> dfreq(inv_freq);
+            cpu().rope(x.h(), heads, hd, rot, pos.data(), inv_freq.data(), factor);
+            cuda::rope(x.d(), heads, hd, rot, dpos.get(), dfreq.get(), factor, stream());
+            EXPECT_LT(normalized_error(x.dev_dense(), x.host_dense()), 1e-6);
+          }
+}
+
+// ---------------- router, softmax, argmax ----------------
+
+enum class Logits { kRandom, kAllEqual, kPairsEqual, kFewLevels };
+
+std::vector<float> router_logits(int64_t rows, int n, Logits kind, uint32_t seed) {
+  std::vector<float> l = random_floats(size_t(rows * n), seed, -4.f, 4.f);
+  std::mt19937 rng(seed);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int e = 0; e < n; ++e) {
+      float& v = l[size_t(r * n + e)];
+      switch (kind) {
+        case Logits::kRandom: break;
+        case Logits::kAllEqual: v = 0.25f; break;
+        case Logits::kPairsEqual: v = float((e / 2 * 37 + int(r)) % 11) * 0.5f; break;  // (2i, 2i+1) tie
+        case Logits::kFewLevels: v = float(rng() % 4); break;
+      }
+    }
+  return l;
+}
+
+TEST(CudaOps, RouterSoftmaxTopK) {
+  REQUIRE_GPU();
+  for (int n : {8, 32, 100, 128, 256, 512})
+    for (int k : {1, 8, 10, 16})
+      for (Logits kind : {Logits::kRandom, Logits::kAllEqual, Logits::kPairsEqual, Logits::kFewLevels})
+        for (bool renorm : {false, true})
+          for (bool scaled : {false, true}) {
+            if (k > n) continue;
+            for (int64_t rows : {int64_t(1), int64_t(17), int64_t(500)}) {
+              SCOPED_TRACE("experts " + std::to_string(n) + " k " + std::to_string(k) + " kind " +
+                           std::to_string(int(kind)) + " renorm " + std::to_string(renorm) + " scaled " +
+                           std::to_string(scaled) + " rows " + std::to_string(rows));
+              const std::vector<float> l = router_logits(rows, n, kind, uint32_t(n * 31 + k));
+              const std::vector<float> scale = random_floats(size_t(n), 60, 0.5f, 2.f);
+              std::vector<int32_t> idx(size_t(rows * k));
+              std::vector<float> w(size_t(rows * k));
+              std::vector<float> lh = l;
+              cpu().router_softmax_topk(Mat(lh.data(), rows, n), k, renorm, idx.data(), w.data(),
+                                        scaled ? scale.data() : nullptr);
+              DeviceBuffer<float> dl(l), dscale(scale);
+              DeviceBuffer<int32_t> didx(idx.size());
+              DeviceBuffer<float> dw(w.size());
+              didx.poison();
+              dw.poison();
+              cuda::router_softmax_topk(Mat(dl.get(), rows, n), k, renorm, didx.get(), dw.get(),
+                                        scaled ? dscale.get() : nullptr, stream());
+              sync();
+              EXPECT_EQ(didx.download(), idx);
+              // expf on the device and glibc's exp differ by an ulp or two, and the softmax
+              // denominator sums up to 512 of them: 1.8e-6 measured on the H200 at k = 1.
+              EXPECT_LT(normalized_error(dw.download(), w), 4e-6);
+            }
+          }
+}
+
+TEST(CudaOps, RouterRefusesTooManyExperts) {
+  REQUIRE_GPU();
+  DeviceBuffer<float> l(513);
+  DeviceBuffer<int32_t> idx(8);
+  DeviceBuffer<float> w(8);
+  EXPECT_THROW(cuda::router_softmax_topk(Mat(l.get(), 1, 513), 8, true, idx.get(), w.get(), nullptr, stream()), Error);
+  EXPECT_THROW(cuda::router_softmax_topk(Mat(l.get(), 1, 64), 17, true, idx.get(), w.get(), nullptr, stream()), Error);
+}
+
+TEST(CudaOps, SoftmaxRows) {
+  REQUIRE_GPU();
+  for (int64_t rows : {int64_t(1), int64_t(17), int64_t(500)})
+    for (int64_t cols : {int64_t(1), int64_t(8), int64_t(128), int64_t(513), int64_t(1000)})
+      for (int64_t pad : kPads) {
+        SCOPED_TRACE(shape(rows, cols, pad));
+        Strided x(rows, cols, pad, 70, -8.f, 8.f), y(rows, cols, pad, 71);
+        cpu().softmax_rows(x.h(), y.h());
+        y.poison();
+        cuda::softmax_rows(x.d(), y.d(), stream());
+        EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+        if (pad) {
+          EXPECT_TRUE(y.dev_pads_poisoned());
+        }
+        cpu().softmax_rows(x.h(), x.h());
+        cuda::softmax_rows(x.d(), x.d(), stream());
+        EXPECT_LT(normalized_error(x.dev_dense(), x.host_dense()), 1e-6);
+      }
+}
+
+TEST(CudaOps, ArgmaxRows) {
+  REQUIRE_GPU();
+  std::mt19937 rng(80);
+  for (int64_t rows : {int64_t(1), int64_t(3), int64_t(17)})
+    for (int64_t cols : {int64_t(1), int64_t(7), int64_t(1000), int64_t(151937), int64_t(262144)})
+      for (int64_t pad : kPads) {
+        SCOPED_TRACE(shape(rows, cols, pad));
+        Strided x(rows, cols, pad, uint32_t(rng()), -30.f, 30.f);
+        // Ties: row r gets its maximum at two places (the lower must win), row 1 at three,
+        // and row 2 a NaN (-1, as the CPU reports it).
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = x.h().row(r);
+          const int64_t a = int64_t(rng() % uint32_t(cols)), b = int64_t(rng() % uint32_t(cols));
+          row[a] = row[b] = 40.f;
+          if (r == 1) row[cols - 1] = 40.f;
+          if (r == 2) row[int64_t(rng() % uint32_t(cols))] = NAN;
+        }
+        x.upload();
+        std::vector<int32_t> ids(static_cast<size_t>(rows));
+        cpu().argmax_rows(x.h(), ids.data());
+        DeviceBuffer<int32_t> dids(static_cast<size_t>(rows));
+        dids.poison();
+        cuda::argmax_rows(x.d(), dids.get(), stream());
+        sync();
+        EXPECT_EQ(dids.download(), ids);
+      }
+}
+
+// ---------------- paged KV: kv_write and attention ----------------
+
+// One layer's paged pools, on the host and the device, with a shuffled block table for
+// n_seqs sequences of up to max_context positions (block_size 16).
+struct PagedCache {
+  int n_seqs, block_size, max_blocks, n_kv_heads, head_dim;
+  std::vector<float> k, v;     // [n_blocks, block_size, n_kv_heads, head_dim]
+  std::vector<int32_t> table;  // [n_seqs, max_blocks]: a random permutation of the blocks
+  DeviceBuffer<float> dk, dv;
+  DeviceBuffer<int32_t> dtable;
+
+  PagedCache(int seqs, int64_t max_context, int kv_heads, int hd, uint32_t seed, int bs = 16)
+      : n_seqs(seqs), block_size(bs), max_blocks(int((max_context + bs - 1) / bs)), n_kv_heads(kv_heads),
+        head_dim(hd) {
+    const size_t floats = size_t(n_seqs) * max_blocks * bs * kv_heads * hd;
+    // Every slot holds data, written or not: reading outside [lo, pos] changes the result.
+    k = random_floats(floats, seed, -2.f, 2.f);
+    v = random_floats(floats, seed + 1, -0.5f, 1.5f);
+    table.resize(size_t(n_seqs) * max_blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::mt19937 rng(seed + 2);
+    std::shuffle(table.begin(), table.end(), rng);
+    dk = DeviceBuffer<float>(k);
+    dv = DeviceBuffer<float>(v);
+    dtable = DeviceBuffer<int32_t>(table);
+  }
+  KvLayerView host_view(const int32_t* row_seq) {
+    return KvLayerView{k.data(), v.data(), table.data(), max_blocks, row_seq, block_size, n_kv_heads, head_dim};
+  }
+  KvLayerView device_view(const int32_t* row_seq) const {
+    return KvLayerView{dk.get(), dv.get(), dtable.get(), max_blocks, row_seq, block_size, n_kv_heads, head_dim};
+  }
+};
+
+TEST(CudaOps, KvWrite) {
+  REQUIRE_GPU();
+  for (int kv_heads : {1, 2, 8})
+    for (int hd : {64, 80, 128})
+      for (int64_t rows : {int64_t(1), int64_t(3), int64_t(17), int64_t(64)})
+        for (int64_t pad : kPads) {
+          SCOPED_TRACE("kv_heads " + std::to_string(kv_heads) + " hd " + std::to_string(hd) + " rows " +
+                       std::to_string(rows) + " pad " + std::to_string(pad));
+          PagedCache cache(2, 300, kv_heads, hd, 90);
+          Strided k(rows, int64_t(kv_heads) * hd, pad, 91), v(rows, int64_t(kv_heads) * hd, pad, 92);
+          // Rows alternate between the sequences, each at its own run of positions.
+          std::vector<int32_t> seq(static_cast<size_t>(rows));
+          std::vector<int64_t> pos(static_cast<size_t>(rows));
+          for (int64_t t = 0; t < rows; ++t) {
+            seq[size_t(t)] = int32_t(t % 2);
+            pos[size_t(t)] = t % 2 ? 150 + t / 2 : 283 - rows / 2 + t / 2;
+          }
+          DeviceBuffer<int32_t> dseq(seq);
+          DeviceBuffer<int64_t> dpos(pos);
+          cpu().kv_write(cache.host_view(seq.data()), k.h(), v.h(), pos.data());
+          cuda::kv_write(cache.device_view(dseq.get()), k.d(), v.d(), dpos.get(), stream());
+          sync();
+          EXPECT_EQ(cache.dk.download(), cache.k);
+          EXPECT_EQ(cache.dv.download(), cache.v);
+        }
+}
+
+enum class Kernel { kDecode, kPrefill, kAuto };
+
+struct AttnCase {
+  int n_heads, n_kv_heads, head_dim;
+  int64_t rows, context;  // the last row of sequence 0 sits at position context - 1
+  int window;
+  bool sinks;
+  int n_seqs;
+  std::string name() const {
+    return "heads " + std::to_string(n_heads) + "/" + std::to_string(n_kv_heads) + " hd " + std::to_string(head_dim) +
+           " rows " + std::to_string(rows) + " ctx " + std::to_string(context) + " window " + std::to_string(window) +
+           " sinks " + std::to_string(sinks) + " seqs " + std::to_string(n_seqs);
+  }
+};
+
+// Runs one case on both backends through the chosen CUDA kernel; returns the error.
+double run_attention(const AttnCase& c, Kernel kernel, bool with_scratch = true) {
+  // Row t belongs to sequence t % n_seqs (interleaved: the prefill tiles see mixed
+  // sequences); sequence s's rows take the last positions of its context, which shrinks
+  // with s so the sequences differ in length.
+  std::vector<int32_t> seq(size_t(c.rows));
+  std::vector<int64_t> pos(size_t(c.rows));
+  std::vector<int64_t> n_rows(size_t(c.n_seqs), 0);
+  for (int64_t t = 0; t < c.rows; ++t) n_rows[size_t(t % c.n_seqs)]++;
+  std::vector<int64_t> next(size_t(c.n_seqs));
+  for (int s = 0; s < c.n_seqs; ++s) {
+    const int64_t ctx = std::max<int64_t>(n_rows[size_t(s)], c.context - s * (c.context / 3));
+    next[size_t(s)] = ctx - n_rows[size_t(s)];
+  }
+  for (int64_t t = 0; t < c.rows; ++t) {
+    const int s = int(t % c.n_seqs);
+    seq[size_t(t)] = s;
+    pos[size_t(t)] = next[size_t(s)]++;
+  }
+  PagedCache cache(c.n_seqs, c.context + 5, c.n_kv_heads, c.head_dim, uint32_t(c.context * 7 + c.head_dim));
+  const int64_t width = int64_t(c.n_heads) * c.head_dim;
+  // q is a column slice of a wider qkv-like buffer (stride > width), out has padding.
+  Strided q(c.rows, width, 2 * int64_t(c.n_kv_heads) * c.head_dim + 1, uint32_t(c.rows + 100), -2.f, 2.f);
+  Strided out(c.rows, width, 3, 101);
+  const std::vector<float> sinks = random_floats(size_t(c.n_heads), 102, -1.f, 3.f);
+  DeviceBuffer<float> dsinks(sinks);
+  DeviceBuffer<int32_t> dseq(seq);
+  DeviceBuffer<int64_t> dpos(pos);
+  const float scale = 1.f / std::sqrt(float(c.head_dim));
+  const int32_t* host_seq = c.n_seqs > 1 ? seq.data() : nullptr;
+  const int32_t* dev_seq = c.n_seqs > 1 ? dseq.get() : nullptr;
+
+  cpu().attention(q.h(), pos.data(), cache.host_view(host_seq), c.n_heads, scale, c.window,
+                  c.sinks ? sinks.data() : nullptr, out.h());
+  const int64_t scratch_floats = with_scratch ? cuda::attention_scratch_floats(c.rows, c.n_heads, c.head_dim) : 0;
+  DeviceBuffer<float> scratch(size_t(std::max<int64_t>(scratch_floats, 1)));
+  scratch.poison();  // partial states are always written before they are read
+  out.poison();
+  const KvLayerView kv = cache.device_view(dev_seq);
+  const float* ds = c.sinks ? dsinks.get() : nullptr;
+  switch (kernel) {
+    case Kernel::kDecode:
+      cuda::attention_decode(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(),
+                             with_scratch ? scratch.get() : nullptr, scratch_floats, stream());
+      break;
+    case Kernel::kPrefill:
+      cuda::attention_prefill(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(), stream());
+      break;
+    case Kernel::kAuto:
+      cuda::attention(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(), scratch.get(), scratch_floats,
+                      stream());
+      break;
+  }
+  EXPECT_TRUE(out.dev_pads_poisoned());
+  return normalized_error(out.dev_dense(), out.host_dense());
+}
+
+constexpr double kAttentionBound = 1e-5;
+
+// Every head_dim and GQA ratio, both kernels, one decode row and a small prefill chunk.
+TEST(CudaOps, AttentionHeadDimsAndGroups) {
+  REQUIRE_GPU();
+  for (int hd : {32, 64, 80, 128, 256})
+    for (int group : {1, 2, 4, 8})
+      for (int64_t rows : {int64_t(1), int64_t(17)}) {
+        const AttnCase c{2 * group, 2, hd, rows, 300, 0, (hd + group) % 3 == 0, 1};
+        SCOPED_TRACE(c.name());
+        EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
+        EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
+      }
+  // Groups that are not powers of two (Qwen2.5: 14/2, 12/2) and above 8.
+  for (int n_heads : {14, 12, 6, 32})
+    for (int64_t rows : {int64_t(1), int64_t(3), int64_t(64)}) {
+      const AttnCase c{n_heads, 2, 64, rows, 300, 0, true, 1};
+      SCOPED_TRACE(c.name());
+      EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
+      EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
+    }
+}
+
+// Context lengths around the block size, windows and sinks: both kernels.
+TEST(CudaOps, AttentionContextsWindowsSinks) {
+  REQUIRE_GPU();
+  for (int64_t ctx : {1, 15, 16, 17, 300, 4000})
+    for (int64_t rows : {int64_t(1), int64_t(3)})
+      for (int window : {0, 1, 7, 128})
+        for (bool sinks : {false, true}) {
+          if (rows > ctx) continue;
+          const AttnCase c{8, 2, 128, rows, ctx, window, sinks, 1};
+          SCOPED_TRACE(c.name());
+          EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
+          EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
+        }
+}
+
+// Prefill-sized batches, one or two sequences interleaved in the micro-batch.
+TEST(CudaOps, AttentionPrefillBatches) {
+  REQUIRE_GPU();
+  for (int64_t rows : {int64_t(17), int64_t(64), int64_t(500)})
+    for (int64_t ctx : {int64_t(300), int64_t(4000)})
+      for (int n_seqs : {1, 2})
+        for (int window : {0, 128}) {
+          if (rows > ctx) continue;
+          const int hd = rows == 500 ? 64 : 128;
+          const AttnCase c{8, rows == 64 ? 1 : 4, hd, rows, ctx, window, window > 0, n_seqs};
+          SCOPED_TRACE(c.name());
+          EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
+          EXPECT_LT(run_attention(c, Kernel::kAuto), kAttentionBound) << "auto";
+          if (rows <= 64) {
+            EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
+          }
+        }
+}
+
+// Decode rows of different sequences in one call, split-K with and without scratch (no
+// scratch: one split, no combine).
+TEST(CudaOps, AttentionDecodeRowsOfManySequences) {
+  REQUIRE_GPU();
+  for (int n_seqs : {2, 3})
+    for (int64_t ctx : {int64_t(17), int64_t(300), int64_t(4000)})
+      for (bool scratch : {true, false}) {
+        const AttnCase c{16, 2, 128, n_seqs, ctx, ctx == 4000 ? 128 : 0, true, n_seqs};
+        SCOPED_TRACE(c.name() + " scratch " + std::to_string(scratch));
+        EXPECT_LT(run_attention(c, Kernel::kDecode, scratch), kAttentionBound);
+        EXPECT_LT(run_attention(c, Kernel::kAuto, scratch), kAttentionBound);
+      }
+}
+
+TEST(CudaOps, AttentionRefusesUnsupportedHeadDim) {
+  REQUIRE_GPU();
+  const AttnCase c{4, 2, 288, 1, 4, 0, false, 1};
+  EXPECT_THROW(run_attention(c, Kernel::kDecode), Error);
+}
+
+}  // namespace
+}  // namespace turbospark::testing
