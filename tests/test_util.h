@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -23,11 +24,26 @@ inline std::string fixture(const std::string& name) { return source_dir() + "/te
 
 inline nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_text_file(path)); }
 
+// True when none of the n values is a NaN or an infinity.
+inline bool all_finite(const float* a, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i])) return false;
+  }
+  return true;
+}
+
 // Largest |a - b| / (max |b| over the array): errors relative to the logit scale.
+// +infinity when either side holds a NaN or an infinity anywhere (std::max(err, NaN) keeps
+// err, so a NaN-blind maximum would let NaN logits pass `EXPECT_LT(err, tol)`). Note that
+// +infinity *passes* EXPECT_GT(err, x): a test proving that something moved the logits must
+// also check all_finite.
 inline double max_rel_error(const float* a, const float* b, size_t n) {
+  if (!all_finite(a, n) || !all_finite(b, n)) return std::numeric_limits<double>::infinity();
   double scale = 1e-6, err = 0;
-  for (size_t i = 0; i < n; ++i) scale = std::max(scale, double(std::fabs(b[i])));
-  for (size_t i = 0; i < n; ++i) err = std::max(err, double(std::fabs(a[i] - b[i])));
+  for (size_t i = 0; i < n; ++i) {
+    scale = std::max(scale, double(std::fabs(b[i])));
+    err = std::max(err, std::fabs(double(a[i]) - double(b[i])));
+  }
   return err / scale;
 }
 
