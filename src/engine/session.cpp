@@ -99,14 +99,22 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
     if (logits) {
       batch.logits = all_logits ? logits + start * V : logits;
     } else {
-      batch.greedy_ids = greedy_id;
+      batch.greedy_ids = &greedy_host_;
       batch.greedy_ids_backend = greedy_dev_.data();
     }
     if (router_probs) {
       std::fill(chunk_router.begin(), chunk_router.end(), 0.f);
       batch.router_probs = chunk_router.data();
     }
-    model_.forward(backend_, batch);
+    // A one-row greedy step reads and writes the same buffers whatever its position (the
+    // position and id were uploaded above): the backend may replay it as a graph. Traces and
+    // router captures read activations on the host mid-step, so they run eagerly.
+    if (m == 1 && !logits && !router_probs && !trace && !batch.state) {
+      backend_.run_step(decode_graph_, [&] { model_.forward(backend_, batch); });
+    } else {
+      model_.forward(backend_, batch);
+    }
+    if (greedy_id) *greedy_id = greedy_host_;
     if (router_probs && E > 0) {
       for (int l = 0; l < L; ++l) {
         std::memcpy(router_probs->data() + (int64_t(l) * n + start) * E, chunk_router.data() + int64_t(l) * m * E,

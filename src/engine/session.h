@@ -61,6 +61,8 @@ class Session {
   BackendArray<int32_t> tokens_dev_;     // [max_prefill_batch] the micro-batch's ids
   BackendArray<int64_t> positions_dev_;  // [max_prefill_batch] their positions
   BackendArray<int32_t> greedy_dev_;     // [1] the greedy id of the last row
+  int32_t greedy_host_ = -1;             // where it lands: one address for every replay
+  std::unique_ptr<StepGraph> decode_graph_;  // the one-row greedy decode step, replayed
 };
 
 }  // namespace turbospark

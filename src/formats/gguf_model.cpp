@@ -26,6 +26,7 @@ constexpr ArchInfo kArchs[] = {
     {"qwen2", "Qwen2ForCausalLM", "qwen2", false, false},
     {"qwen3", "Qwen3ForCausalLM", "qwen3", false, false},
     {"gemma3", "Gemma3ForCausalLM", "gemma3_text", false, true},
+    {"qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", false, false},
 };
 
 const ArchInfo& arch_of(const GgufFile& g) {
@@ -46,6 +47,10 @@ std::string hf_block_name(const std::string& arch, const std::string& rest) {
       {"attn_output", "self_attn.o_proj"},  {"attn_q_norm", "self_attn.q_norm"},
       {"attn_k_norm", "self_attn.k_norm"},  {"ffn_gate", "mlp.gate_proj"},
       {"ffn_up", "mlp.up_proj"},            {"ffn_down", "mlp.down_proj"},
+      // Routed experts: the router, and llama.cpp's expert stacks [n_expert, rows, cols]
+      // (one expert a contiguous slice), gate and up kept apart.
+      {"ffn_gate_inp", "mlp.gate"},         {"ffn_gate_exps", "mlp.experts.gate_proj"},
+      {"ffn_up_exps", "mlp.experts.up_proj"}, {"ffn_down_exps", "mlp.experts.down_proj"},
   };
   const size_t dot = rest.find('.');
   const std::string base = rest.substr(0, dot), suffix = dot == std::string::npos ? "" : rest.substr(dot);
@@ -57,7 +62,8 @@ std::string hf_block_name(const std::string& arch, const std::string& rest) {
     return "post_attention_layernorm" + suffix;
   }
   for (const auto& [g, h] : kCommon) {
-    if (base == g) return h + suffix;
+    // Expert stacks carry no ".weight", as fused expert tensors in Hugging Face checkpoints.
+    if (base == g) return h + (base.ends_with("_exps") && suffix == ".weight" ? "" : suffix);
   }
   return "";
 }
@@ -147,7 +153,17 @@ nlohmann::json gguf_hf_config(const GgufFile& g) {
   if (const GgufTensor* emb = g.find("token_embd.weight"); emb && emb->dims.size() == 2) vocab = emb->dims[1];
   c["vocab_size"] = vocab;
   c["hidden_size"] = hidden;
-  c["intermediate_size"] = g.get_u32(a + ".feed_forward_length");
+  if (g.has(a + ".expert_count")) {
+    c["num_experts"] = g.get_u32(a + ".expert_count");
+    c["num_experts_per_tok"] = g.get_u32(a + ".expert_used_count");
+    c["moe_intermediate_size"] = g.get_u32(a + ".expert_feed_forward_length");
+    // llama.cpp renormalizes the chosen experts' weights for qwen3moe (Qwen3-MoE's released
+    // configs say norm_topk_prob true); a file that states otherwise is followed.
+    c["norm_topk_prob"] = g.get_bool(a + ".expert_weights_norm", true);
+  }
+  c["intermediate_size"] = g.has(a + ".feed_forward_length") || !g.has(a + ".expert_feed_forward_length")
+                               ? g.get_u32(a + ".feed_forward_length")
+                               : g.get_u32(a + ".expert_feed_forward_length");
   c["num_hidden_layers"] = g.get_u32(a + ".block_count");
   c["num_attention_heads"] = heads;
   c["num_key_value_heads"] = g.get_u32(a + ".attention.head_count_kv", uint32_t(heads));

@@ -126,9 +126,22 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
       L.moe.top_k = hp_.top_k;
       L.moe.renormalize = hp_.norm_topk_prob;
       const bool fused = ck.has(p + names.fused_gate_up);
+      const bool stacked = ck.has(p + names.stacked_gate);
       for (int e = 0; e < E; ++e) {
         ExpertWeights ew;
-        if (fused) {
+        if (stacked) {
+          // Separate [E, inter, hidden] gate and up stacks and an [E, hidden, inter] down stack
+          // (GGUF's *_exps tensors): each expert a contiguous slice of each.
+          auto slice = [&](const std::string& name, int64_t rows, int64_t cols) {
+            Weight w;
+            w.view = ld.resident(ck.matrix_in_stack(p + name, e, E, rows, cols), p + name);
+            w.name = p + name;
+            return w;
+          };
+          ew.gate = slice(names.stacked_gate, I, H);
+          ew.up = slice(names.stacked_up, I, H);
+          ew.down = slice(names.stacked_down, H, I);
+        } else if (fused) {
           const std::string& gu_name = p + names.fused_gate_up;
           const WeightView gate_up = ld.resident(ck.matrix_in_stack(gu_name, e, E, 2 * I, H), gu_name);
           ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows

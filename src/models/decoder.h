@@ -56,6 +56,9 @@ struct TensorNames {
   std::string expert = "mlp.experts.{}.";  // per-expert prefix, + gate_proj/up_proj/down_proj
   std::string fused_gate_up = "mlp.experts.gate_up_proj";  // [E, 2*inter, hidden], gate rows first
   std::string fused_down = "mlp.experts.down_proj";        // [E, hidden, inter]
+  std::string stacked_gate = "mlp.experts.gate_proj";      // [E, inter, hidden] (GGUF ffn_gate_exps)
+  std::string stacked_up = "mlp.experts.up_proj";          // [E, inter, hidden] (GGUF ffn_up_exps)
+  std::string stacked_down = "mlp.experts.down_proj";      // [E, hidden, inter] (GGUF ffn_down_exps)
 };
 
 class DecoderModel : public Model {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -135,6 +136,13 @@ struct QsaView {
   float eps = 1e-6f;
 };
 
+// A recorded step a backend can replay (a CUDA graph); opaque, owned by whoever runs the
+// step (the session), so it goes when the buffers it was recorded against go.
+class StepGraph {
+ public:
+  virtual ~StepGraph() = default;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -154,6 +162,13 @@ class Backend {
   // device-to-device copy), the roofline bench reports decode against; 0 where the backend
   // has no memory of its own (the CPU bench probes DRAM itself).
   virtual double copy_bandwidth_gbs() { return 0; }
+  // Runs `record` (a forward whose launch shapes and buffers are the same every call: a
+  // decode step of one session) as a replayable graph where the backend has them: the first
+  // call runs it as usual (sizing every scratch buffer), the second captures it into `graph`,
+  // later ones replay it. Uploads must happen before the call (they are not part of the
+  // step); downloads inside it land in the same host pointers on every replay, once the call
+  // returns. The CPU backend just runs it.
+  virtual void run_step(std::unique_ptr<StepGraph>& graph, const std::function<void()>& record) { record(); }
   // Waits for every recorded op (no-op on the eager CPU backend).
   virtual void synchronize() {}
 

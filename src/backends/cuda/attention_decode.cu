@@ -20,6 +20,7 @@
 
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
+#include "backends/cuda/paged_kv.cuh"
 
 namespace turbospark::cuda {
 namespace {
@@ -30,17 +31,6 @@ constexpr int kMaxSplits = 64;
 constexpr int kMinSplitKeys = 64;
 constexpr int kCombineThreads = 128;
 
-// The paged cache as the kernels read it (KvLayerView minus the host helpers).
-struct PagedKv {
-  const float* k;
-  const float* v;
-  const int32_t* block_table;
-  const int32_t* row_seq;
-  int max_blocks;
-  int block_size;
-  int n_kv_heads;
-  int head_dim;
-};
 
 // Where the split's partial states go: [rows, n_heads, n_splits] for m and l, and
 // [rows, n_heads, n_splits, head_dim] for the unnormalized V accumulators.
@@ -363,7 +353,7 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
     const int64_t slots = q.rows * n_heads * n_splits;
     part = Partials{scratch, scratch + slots, scratch + 2 * slots};
   }
-  const PagedKv pk{kv.k, kv.v, kv.block_table, kv.row_seq, kv.max_blocks, kv.block_size, kv.n_kv_heads, kv.head_dim};
+  const PagedKv pk = paged_kv(kv);
   const int ns = int(n_splits);
   if (kv.head_dim <= 32) {
     launch_decode_hd<32>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);

@@ -25,6 +25,7 @@
 // loading K/V tiles (each KV byte read once per 64 / group rows).
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
+#include "backends/cuda/paged_kv.cuh"
 
 namespace turbospark::cuda {
 
@@ -46,16 +47,6 @@ struct PrefillSmem {
   static constexpr size_t kBytes = kFloats * sizeof(float);
 };
 
-struct PagedKv {
-  const float* k;
-  const float* v;
-  const int32_t* block_table;
-  const int32_t* row_seq;
-  int max_blocks;
-  int block_size;
-  int n_kv_heads;
-  int head_dim;
-};
 
 template <int kHdMax>
 __global__ void __launch_bounds__(kThreads)
@@ -291,7 +282,7 @@ void attention_prefill(const Mat& q, const int64_t* positions, const KvLayerView
   if (q.rows == 0) return;
   const int group = n_heads / kv.n_kv_heads;
   TS_CHECK(group <= kTileQ, "attention_prefill: GQA group {} above {}", group, kTileQ);
-  const PagedKv pk{kv.k, kv.v, kv.block_table, kv.row_seq, kv.max_blocks, kv.block_size, kv.n_kv_heads, kv.head_dim};
+  const PagedKv pk = paged_kv(kv);
   // head_dim 32 runs the 64 instance: the output layout needs 16 threads x float4 per 64 dims.
   if (kv.head_dim <= 64) {
     launch_prefill<64>(q, positions, pk, group, scale, window, sinks, out, stream);

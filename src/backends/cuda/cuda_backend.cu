@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <unistd.h>
 
@@ -47,6 +48,27 @@ int64_t packed_data_row_bytes(const WeightView& w) {
   return w.cols * int64_t(dtype_size(w.dtype));
 }
 
+struct CudaStepGraph final : StepGraph {
+  struct Download {
+    void* dst = nullptr;     // host pointer the step downloads into (stable across replays)
+    void* pinned = nullptr;  // where the graph's copy lands
+    int64_t bytes = 0;
+  };
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::vector<Download> downloads;
+  ~CudaStepGraph() override {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    for (const auto& d : downloads) cudaFreeHost(d.pinned);
+  }
+};
+
+bool graphs_from_env() {
+  const char* v = std::getenv("TURBOSPARK_CUDA_GRAPHS");
+  return !(v && std::string(v) == "0");
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int ordinal) : ordinal_(ordinal) {
@@ -76,6 +98,7 @@ class CudaBackend final : public Backend {
 
   // ---- memory ----
   std::shared_ptr<void> alloc_bytes(int64_t n) override {
+    TS_CHECK(!capturing_, "cuda: an allocation of {} bytes inside a captured step", n);
     void* p = nullptr;
     const int64_t bytes = round_up(std::max<int64_t>(n, 1), kAlign);
     cudaError_t e = cudaMalloc(&p, size_t(bytes));
@@ -93,13 +116,64 @@ class CudaBackend final : public Backend {
   // Pageable source: the driver stages it before returning, so the caller may reuse it.
   void upload_bytes(void* dst, const void* src, int64_t n) override {
     if (n <= 0) return;
+    TS_CHECK(!capturing_, "cuda: an upload of {} bytes inside a captured step (uploads belong before run_step)", n);
     TS_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(n), cudaMemcpyHostToDevice, stream_), "upload of {} bytes", n);
   }
 
   void download_bytes(void* dst, const void* src, int64_t n) override {
     if (n <= 0) return;
+    if (capturing_) {
+      // Inside a captured step: the copy goes to pinned memory the graph owns, and reaches
+      // dst when run_step has waited for the replay.
+      CudaStepGraph::Download d;
+      d.dst = dst;
+      d.bytes = n;
+      TS_CUDA_CHECK(cudaMallocHost(&d.pinned, size_t(n)), "pinned download slot of {} bytes", n);
+      capture_->downloads.push_back(d);
+      TS_CUDA_CHECK(cudaMemcpyAsync(d.pinned, src, size_t(n), cudaMemcpyDeviceToHost, stream_),
+                    "captured download of {} bytes", n);
+      return;
+    }
     TS_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(n), cudaMemcpyDeviceToHost, stream_), "download of {} bytes", n);
     TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "the step before a download of {} bytes", n);
+  }
+
+  // Decode steps as CUDA graphs (TURBOSPARK_CUDA_GRAPHS=0 runs them eagerly): one launch of
+  // the whole step instead of a few hundred, replayed with the position and token already
+  // uploaded into the buffers the graph reads.
+  void run_step(std::unique_ptr<StepGraph>& slot, const std::function<void()>& record) override {
+    if (!graphs_enabled_) return record();
+    auto* g = static_cast<CudaStepGraph*>(slot.get());
+    if (!g) {
+      // First call: eager, so every scratch buffer reaches its size outside any capture.
+      // (Relaxed capture below: the pinned download slots are allocated while capturing.)
+      record();
+      slot = std::make_unique<CudaStepGraph>();
+      return;
+    }
+    if (!g->exec) {
+      capture_ = g;
+      capturing_ = true;
+      TS_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), "begin step capture");
+      try {
+        record();
+      } catch (...) {
+        cudaGraph_t broken = nullptr;
+        cudaStreamEndCapture(stream_, &broken);
+        if (broken) cudaGraphDestroy(broken);
+        capturing_ = false;
+        capture_ = nullptr;
+        slot.reset();
+        throw;
+      }
+      capturing_ = false;
+      capture_ = nullptr;
+      TS_CUDA_CHECK(cudaStreamEndCapture(stream_, &g->graph), "end step capture");
+      TS_CUDA_CHECK(cudaGraphInstantiate(&g->exec, g->graph, 0), "instantiate the step graph");
+    }
+    TS_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_), "step graph launch");
+    TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "step graph");
+    for (const auto& d : g->downloads) std::memcpy(d.dst, d.pinned, size_t(d.bytes));
   }
 
   void zero_bytes(void* dst, int64_t n) override {
@@ -328,6 +402,10 @@ class CudaBackend final : public Backend {
 
   std::vector<void*> attention_scratch_;
   int64_t attention_scratch_floats_ = 0;
+
+  bool graphs_enabled_ = graphs_from_env();
+  bool capturing_ = false;
+  CudaStepGraph* capture_ = nullptr;
 };
 
 }  // namespace

@@ -58,14 +58,7 @@ __global__ void __launch_bounds__(kDequantThreads)
   for (int64_t u = threadIdx.x; u < n_units; u += kDequantThreads) {
     float v[kUnit];
     F::unit(wr, u, v);
-    uint4 packed;
-    uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-    }
-    *reinterpret_cast<uint4*>(dst + u * kUnit) = packed;
+    store_bf16x8(dst + u * kUnit, v);
   }
   if constexpr (F::kTail) {
     for (int64_t i = n_units * kUnit + threadIdx.x; i < w.cols; i += kDequantThreads)

@@ -227,17 +227,6 @@ constexpr int kSmemIn = (kBM + 2 * kBN) * kLdAB * 2;
 constexpr int kSmemOut = 2 * kBM * kLdC * 4;
 constexpr int kSmemBytes = kSmemIn > kSmemOut ? kSmemIn : kSmemOut;  // 34.8 KB: A/B tiles and C share it
 
-__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&v)[kUnit]) {
-  uint4 packed;
-  uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-  }
-  *reinterpret_cast<uint4*>(dst) = packed;
-}
-
 // kGateUp: A = x rows gathered through sorted_pairs (row t = pair / k), B = gate and up, the
 // epilogue writes glu(...) to dst[pos] ([pairs, inter]). Else: A = h[pos] ([pairs, inter]),
 // B = down, the epilogue writes the projection (+ bias) to dst[pos] ([pairs, hidden]).

@@ -38,6 +38,18 @@ namespace turbospark::cuda {
 
 constexpr int kUnit = 8;  // elements per dequantized unit (see above)
 
+// One unit rounded to bf16 and stored with one 16-byte write (dst 16-byte aligned).
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&v)[kUnit]) {
+  uint4 packed;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  *reinterpret_cast<uint4*>(dst) = packed;
+}
+
 // A weight matrix as kernels see it: the WeightView's planes and strides, by value.
 struct DeviceWeight {
   const uint8_t* data = nullptr;
