@@ -16,9 +16,12 @@ int32_t argmax(const float* logits, int64_t n) {
 }
 
 Sampler::Sampler(SamplingParams params) : params_(params), rng_(params.seed) {
-  if (params_.temperature < 0) fail("--temperature must be >= 0, got {}", params_.temperature);
-  if (params_.top_p <= 0 || params_.top_p > 1) fail("--top-p must be in (0, 1], got {}", params_.top_p);
-  if (params_.min_p < 0 || params_.min_p >= 1) fail("--min-p must be in [0, 1), got {}", params_.min_p);
+  // Written as "not inside the range" so that NaN (every comparison false) is refused too.
+  if (!(params_.temperature >= 0 && params_.temperature <= 100)) {
+    fail("--temperature must be in [0, 100] (0 = greedy), got {}", params_.temperature);
+  }
+  if (!(params_.top_p > 0 && params_.top_p <= 1)) fail("--top-p must be in (0, 1], got {}", params_.top_p);
+  if (!(params_.min_p >= 0 && params_.min_p < 1)) fail("--min-p must be in [0, 1), got {}", params_.min_p);
   if (params_.top_k < 0) fail("--top-k must be >= 0, got {}", params_.top_k);
 }
 

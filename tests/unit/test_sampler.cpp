@@ -77,5 +77,40 @@ TEST(Sampler, RejectsNaNLogitsAndBadParams) {
   EXPECT_THROW(Sampler{bad}, Error);
 }
 
+// NaN compares false with everything: each parameter's check must refuse it (and infinity,
+// and absurd values), naming the flag.
+TEST(Sampler, RefusesNonFiniteAndAbsurdParamsByName) {
+  const float nan = std::nanf(""), inf = INFINITY;
+  auto refused = [](SamplingParams p, const std::string& flag) {
+    try {
+      Sampler s(p);
+    } catch (const Error& e) {
+      return std::string(e.what()).find(flag) != std::string::npos;
+    }
+    return false;
+  };
+  for (float v : {nan, inf, -inf, -1.f, 1000.f}) {
+    SamplingParams p;
+    p.temperature = v;
+    EXPECT_TRUE(refused(p, "--temperature")) << v;
+  }
+  for (float v : {nan, inf, -inf, 0.f, 1.5f}) {
+    SamplingParams p;
+    p.top_p = v;
+    EXPECT_TRUE(refused(p, "--top-p")) << v;
+  }
+  for (float v : {nan, inf, -inf, -0.1f, 1.f}) {
+    SamplingParams p;
+    p.min_p = v;
+    EXPECT_TRUE(refused(p, "--min-p")) << v;
+  }
+  SamplingParams k;
+  k.top_k = -3;
+  EXPECT_TRUE(refused(k, "--top-k"));
+  SamplingParams ok;
+  ok.temperature = 0.f;
+  EXPECT_FALSE(refused(ok, "--temperature"));
+}
+
 }  // namespace
 }  // namespace turbospark
