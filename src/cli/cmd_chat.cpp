@@ -92,7 +92,7 @@ void add_chat_command(CLI::App& app) {
     if (!rt.chat_template) fail("{}: no chat template; use `run --raw` or `generate` for a plain continuation", path);
     const Model& model = *rt.model.model;
     SessionOptions so;
-    so.max_context = o->ctx > 0 ? o->ctx : std::min<int64_t>(model.info().max_context, 8192);
+    so.max_context = o->ctx != 0 ? o->ctx : std::min<int64_t>(model.info().max_context, 8192);  // negative: refused by the session
     Session session(model, *rt.backend, so);
     Sampler sampler(o->sampling);
     const bool interactive = isatty(STDIN_FILENO) != 0;

@@ -54,7 +54,7 @@ void run_generation(const GenOpts& o, const std::string& model_path, bool chat_f
   if (o.format != "text" && o.format != "ids") fail("--format {}: expected text or ids", o.format);
   if (o.format == "text" && !rt.tokenizer) fail("{}: no tokenizer.json beside the model; use --format ids", model_path);
   SessionOptions so;
-  so.max_context = o.ctx > 0 ? o.ctx : model.info().max_context;
+  so.max_context = o.ctx;  // 0: the model's; negative refused by the session
   Session session(model, *rt.backend, so);
   Sampler sampler(o.sampling);
   std::vector<int32_t> generated;

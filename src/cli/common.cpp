@@ -79,6 +79,7 @@ static const char* builtin_chat_template(const ModelInfo& info, const Tokenizer&
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& device, int threads) {
+  if (threads < 0 || threads > 4096) fail("--threads must be in [0, 4096] (0 = every core), got {}", threads);
   if (device == "cpu") return make_cpu_backend(threads);
   if (device == "cuda") return make_cuda_backend(0);
   if (device == "auto") return cuda_available() ? make_cuda_backend(0) : make_cpu_backend(threads);

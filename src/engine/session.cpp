@@ -9,6 +9,7 @@
 namespace turbospark {
 
 static int64_t resolve_context(const Model& model, const SessionOptions& o) {
+  if (o.max_context < 0) fail("context length (--ctx) must be >= 0 (0 = the model's), got {}", o.max_context);
   int64_t ctx = o.max_context > 0 ? o.max_context : model.info().max_context;
   return ctx;
 }

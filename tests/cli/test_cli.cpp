@@ -209,6 +209,18 @@ TEST(BadInput, UnsupportedDeviceRefusedByName) {
   expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens 1 --device tpu --out /tmp/x.npy"), "tpu");
 }
 
+// Numeric flags out of range are refused naming the flag, never run with (NaN sampled
+// garbage before; negative --threads and --ctx were silently taken).
+TEST(BadInput, NumericFlagsOutOfRangeRefusedByName) {
+  const std::string gen = "generate --model " + fixture("qwen3_tiny") + " --tokens 1,2,3 --max-tokens 2 --format ids -q ";
+  expect_one_line_error(run_cli(gen + "--temperature nan"), "--temperature");
+  expect_one_line_error(run_cli(gen + "--temperature inf"), "--temperature");
+  expect_one_line_error(run_cli(gen + "--temperature 1 --top-p nan"), "--top-p");
+  expect_one_line_error(run_cli(gen + "--temperature 1 --min-p -0.5"), "--min-p");
+  expect_one_line_error(run_cli(gen + "--threads -3"), "--threads");
+  expect_one_line_error(run_cli(gen + "--ctx -5"), "--ctx");
+}
+
 }  // namespace
 }  // namespace turbospark
 
