@@ -109,7 +109,8 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
     }
     // A one-row greedy step reads and writes the same buffers whatever its position (the
     // position and id were uploaded above): the backend may replay it as a graph. Traces and
-    // router captures read activations on the host mid-step, so they run eagerly.
+    // router captures read activations on the host mid-step, and families with sequence
+    // state upload host-computed rows mid-step (PLE), so those run eagerly.
     if (m == 1 && !logits && !router_probs && !trace && !batch.state) {
       backend_.run_step(decode_graph_, [&] { model_.forward(backend_, batch); });
     } else {

@@ -123,8 +123,8 @@ TEST(CudaOps, RmsNorm) {
           cuda::rmsnorm(x.d(), dw.get(), 1e-6f, y.d(), offset, stream());
           EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
           if (pad) {
-          EXPECT_TRUE(y.dev_pads_poisoned());
-        }
+            EXPECT_TRUE(y.dev_pads_poisoned());
+          }
           // In place (y aliases x), as the per-head q/k norms run.
           cpu().rmsnorm(x.h(), w.data(), 1e-6f, x.h(), offset);
           cuda::rmsnorm(x.d(), dw.get(), 1e-6f, x.d(), offset, stream());
@@ -202,8 +202,8 @@ TEST(CudaOps, UnaryAndMulAct) {
           cuda::unary(x.d(), act, 0.7f, 1.3f, y.d(), stream());
           EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
           if (pad) {
-          EXPECT_TRUE(y.dev_pads_poisoned());
-        }
+            EXPECT_TRUE(y.dev_pads_poisoned());
+          }
           // Full gate and 1-column broadcast gate.
           for (int64_t gate_cols : {cols, int64_t(1)}) {
             Strided z(rows, cols, pad, 32), gate(rows, gate_cols, pad, 33, -6.f, 6.f);
