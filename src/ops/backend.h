@@ -25,6 +25,18 @@
 
 namespace turbospark {
 
+// Backend::attention_prep's parameters: head geometry, the per-head q/k norms (null: none; both
+// or neither), RoPE (rotate-half over the first rotary_dim dims, cos/sin scaled by
+// attention_factor), backend pointers read by the kernels.
+struct AttentionPrep {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float norm_eps = 1e-6f, norm_offset = 0.f;
+  const float* inv_freq = nullptr;  // [rotary_dim / 2]
+  float attention_factor = 1.f;
+};
+
 // n elements of T in backend memory, shared by whoever holds a copy. data() is a backend
 // pointer: pass it to ops, never dereference it on the host.
 template <typename T>
@@ -222,6 +234,31 @@ class Backend {
   virtual void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions) = 0;
   virtual void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                          int window, const float* sinks, const Mat& out) = 0;
+  // The attention inputs after projection, in one op: per-head RMSNorm of q and k (p.q_norm /
+  // p.k_norm, [head_dim] backend params; skipped when null), RoPE on both, then k and v
+  // written to the cache at each row's position. q and k are left normed and rotated, as the
+  // separate ops leave them. This default runs those ops (rmsnorm, rope, kv_write); a GPU
+  // backend fuses them into one launch (five per layer otherwise, at decode each a few
+  // microseconds of launch and latency for kilobytes of work).
+  virtual void attention_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p,
+                              const int64_t* positions, const KvLayerView& kv) {
+    if (p.q_norm) {
+      // Per-head norm: [rows, heads * hd] viewed as [rows * heads, hd] (one view when the rows
+      // are contiguous, else one per row).
+      auto per_head = [&](const Mat& m, int heads, const float* w) {
+        const bool dense = m.stride == int64_t(heads) * p.head_dim;
+        for (int64_t r = 0; r < (dense ? 1 : m.rows); ++r) {
+          const Mat h(m.data + r * m.stride, (dense ? m.rows : 1) * heads, p.head_dim);
+          rmsnorm(h, w, p.norm_eps, h, p.norm_offset);
+        }
+      };
+      per_head(q, p.n_heads, p.q_norm);
+      per_head(k, p.n_kv_heads, p.k_norm);
+    }
+    rope(q, p.n_heads, p.head_dim, p.rotary_dim, positions, p.inv_freq, p.attention_factor);
+    rope(k, p.n_kv_heads, p.head_dim, p.rotary_dim, positions, p.inv_freq, p.attention_factor);
+    kv_write(kv, k, v, positions);
+  }
   virtual void swiglu(const Mat& gate, const Mat& up, const Mat& out) = 0;
   virtual void embedding(const Weight& table, const int32_t* ids, int64_t n, float scale, const Mat& out) = 0;
   virtual void add(const Mat& y, const Mat& x) = 0;  // y += x

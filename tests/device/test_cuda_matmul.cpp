@@ -46,6 +46,11 @@ constexpr double kF32Tol = 1e-5;
 // expected ~2e-3 relative, bounded at 1e-2 (2e-2 for the MoE's three roundings in series).
 constexpr double kBf16Tol = 1e-2;
 constexpr double kMoeBf16Tol = 2e-2;
+// GEMV / decode MoE with int8 activations (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, q8.cuh): each activation
+// rounded to 1/254 of its 32-block's range, ~0.5% relative per element, so ~5e-3 on a dot
+// product against the exact f32 reference; bounded at 2e-2. Against the CPU backend, which
+// quantizes the same way, the codes are identical and only f32 summation order differs.
+constexpr double kInt8Tol = 2e-2;
 // F32 weights with 16-byte-aligned rows take TF32 (10-bit mantissas, expected ~5e-4), others
 // (odd column counts) the bf16 path: both are held to the bf16 bound.
 constexpr double kTf32Tol = kBf16Tol;
@@ -201,8 +206,10 @@ struct DevMat {
   }
 };
 
-double matmul_tolerance(const Format& f, int64_t rows) {
-  if (rows <= cuda::kGemvMaxRows) return kF32Tol;
+double matmul_tolerance(const cuda::WeightMatmul& mm, const Format& f, int64_t rows, int64_t out, int64_t cols) {
+  if (rows <= cuda::kGemvMaxRows) {
+    return cuda::gemv_int8_activations(f.dtype, rows, out, cols, mm.num_sms()) ? kInt8Tol : kF32Tol;
+  }
   return f.dtype == DType::F32 ? kTf32Tol : kBf16Tol;
 }
 
@@ -211,6 +218,37 @@ struct Shape {
 };
 
 // ---- matmul -------------------------------------------------------------------------------
+
+// The int8-activation path against the exact product, element by element: each activation
+// is rounded to the nearest multiple of d = amax / 127 of its 32-block (|error| <= d / 2), so
+// |got - want| <= sum_i |w_oi| * amax_b(i) / 254, plus f32 rounding. A normalized error over
+// a handful of outputs cannot bound this path (one 32-term dot can nearly cancel); this can,
+// and a wrong code or scale overshoots it by orders of magnitude.
+void expect_within_int8_bound(const WeightView& w, const std::vector<float>& x, int64_t rows,
+                              const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(w.cols % 32, 0) << what;
+  const std::vector<double> wd = dequantized(w);
+  std::vector<double> half_step(size_t(w.cols / 32));
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t b = 0; b < w.cols / 32; ++b) {
+      double amax = 0;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(double(x[size_t(t * w.cols + b * 32 + i)])));
+      half_step[size_t(b)] = amax / 254.0;
+    }
+    for (int64_t o = 0; o < w.rows; ++o) {
+      double bound = 0, mag = 0;
+      for (int64_t i = 0; i < w.cols; ++i) {
+        const double wi = std::fabs(wd[size_t(o * w.cols + i)]);
+        bound += wi * half_step[size_t(i / 32)];
+        mag += wi * std::fabs(double(x[size_t(t * w.cols + i)]));
+      }
+      const size_t at = size_t(t * w.rows + o);
+      ASSERT_TRUE(std::isfinite(got[at])) << what << " row " << t << " out " << o;
+      EXPECT_LE(std::fabs(double(got[at]) - double(want[at])), bound * 1.001 + 1e-6 * mag)
+          << what << " row " << t << " out " << o;
+    }
+  }
+}
 
 TEST(CudaMatmul, EveryFormatRaggedShapes) {
   cuda::WeightMatmul mm;
@@ -234,12 +272,39 @@ TEST(CudaMatmul, EveryFormatRaggedShapes) {
         mm.matmul(dw.view, dx.mat, dy.mat, nullptr);
         const std::vector<float> got = dy.download();
         const std::vector<float> want = reference_matmul(hw.view, x, s.rows);
-        const double err = normalized_error(got, want);
-        EXPECT_LE(err, matmul_tolerance(f, s.rows))
-            << f.name() << " rows " << s.rows << " out " << s.out << " in " << in << " variant " << variant;
+        const std::string what = f.name() + " rows " + std::to_string(s.rows) + " out " + std::to_string(s.out) +
+                                 " in " + std::to_string(in) + " variant " + std::to_string(variant);
+        if (s.rows <= cuda::kGemvMaxRows && cuda::gemv_int8_activations(f.dtype, s.rows, s.out, in, mm.num_sms())) {
+          expect_within_int8_bound(hw.view, x, s.rows, got, want, what);
+        } else {
+          EXPECT_LE(normalized_error(got, want), matmul_tolerance(mm, f, s.rows, s.out, in)) << what;
+        }
       }
     }
   }
+}
+
+// y = x W^T for one random weight of format f and random x, from the CPU backend and from the
+// CUDA GEMV/GEMM (device output poisoned first).
+struct BothMatmuls {
+  std::vector<float> cpu, cuda;
+};
+BothMatmuls cpu_and_cuda_matmul(Backend& cpu, cuda::WeightMatmul& mm, const Format& f, int64_t rows, int64_t out,
+                                int64_t in, uint32_t& seed) {
+  const HostWeight hw = make_weight(f, out, in, seed++);
+  const DevWeight dw = upload(hw);
+  std::vector<float> x = random_floats(size_t(rows * in), seed++);
+  BothMatmuls r;
+  r.cpu.resize(size_t(rows * out));
+  Weight w;
+  w.view = hw.view;
+  cpu.matmul(w, Mat(x.data(), rows, in), Mat(r.cpu.data(), rows, out));
+  DevMat dx(rows, in, in), dy(rows, out, out);
+  dx.upload(x);
+  dy.buf.poison();
+  mm.matmul(dw.view, dx.mat, dy.mat, nullptr);
+  r.cuda = dy.download();
+  return r;
 }
 
 // The CPU backend computes these formats in float (MXFP4 in its exact mode): agree with it.
@@ -252,20 +317,41 @@ TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {
     const Format f{t};
     for (int64_t rows : {1, 3, 17}) {
       const int64_t out = 129, in = f.is_float() ? 131 : 256;
-      const HostWeight hw = make_weight(f, out, in, seed++);
-      const DevWeight dw = upload(hw);
-      std::vector<float> x = random_floats(size_t(rows * in), seed++), y(size_t(rows * out));
-      Weight w;
-      w.view = hw.view;
-      cpu->matmul(w, Mat(x.data(), rows, in), Mat(y.data(), rows, out));
-      DevMat dx(rows, in, in), dy(rows, out, out);
-      dx.upload(x);
-      dy.buf.poison();
-      mm.matmul(dw.view, dx.mat, dy.mat, nullptr);
-      EXPECT_LE(normalized_error(dy.download(), y), matmul_tolerance(f, rows)) << f.name() << " rows " << rows;
+      const BothMatmuls y = cpu_and_cuda_matmul(*cpu, mm, f, rows, out, in, seed);
+      EXPECT_LE(normalized_error(y.cuda, y.cpu), matmul_tolerance(mm, f, rows, out, in)) << f.name() << " rows " << rows;
     }
   }
   cpu::mxfp4_set_int8_activations(true);
+}
+
+// The int8-activation GEMV formats on matrices with rows enough for the dp4a path (and one
+// without: split-K keeps f32 activations): the CPU backend quantizes activations the same way,
+// so on the dp4a path the two agree to f32 summation order at every decode row count; the f32
+// path is held to kInt8Tol against the CPU's int8 result.
+TEST(CudaMatmul, Int8ActivationPathsMatchCpuBackend) {
+  auto cpu = make_cpu_backend(2);
+  cuda::WeightMatmul mm;
+  uint32_t seed = 300;
+  int int8_cases = 0;
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0}) {
+    const Format f{t};
+    for (int64_t rows : {1, 2, 3, 8}) {
+      for (int64_t in : {32, 224, 2048, 6144}) {
+        for (int64_t out : {int64_t(129), int64_t(rows == 1 ? 20000 : 9000)}) {
+          if (out > 129 && in > 2048) continue;  // host-side cost; 6144 covers the f32 path
+          const BothMatmuls y = cpu_and_cuda_matmul(*cpu, mm, f, rows, out, in, seed);
+          const bool int8 = cuda::gemv_int8_activations(t, rows, out, in, mm.num_sms());
+          int8_cases += int8;
+          if (out == 129 && in >= 2048) {
+            EXPECT_FALSE(int8) << "a 129-row matrix splits K: f32 activations";
+          }
+          EXPECT_LE(normalized_error(y.cuda, y.cpu), int8 ? 1e-5 : kInt8Tol)
+              << f.name() << " rows " << rows << " out " << out << " in " << in << (int8 ? " (int8)" : " (f32)");
+        }
+      }
+    }
+  }
+  EXPECT_GE(int8_cases, 40) << "the dp4a path ran in too few cases to be tested";
 }
 
 // ---- embedding ----------------------------------------------------------------------------
@@ -488,46 +574,51 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   for (const MoeCase& c : cases) run_moe_case(mm, c, seed += 100);
 }
 
-// BF16 experts run in float on the CPU backend: agree with it (decode and prefill).
-TEST(CudaMoe, MatchesCpuBackendBf16) {
+// BF16 experts run in float on the CPU backend: agree with it (decode and prefill). For Q4_0
+// and Q8_0 experts the CPU quantizes x and the hidden activations to int8 while the CUDA
+// decode path keeps them f32: held to kInt8Tol (the activation rounding, ~5e-3).
+TEST(CudaMoe, MatchesCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
-  const Format f{DType::BF16};
-  const int E = 6, k = 2;
-  const int64_t hidden = 64, inter = 32;
-  std::vector<HostWeight> g, u, d;
-  std::vector<DevWeight> dg, du, dd;
-  std::vector<ExpertWeights> host(E), dev(E);
-  for (int e = 0; e < E; ++e) {
-    g.push_back(make_weight(f, inter, hidden, 10 + e));
-    u.push_back(make_weight(f, inter, hidden, 20 + e));
-    d.push_back(make_weight(f, hidden, inter, 30 + e));
-  }
-  for (int e = 0; e < E; ++e) {
-    dg.push_back(upload(g[size_t(e)]));
-    du.push_back(upload(u[size_t(e)]));
-    dd.push_back(upload(d[size_t(e)]));
-    host[size_t(e)].gate.view = g[size_t(e)].view;
-    host[size_t(e)].up.view = u[size_t(e)].view;
-    host[size_t(e)].down.view = d[size_t(e)].view;
-    dev[size_t(e)].gate.view = dg[size_t(e)].view;
-    dev[size_t(e)].up.view = du[size_t(e)].view;
-    dev[size_t(e)].down.view = dd[size_t(e)].view;
-  }
-  for (int64_t rows : {1, 17}) {
-    std::vector<int32_t> idx(size_t(rows * k));
-    for (int64_t t = 0; t < rows; ++t) idx[size_t(t * k)] = int32_t(t % 5), idx[size_t(t * k + 1)] = int32_t((t + 2) % 5);
-    const std::vector<float> wts = random_floats(size_t(rows * k), 5, 0.1f, 1.f);
-    std::vector<float> x = random_floats(size_t(rows * hidden), 6), want(size_t(rows * hidden));
-    cpu->moe_experts(host, Mat(x.data(), rows, hidden), idx.data(), wts.data(), k, Mat(want.data(), rows, hidden));
-    DeviceBuffer<int32_t> didx(idx);
-    DeviceBuffer<float> dwts(wts);
-    DevMat dx(rows, hidden, hidden), dout(rows, hidden, hidden);
-    dx.upload(x);
-    dout.buf.poison();
-    mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, dout.mat, nullptr);
-    EXPECT_LE(normalized_error(dout.download(), want), rows <= cuda::kMoeDecodeMaxRows ? kF32Tol : kMoeBf16Tol)
-        << "rows " << rows;
+  for (DType dt : {DType::BF16, DType::Q4_0, DType::Q8_0}) {
+    const Format f{dt};
+    const bool int8 = dt != DType::BF16;
+    const int E = 6, k = 2;
+    const int64_t hidden = 64, inter = 32;
+    std::vector<HostWeight> g, u, d;
+    std::vector<DevWeight> dg, du, dd;
+    std::vector<ExpertWeights> host(E), dev(E);
+    for (int e = 0; e < E; ++e) {
+      g.push_back(make_weight(f, inter, hidden, 10 + e));
+      u.push_back(make_weight(f, inter, hidden, 20 + e));
+      d.push_back(make_weight(f, hidden, inter, 30 + e));
+    }
+    for (int e = 0; e < E; ++e) {
+      dg.push_back(upload(g[size_t(e)]));
+      du.push_back(upload(u[size_t(e)]));
+      dd.push_back(upload(d[size_t(e)]));
+      host[size_t(e)].gate.view = g[size_t(e)].view;
+      host[size_t(e)].up.view = u[size_t(e)].view;
+      host[size_t(e)].down.view = d[size_t(e)].view;
+      dev[size_t(e)].gate.view = dg[size_t(e)].view;
+      dev[size_t(e)].up.view = du[size_t(e)].view;
+      dev[size_t(e)].down.view = dd[size_t(e)].view;
+    }
+    for (int64_t rows : {int64_t(1), int64_t(3), int64_t(int8 ? 5 : 17)}) {
+      std::vector<int32_t> idx(size_t(rows * k));
+      for (int64_t t = 0; t < rows; ++t) idx[size_t(t * k)] = int32_t(t % 5), idx[size_t(t * k + 1)] = int32_t((t + 2) % 5);
+      const std::vector<float> wts = random_floats(size_t(rows * k), 5, 0.1f, 1.f);
+      std::vector<float> x = random_floats(size_t(rows * hidden), 6), want(size_t(rows * hidden));
+      cpu->moe_experts(host, Mat(x.data(), rows, hidden), idx.data(), wts.data(), k, Mat(want.data(), rows, hidden));
+      DeviceBuffer<int32_t> didx(idx);
+      DeviceBuffer<float> dwts(wts);
+      DevMat dx(rows, hidden, hidden), dout(rows, hidden, hidden);
+      dx.upload(x);
+      dout.buf.poison();
+      mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, dout.mat, nullptr);
+      const double tol = rows <= cuda::kMoeDecodeMaxRows ? (int8 ? kInt8Tol : kF32Tol) : kMoeBf16Tol;
+      EXPECT_LE(normalized_error(dout.download(), want), tol) << f.name() << " rows " << rows;
+    }
   }
 }
 

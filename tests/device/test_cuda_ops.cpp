@@ -452,6 +452,68 @@ TEST(CudaOps, KvWrite) {
         }
 }
 
+// attention_prep's fused kernel against the CPU backend's separate ops (norms, ropes, cache
+// write): q and k as left in place and the whole cache (written slots and untouched ones).
+// The norm's sum of squares is ordered differently, so values agree to the rmsnorm bound.
+TEST(CudaOps, AttentionPrepMatchesSeparateOps) {
+  REQUIRE_GPU();
+  std::mt19937 rng(95);
+  struct Case {
+    int heads, kv_heads, hd, rot;
+    bool norm;
+    float offset, factor;
+  };
+  const Case cases[] = {{4, 2, 64, 64, true, 0.f, 1.f},    {8, 1, 128, 128, true, 1.f, 1.f},
+                        {2, 2, 80, 40, false, 0.f, 1.f},   {32, 4, 128, 64, true, 0.f, 1.3f},
+                        {3, 1, 256, 256, true, 0.f, 1.f},  {16, 8, 64, 0, false, 0.f, 1.f},
+                        {1, 1, 512, 32, true, 0.f, 1.f}};
+  for (const Case& c : cases)
+    for (int64_t rows : {int64_t(1), int64_t(3), int64_t(17), int64_t(64)}) {
+      SCOPED_TRACE("heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " hd " +
+                   std::to_string(c.hd) + " rot " + std::to_string(c.rot) + " norm " + std::to_string(c.norm) +
+                   " rows " + std::to_string(rows));
+      const int64_t pad = rows % 2 ? 3 : 0;
+      PagedCache cache(2, 300, c.kv_heads, c.hd, uint32_t(rng()));
+      Strided q(rows, int64_t(c.heads) * c.hd, pad, uint32_t(rng())), k(rows, int64_t(c.kv_heads) * c.hd, pad,
+                                                                         uint32_t(rng()));
+      Strided v(rows, int64_t(c.kv_heads) * c.hd, pad, uint32_t(rng()));
+      std::vector<int32_t> seq(static_cast<size_t>(rows));
+      std::vector<int64_t> pos(static_cast<size_t>(rows));
+      for (int64_t t = 0; t < rows; ++t) {
+        seq[size_t(t)] = int32_t(t % 2);
+        pos[size_t(t)] = t % 2 ? 150 + t / 2 : 283 - rows / 2 + t / 2;
+      }
+      std::vector<float> inv_freq(size_t(std::max(c.rot / 2, 1)));
+      for (int i = 0; i < c.rot / 2; ++i) inv_freq[size_t(i)] = float(std::pow(1e6, -2.0 * i / c.rot));
+      const std::vector<float> qn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
+      const std::vector<float> kn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
+      DeviceBuffer<int32_t> dseq(seq);
+      DeviceBuffer<int64_t> dpos(pos);
+      DeviceBuffer<float> dfreq(inv_freq), dqn(qn), dkn(kn);
+      AttentionPrep hp;
+      hp.n_heads = c.heads;
+      hp.n_kv_heads = c.kv_heads;
+      hp.head_dim = c.hd;
+      hp.rotary_dim = c.rot;
+      hp.norm_eps = 1e-6f;
+      hp.norm_offset = c.offset;
+      hp.attention_factor = c.factor;
+      AttentionPrep dp = hp;
+      hp.inv_freq = inv_freq.data();
+      dp.inv_freq = dfreq.get();
+      if (c.norm) {
+        hp.q_norm = qn.data(), hp.k_norm = kn.data();
+        dp.q_norm = dqn.get(), dp.k_norm = dkn.get();
+      }
+      cpu().attention_prep(q.h(), k.h(), v.h(), hp, pos.data(), cache.host_view(seq.data()));
+      ASSERT_TRUE(cuda::attention_prep(q.d(), k.d(), v.d(), dp, dpos.get(), cache.device_view(dseq.get()), stream()));
+      EXPECT_LT(normalized_error(q.dev_dense(), q.host_dense()), 1e-6);
+      EXPECT_LT(normalized_error(k.dev_dense(), k.host_dense()), 1e-6);
+      EXPECT_LT(normalized_error(cache.dk.download(), cache.k), 1e-6);
+      EXPECT_EQ(cache.dv.download(), cache.v);
+    }
+}
+
 enum class Kernel { kDecode, kPrefill, kAuto };
 
 struct AttnCase {

@@ -279,6 +279,10 @@ class CudaBackend final : public Backend {
   void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions) override {
     cuda::kv_write(kv, k, v, positions, stream_);
   }
+  void attention_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
+                      const KvLayerView& kv) override {
+    if (!cuda::attention_prep(q, k, v, p, positions, kv, stream_)) Backend::attention_prep(q, k, v, p, positions, kv);
+  }
   void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
                  const float* sinks, const Mat& out) override {
     const int64_t want = cuda::attention_scratch_floats(q.rows, n_heads, kv.head_dim);

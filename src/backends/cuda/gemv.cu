@@ -12,9 +12,14 @@
 // reuse the activation reads from L1 would outweigh the 4-bit weight reads ~7:1 and bound the
 // kernel on L1 rather than HBM. warps_per_group > 1 (split-K inside the block, reduced in
 // shared memory) only when the matrix has too few rows to occupy the GPU otherwise.
-// (An int8 dp4a path with q8-quantized activations, llama.cpp mmvq's, is the next step for
-// the 4-bit formats: it cuts both the activation bytes and the dequantize ALU work.)
+//
+// The 32-element ggml formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take the dp4a variant instead
+// when the matrix has rows enough for blocks of one-warp groups (LM heads, wide FFNs): the
+// block quantizes its activation rows to int8 in shared memory first (q8.cuh), then each unit
+// is two dp4a on the raw codes and one scale, fewer instructions than the f32 dequantize. K-quants, MXFP4 and INT4-affine keep the f32 variant for now (the CPU
+// quantizes their activations per 256 or not at all; a dp4a path for them must match that).
 #include "backends/cuda/matmul.h"
+#include "backends/cuda/q8.cuh"
 #include "backends/cuda/quant.cuh"
 
 namespace turbospark::cuda {
@@ -22,56 +27,16 @@ namespace {
 
 constexpr int kGemvThreads = 256;  // 8 warps: up to 8 groups of one warp per block
 
-template <class F, int kMaxRows, int kOut>
-__global__ void __launch_bounds__(kGemvThreads)
-    gemv_kernel(DeviceWeight w, const float* __restrict__ x, int64_t x_stride, int n_rows, float* __restrict__ y,
-                int64_t y_stride, int warps_per_group) {
-  const int group_threads = warps_per_group * kWarp;
-  const int groups_per_block = kGemvThreads / group_threads;
-  const int group = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
-  const int64_t o0 = (int64_t(blockIdx.x) * groups_per_block + group) * kOut;
-  // Rows past the end read the last row (valid memory, result dropped): no divergence inside
-  // the unit loop.
-  WeightRow wr[kOut];
-#pragma unroll
-  for (int j = 0; j < kOut; ++j) wr[j] = weight_row(w, o0 + j < w.rows ? o0 + j : w.rows - 1);
-  float acc[kMaxRows][kOut] = {};
-  const int64_t n_units = w.cols / kUnit;
-  if (o0 < w.rows) {
-#pragma unroll 2
-    for (int64_t u = t; u < n_units; u += group_threads) {
-      float wv[kOut][kUnit];
-#pragma unroll
-      for (int j = 0; j < kOut; ++j) F::unit(wr[j], u, wv[j]);
-#pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        if (r < n_rows) {
-          float xv[kUnit];
-          load_x8(x + r * x_stride + u * kUnit, xv);
-#pragma unroll
-          for (int j = 0; j < kOut; ++j)
-#pragma unroll
-            for (int i = 0; i < kUnit; ++i) acc[r][j] = fmaf(wv[j][i], xv[i], acc[r][j]);
-        }
-      }
-    }
-    if constexpr (F::kTail) {
-      for (int64_t i = n_units * kUnit + t; i < w.cols; i += group_threads) {
-#pragma unroll
-        for (int j = 0; j < kOut; ++j) {
-          const float wj = F::elem(wr[j], i);
-#pragma unroll
-          for (int r = 0; r < kMaxRows; ++r)
-            if (r < n_rows) acc[r][j] = fmaf(wj, __ldg(x + r * x_stride + i), acc[r][j]);
-        }
-      }
-    }
-  }
+// Each group's sums to y: lane 0 of a one-warp group, or the group's first threads after a
+// shared-memory reduction over its warps (split-K). acc is this thread's warp-reduced sums.
+template <int kMaxRows, int kOut>
+__device__ __forceinline__ void store_gemv(float (&acc)[kMaxRows][kOut], int n_rows, int64_t out_rows, int64_t o0,
+                                           float* __restrict__ y, int64_t y_stride, int warps_per_group, int group,
+                                           int t) {
 #pragma unroll
   for (int r = 0; r < kMaxRows; ++r)
 #pragma unroll
     for (int j = 0; j < kOut; ++j) acc[r][j] = warp_sum(acc[r][j]);
-
   const int lane = threadIdx.x % kWarp;
   if (warps_per_group == 1) {
     if (lane == 0) {
@@ -79,11 +44,10 @@ __global__ void __launch_bounds__(kGemvThreads)
       for (int r = 0; r < kMaxRows; ++r)
 #pragma unroll
         for (int j = 0; j < kOut; ++j)
-          if (r < n_rows && o0 + j < w.rows) y[r * y_stride + o0 + j] = acc[r][j];
+          if (r < n_rows && o0 + j < out_rows) y[r * y_stride + o0 + j] = acc[r][j];
     }
     return;
   }
-  // Split-K: each warp's partial sums to shared memory, the group's first threads add them.
   __shared__ float partial[kGemvThreads / kWarp][kMaxRows * kOut];
   const int warp = threadIdx.x / kWarp;
   if (lane == 0) {
@@ -97,33 +61,156 @@ __global__ void __launch_bounds__(kGemvThreads)
     const int r = t / kOut, j = t % kOut;
     float sum = 0.f;
     for (int i = 0; i < warps_per_group; ++i) sum += partial[group * warps_per_group + i][t];
-    if (r < n_rows && o0 + j < w.rows) y[r * y_stride + o0 + j] = sum;
+    if (r < n_rows && o0 + j < out_rows) y[r * y_stride + o0 + j] = sum;
   }
 }
 
-template <class F, int kMaxRows, int kOut>
-void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
-              cudaStream_t stream) {
+// This thread's place: its group (kOut consecutive output rows from o0), its index t within
+// the group's threads, and the group's weight rows. Rows past the end read the last row (valid
+// memory, result dropped): no divergence inside the unit loop.
+template <int kOut>
+struct GemvPlace {
+  int group, t, group_threads;
+  int64_t o0;
+  WeightRow wr[kOut];
+
+  __device__ __forceinline__ GemvPlace(const DeviceWeight& w, int warps_per_group) {
+    group_threads = warps_per_group * kWarp;
+    const int groups_per_block = kGemvThreads / group_threads;
+    group = threadIdx.x / group_threads;
+    t = threadIdx.x % group_threads;
+    o0 = (int64_t(blockIdx.x) * groups_per_block + group) * kOut;
+#pragma unroll
+    for (int j = 0; j < kOut; ++j) wr[j] = weight_row(w, o0 + j < w.rows ? o0 + j : w.rows - 1);
+  }
+};
+
+// kQ8: the dp4a variant (q8.cuh): the block first quantizes its activation rows to int8 in
+// shared memory, then reads them as codes and the weights as integer codes.
+template <class F, int kMaxRows, int kOut, bool kQ8>
+__global__ void __launch_bounds__(kGemvThreads)
+    gemv_kernel(DeviceWeight w, const float* __restrict__ x, int64_t x_stride, int n_rows, float* __restrict__ y,
+                int64_t y_stride, int warps_per_group) {
+  [[maybe_unused]] SmemQ8 xq{};
+  if constexpr (kQ8) {
+    extern __shared__ int4 q8_smem[];
+    xq = quantize_q8_rows(x, x_stride, n_rows, w.cols, q8_smem);
+  }
+  const GemvPlace<kOut> at(w, warps_per_group);
+  const int t = at.t, group_threads = at.group_threads;
+  const int64_t o0 = at.o0;
+  const WeightRow* wr = at.wr;
+  float acc[kMaxRows][kOut] = {};
   const int64_t n_units = w.cols / kUnit;
-  const int64_t groups = (w.rows + kOut - 1) / kOut;
-  // Aim for ~16 warps per SM of groups before splitting K: each thread then keeps >= 4
-  // units in its loop (a split-K group of 8 warps on a 4096-column row left 2 per thread,
-  // and the block's life was load latency plus the shared-memory reduction: 56% of peak
-  // DRAM on 4096 x 4096 bf16, measured). Split K only while every thread keeps >= 2 units.
+  if (o0 < w.rows) {
+#pragma unroll 2
+    for (int64_t u = t; u < n_units; u += group_threads) {
+      if constexpr (kQ8) {
+        int32_t c0[kOut], c1[kOut];
+        float a[kOut], b[kOut];
+#pragma unroll
+        for (int j = 0; j < kOut; ++j) F::unit_q8(wr[j], u, c0[j], c1[j], a[j], b[j]);
+#pragma unroll
+        for (int r = 0; r < kMaxRows; ++r) {
+          if (r < n_rows) {
+            int32_t x0, x1;
+            float dx, sx;
+            xq.unit(r, u, x0, x1, dx, sx);
+#pragma unroll
+            for (int j = 0; j < kOut; ++j) acc[r][j] += q8_unit_dot(c0[j], c1[j], a[j], b[j], x0, x1, dx, sx);
+          }
+        }
+      } else {
+        float wv[kOut][kUnit];
+#pragma unroll
+        for (int j = 0; j < kOut; ++j) F::unit(wr[j], u, wv[j]);
+#pragma unroll
+        for (int r = 0; r < kMaxRows; ++r) {
+          if (r < n_rows) {
+            float xv[kUnit];
+            load_x8(x + r * x_stride + u * kUnit, xv);
+#pragma unroll
+            for (int j = 0; j < kOut; ++j)
+#pragma unroll
+              for (int i = 0; i < kUnit; ++i) acc[r][j] = fmaf(wv[j][i], xv[i], acc[r][j]);
+          }
+        }
+      }
+    }
+    if constexpr (F::kTail && !kQ8) {
+      for (int64_t i = n_units * kUnit + t; i < w.cols; i += group_threads) {
+#pragma unroll
+        for (int j = 0; j < kOut; ++j) {
+          const float wj = F::elem(wr[j], i);
+#pragma unroll
+          for (int r = 0; r < kMaxRows; ++r)
+            if (r < n_rows) acc[r][j] = fmaf(wj, __ldg(x + r * x_stride + i), acc[r][j]);
+        }
+      }
+    }
+  }
+  store_gemv<kMaxRows, kOut>(acc, n_rows, w.rows, o0, y, y_stride, warps_per_group, at.group, t);
+}
+
+// Warps per group: 1, or more (split-K inside the block) while the matrix has too few rows
+// to give ~16 warps per SM of groups. Aim for ~16 warps per SM before splitting K: each thread
+// then keeps >= 4 units in its loop (a split-K group of 8 warps on a 4096-column row left 2
+// per thread, and the block's life was load latency plus the shared-memory reduction: 56% of
+// peak DRAM on 4096 x 4096 bf16, measured). Split K only while every thread keeps >= 2 units.
+int gemv_warps_per_group(int64_t out_rows, int64_t cols, int k_out, int num_sms) {
+  const int64_t n_units = cols / kUnit;
+  const int64_t groups = (out_rows + k_out - 1) / k_out;
   const int64_t target_warps = int64_t(std::max(num_sms, 1)) * 16;
   int warps_per_group = 1;
   while (warps_per_group < kGemvThreads / kWarp && groups * warps_per_group < target_warps &&
          n_units >= int64_t(warps_per_group) * 2 * kWarp * 2)
     warps_per_group *= 2;
+  return warps_per_group;
+}
+
+int gemv_out_per_group(int64_t rows) { return rows == 1 ? 4 : 2; }
+
+// The dp4a variant only where each block's quantization of x is spread over a block full of
+// one-warp groups (>= 16 output rows): with split-K a block covers 2-4 rows and quantizing x
+// costs more than it saves (ncu on the H200, Q4_0: [4096, 2048] 10.3 -> 11.1 us, [512, 2048]
+// 5.7 -> 7.9 us, while the [151936, 2048] LM head went 196 -> 158 us).
+bool use_q8(bool has_q8, int64_t rows, int64_t out_rows, int64_t cols, int num_sms) {
+  return has_q8 && cols % 32 == 0 && q8_smem_bytes(rows, cols) <= kQ8SmemMax &&
+         gemv_warps_per_group(out_rows, cols, gemv_out_per_group(rows), num_sms) == 1;
+}
+
+template <class F, int kMaxRows, int kOut>
+void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
+              cudaStream_t stream) {
+  const int64_t groups = (w.rows + kOut - 1) / kOut;
+  const int warps_per_group = gemv_warps_per_group(w.rows, w.cols, kOut, num_sms);
   const int groups_per_block = kGemvThreads / (warps_per_group * kWarp);
   const int64_t blocks = (groups + groups_per_block - 1) / groups_per_block;
-  gemv_kernel<F, kMaxRows, kOut><<<dim3(unsigned(blocks)), kGemvThreads, 0, stream>>>(
-      device_weight(w), x, x_stride, int(y.rows), y.data, y.stride, warps_per_group);
-  TS_CUDA_LAUNCH_CHECK("gemv {} [{}, {}] x {} rows ({} blocks, {} warps/group)", dtype_name(w.dtype), w.rows,
-                       w.cols, y.rows, blocks, warps_per_group);
+  const bool q8 = use_q8(kHasQ8<F>, y.rows, w.rows, w.cols, num_sms);
+  if constexpr (kHasQ8<F>) {
+    if (q8) {
+      gemv_kernel<F, kMaxRows, kOut, true><<<dim3(unsigned(blocks)), kGemvThreads,
+                                             size_t(q8_smem_bytes(y.rows, w.cols)), stream>>>(
+          device_weight(w), x, x_stride, int(y.rows), y.data, y.stride, warps_per_group);
+    }
+  }
+  if (!q8) {
+    gemv_kernel<F, kMaxRows, kOut, false><<<dim3(unsigned(blocks)), kGemvThreads, 0, stream>>>(
+        device_weight(w), x, x_stride, int(y.rows), y.data, y.stride, warps_per_group);
+  }
+  TS_CUDA_LAUNCH_CHECK("gemv {}{} [{}, {}] x {} rows ({} blocks, {} warps/group)", dtype_name(w.dtype),
+                       q8 ? " (int8 activations)" : "", w.rows, w.cols, y.rows, blocks, warps_per_group);
 }
 
 }  // namespace
+
+bool gemv_int8_activations(DType dtype, int64_t rows, int64_t out_rows, int64_t cols, int num_sms) {
+  const bool has_q8 = dtype == DType::Q4_0 || dtype == DType::Q4_1 || dtype == DType::Q5_0 || dtype == DType::Q5_1 ||
+                      dtype == DType::Q8_0;
+  static_assert(kHasQ8<FmtQ4_0> && kHasQ8<FmtQ4_1> && kHasQ8<FmtQ5_0> && kHasQ8<FmtQ5_1> && kHasQ8<FmtQ8_0> &&
+                !kHasQ8<FmtQK45<false>> && !kHasQ8<FmtQ6_K> && !kHasQ8<FmtMXFP4>);
+  return rows >= 1 && rows <= kGemvMaxRows && use_q8(has_q8, rows, out_rows, cols, num_sms);
+}
 
 void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
                  cudaStream_t stream) {

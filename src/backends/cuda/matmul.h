@@ -67,6 +67,11 @@ class DeviceScratch {
 // 16-byte aligned (x % 16 == 0, x_stride % 4 == 0) with w.cols floats each.
 void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
                  cudaStream_t stream);
+// Whether a GEMV of a [out_rows, cols] weight of this format over `rows` activation rows
+// quantizes the activations to int8 per 32 (q8.cuh's dp4a path: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, for
+// matrices with rows enough to skip split-K, while the codes fit a block's shared memory);
+// else the activations stay f32.
+bool gemv_int8_activations(DType dtype, int64_t rows, int64_t out_rows, int64_t cols, int num_sms);
 // gemm.cu: rows [row0, row0 + n_rows) of w dequantized to bf16 at out (row-major, ld elements
 // per row, ld % 8 == 0, out 16-byte aligned).
 void launch_dequant_bf16(const WeightView& w, int64_t row0, int64_t n_rows, void* out, int64_t ld,

@@ -11,6 +11,8 @@
 //   down: one warp per (t, hidden row) loops over the k experts of row t, so the weighted sum
 //     is formed in registers: no atomics, deterministic, out written once. Grid (hidden / 8, rows).
 //   Bound: HBM on the k selected experts' bytes (3 * inter * hidden per expert and row).
+//   (int8-activation dp4a variants, as gemv.cu has for wide matrices, measured slower here:
+//   a block covers 8 output rows, too few to amortize quantizing its activations.)
 //
 // Prefill (more rows): rows are grouped by expert on the device: count pairs per expert,
 // prefix-sum to offsets and to 64-row tile offsets, scatter pair ids into expert order. Then
@@ -124,6 +126,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
+// The k experts' partial dots are weighted and summed per lane, and the warp reduces once.
 template <class F>
 __global__ void __launch_bounds__(kDecodeThreads)
     moe_down_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
@@ -134,19 +137,21 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t o = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
   if (o >= p.hidden) return;
   float acc = 0.f;
+  bool bad = false;
   for (int j = 0; j < p.k; ++j) {
     const int64_t pair = t * p.k + j;
     const int32_t e = idx[pair];
     if (!valid_expert(e, p)) {
-      acc = nan_f32();
+      bad = true;
       continue;
     }
     const MoeExpertDesc& d = experts[e];
-    float y = warp_sum(partial_dot<F>(weight_row(d.down, o), p.inter, h + pair * ldh, lane, kWarp));
-    if (d.down_bias) y += d.down_bias[o];
+    float y = partial_dot<F>(weight_row(d.down, o), p.inter, h + pair * ldh, lane, kWarp);
+    if (lane == 0 && d.down_bias) y += d.down_bias[o];
     acc = fmaf(weight[pair], y, acc);
   }
-  if (lane == 0) out[t * out_stride + o] = acc;
+  acc = warp_sum(acc);
+  if (lane == 0) out[t * out_stride + o] = bad ? nan_f32() : acc;
 }
 
 // ---- prefill: grouping -------------------------------------------------------------------------

@@ -36,6 +36,12 @@ void mul_act(const Mat& x, const Mat& gate, Act act, cudaStream_t stream);  // x
 void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const Mat& b, cudaStream_t stream);
 void copy(const Mat& src, const Mat& dst, cudaStream_t stream);
 
+// ---- attention_prep.cu ----
+// Backend::attention_prep in one launch; false (nothing queued) for a head too large for the
+// kernel's shared memory, which the caller then runs as the separate ops.
+bool attention_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
+                    const KvLayerView& kv, cudaStream_t stream);
+
 // ---- rope.cu ----
 // In place, rotate-half, over x viewed as [rows, n_heads, head_dim]; positions [rows] int64,
 // inv_freq [rotary_dim / 2] f32, both device memory.

@@ -163,6 +163,17 @@ struct FmtQ4_0 {
     const uint8_t* qs = blk + 2 + 8 * (p & 1);
     nibbles_affine(ld_u32_a2(qs), ld_u32_a2(qs + 4), 4 * (p >> 1), d, -8.f, false, v);
   }
+  // dp4a path (q8.cuh): the unit's codes 0..15 and w = d * c - 8 d.
+  static __device__ __forceinline__ void unit_q8(const WeightRow& w, int64_t u, int32_t& c0, int32_t& c1, float& a,
+                                                 float& b) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ4_0));
+    const int p = int(u & 3), shift = 4 * (p >> 1);
+    const uint8_t* qs = blk + 2 + 8 * (p & 1);
+    c0 = int32_t((ld_u32_a2(qs) >> shift) & 0x0F0F0F0Fu);
+    c1 = int32_t((ld_u32_a2(qs + 4) >> shift) & 0x0F0F0F0Fu);
+    a = f16_at(blk);
+    b = -8.f * a;
+  }
 };
 
 struct FmtQ4_1 {
@@ -176,6 +187,17 @@ struct FmtQ4_1 {
     const float d = f16_bits_to_f32(uint16_t(dm & 0xFFFF)), m = f16_bits_to_f32(uint16_t(dm >> 16));
     const uint8_t* qs = blk + 4 + 8 * (p & 1);
     nibbles_affine(ld_u32(qs), ld_u32(qs + 4), 4 * (p >> 1), d, m, true, v);
+  }
+  static __device__ __forceinline__ void unit_q8(const WeightRow& w, int64_t u, int32_t& c0, int32_t& c1, float& a,
+                                                 float& b) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ4_1));
+    const int p = int(u & 3), shift = 4 * (p >> 1);
+    const uint32_t dm = ld_u32(blk);
+    const uint8_t* qs = blk + 4 + 8 * (p & 1);
+    c0 = int32_t((ld_u32(qs) >> shift) & 0x0F0F0F0Fu);
+    c1 = int32_t((ld_u32(qs + 4) >> shift) & 0x0F0F0F0Fu);
+    a = f16_bits_to_f32(uint16_t(dm & 0xFFFF));
+    b = f16_bits_to_f32(uint16_t(dm >> 16));
   }
 };
 
@@ -191,6 +213,11 @@ __device__ __forceinline__ void q5_unit(uint32_t lo, uint32_t hi, int shift, uin
   }
 }
 
+// Four bits of n (element order) as bit 4 of four bytes: the Q5 formats' 5th bit in place.
+__device__ __forceinline__ uint32_t q5_high_bits(uint32_t n) {
+  return (n & 1) << 4 | (n & 2) << 11 | (n & 4) << 18 | (n & 8) << 25;
+}
+
 struct FmtQ5_0 {
   static constexpr DType kDType = DType::Q5_0;
   static constexpr int kAlign = 2;
@@ -202,6 +229,17 @@ struct FmtQ5_0 {
     const uint32_t qh = ld_u32_a2(blk + 2);
     const uint8_t* qs = blk + 6 + 8 * (p & 1);
     q5_unit(ld_u32_a2(qs), ld_u32_a2(qs + 4), 4 * (p >> 1), (qh >> (8 * p)) & 0xFF, d, -16.f, false, v);
+  }
+  static __device__ __forceinline__ void unit_q8(const WeightRow& w, int64_t u, int32_t& c0, int32_t& c1, float& a,
+                                                 float& b) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ5_0));
+    const int p = int(u & 3), shift = 4 * (p >> 1);
+    const uint32_t bits = (ld_u32_a2(blk + 2) >> (8 * p)) & 0xFF;
+    const uint8_t* qs = blk + 6 + 8 * (p & 1);
+    c0 = int32_t(((ld_u32_a2(qs) >> shift) & 0x0F0F0F0Fu) | q5_high_bits(bits & 0xF));
+    c1 = int32_t(((ld_u32_a2(qs + 4) >> shift) & 0x0F0F0F0Fu) | q5_high_bits(bits >> 4));
+    a = f16_at(blk);
+    b = -16.f * a;
   }
 };
 
@@ -216,6 +254,18 @@ struct FmtQ5_1 {
     const float d = f16_bits_to_f32(uint16_t(head.x & 0xFFFF)), m = f16_bits_to_f32(uint16_t(head.x >> 16));
     const uint2 q = ld_u64(blk + 8 + 8 * (p & 1));
     q5_unit(q.x, q.y, 4 * (p >> 1), (head.y >> (8 * p)) & 0xFF, d, m, true, v);
+  }
+  static __device__ __forceinline__ void unit_q8(const WeightRow& w, int64_t u, int32_t& c0, int32_t& c1, float& a,
+                                                 float& b) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ5_1));
+    const int p = int(u & 3), shift = 4 * (p >> 1);
+    const uint2 head = ld_u64(blk);  // d, m, qh
+    const uint32_t bits = (head.y >> (8 * p)) & 0xFF;
+    const uint2 q = ld_u64(blk + 8 + 8 * (p & 1));
+    c0 = int32_t(((q.x >> shift) & 0x0F0F0F0Fu) | q5_high_bits(bits & 0xF));
+    c1 = int32_t(((q.y >> shift) & 0x0F0F0F0Fu) | q5_high_bits(bits >> 4));
+    a = f16_bits_to_f32(uint16_t(head.x & 0xFFFF));
+    b = f16_bits_to_f32(uint16_t(head.x >> 16));
   }
 };
 
@@ -233,6 +283,15 @@ struct FmtQ8_0 {
       v[i] = d * float(int8_t(lo >> (8 * i)));
       v[4 + i] = d * float(int8_t(hi >> (8 * i)));
     }
+  }
+  static __device__ __forceinline__ void unit_q8(const WeightRow& w, int64_t u, int32_t& c0, int32_t& c1, float& a,
+                                                 float& b) {
+    const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ8_0));
+    const uint8_t* qs = blk + 2 + 8 * (u & 3);
+    c0 = int32_t(ld_u32_a2(qs));
+    c1 = int32_t(ld_u32_a2(qs + 4));
+    a = f16_at(blk);
+    b = 0.f;
   }
 };
 

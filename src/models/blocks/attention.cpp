@@ -15,16 +15,18 @@ void attention_block(Backend& be, const AttentionParams& p, const AttentionWeigh
   project(be, w.q, w.q_bias, x, q);
   project(be, w.k, w.k_bias, x, k);
   project(be, w.v, w.v_bias, x, v);
-  if (!w.q_norm.empty()) {
-    // Per-head norm: view [rows, heads*hd] as [rows*heads, hd] (rows are contiguous).
-    be.rmsnorm(Mat(q.data, rows * p.n_heads, p.head_dim), w.q_norm.data(), p.norm_eps,
-               Mat(q.data, rows * p.n_heads, p.head_dim), p.norm_offset);
-    be.rmsnorm(Mat(k.data, rows * p.n_kv_heads, p.head_dim), w.k_norm.data(), p.norm_eps,
-               Mat(k.data, rows * p.n_kv_heads, p.head_dim), p.norm_offset);
-  }
-  be.rope(q, p.n_heads, p.head_dim, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
-  be.rope(k, p.n_kv_heads, p.head_dim, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
-  be.kv_write(kv, k, v, positions);
+  AttentionPrep prep;
+  prep.n_heads = p.n_heads;
+  prep.n_kv_heads = p.n_kv_heads;
+  prep.head_dim = p.head_dim;
+  prep.rotary_dim = p.rotary_dim;
+  prep.q_norm = w.q_norm.empty() ? nullptr : w.q_norm.data();
+  prep.k_norm = w.k_norm.empty() ? nullptr : w.k_norm.data();
+  prep.norm_eps = p.norm_eps;
+  prep.norm_offset = p.norm_offset;
+  prep.inv_freq = p.inv_freq.data();
+  prep.attention_factor = p.attention_factor;
+  be.attention_prep(q, k, v, prep, positions, kv);
   be.attention(q, positions, kv, p.n_heads, p.scale, p.window, w.sinks.empty() ? nullptr : w.sinks.data(), attn);
   project(be, w.o, w.o_bias, attn, out);
 }

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# turbospark vs llama.cpp on CUDA, same GGUF file, same run (run on the device machine).
+#
+# Writes a random-weight Qwen3-30B-A3B-shape GGUF with tools/make_random_gguf.py (llama.cpp's
+# gguf-py writes it), then benchmarks it with llama.cpp's `llama-bench -ngl 99 -fa 1` and with
+# `turbospark bench --device cuda` at each prompt length. Random routing is near uniform.
+#
+#   LLAMA_BENCH=/tmp/llama-bench GGUF_PY=.peer/gguf-py TS=build-cuda/turbospark \
+#     bench/cuda_vs_llama_cpp.sh OUTDIR
+#
+# Environment:
+#   LLAMA_BENCH  llama.cpp's llama-bench built with -DGGML_CUDA=ON (required)
+#   GGUF_PY      llama.cpp's gguf-py folder (required unless the GGUF already exists)
+#   TS           turbospark binary (default build-cuda/turbospark)
+#   GGUF_TYPE    q4_0 (default), q4_k or q8_0
+#   LAYERS       depth (default 48, the real model's)
+#   PROMPTS      prompt lengths (default "512 2048 8192")
+#   REPEAT       repetitions, medians reported (default 3)
+#   PROFILE=1    also `turbospark bench --profile` at the first prompt length
+set -euo pipefail
+
+out="${1:?usage: cuda_vs_llama_cpp.sh OUTDIR}"
+mkdir -p "$out"
+ts="${TS:-build-cuda/turbospark}"
+lb="${LLAMA_BENCH:?set LLAMA_BENCH to a CUDA llama-bench}"
+type="${GGUF_TYPE:-q4_0}"
+layers="${LAYERS:-48}"
+prompts="${PROMPTS:-512 2048 8192}"
+repeat="${REPEAT:-3}"
+gguf="${TMPDIR:-/tmp}/qwen3-30b-a3b-random-$type-${layers}L.gguf"
+
+if [[ ! -f "$gguf" ]]; then
+  PYTHONPATH="${GGUF_PY:?set GGUF_PY to llama.cpp\'s gguf-py}${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 tools/make_random_gguf.py --preset qwen3-30b-a3b --type "$type" --layers "$layers" --out "$gguf"
+fi
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+csv=$(echo "$prompts" | tr ' ' ',')
+echo "== llama.cpp: $lb -m $gguf -ngl 99 -fa 1 -p $csv -n 128 -r $repeat"
+"$lb" -m "$gguf" -ngl 99 -fa 1 -p "$csv" -n 128 -r "$repeat" 2>"$out/llama_bench_$type.log" |
+  tee "$out/llama_bench_$type.md"
+for p in $prompts; do
+  echo "== turbospark: $ts bench --device cuda -m $gguf --prompt $p --decode 128 --repeat $repeat"
+  "$ts" bench --device cuda -m "$gguf" --prompt "$p" --decode 128 --repeat "$repeat" 2>>"$out/turbospark_$type.log" |
+    tee -a "$out/turbospark_$type.txt"
+done
+if [[ "${PROFILE:-0}" == 1 ]]; then
+  p="${prompts%% *}"
+  echo "== turbospark profile: $ts bench --device cuda -m $gguf --prompt $p --decode 32 --repeat 1 --profile"
+  "$ts" bench --device cuda -m "$gguf" --prompt "$p" --decode 32 --repeat 1 --profile --no-membw \
+    2>>"$out/turbospark_$type.log" | tee -a "$out/turbospark_profile_$type.txt"
+fi
