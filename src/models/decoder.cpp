@@ -216,15 +216,16 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
   auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
   be.embedding(embed_, b.tokens, n, hp_.embed_scale, x);
   trace("embedding", -1, x);
+  // Each residual add is fused with the norm that reads its sum (add_rmsnorm): the first
+  // layer's attention norm stands alone, every later one follows the previous layer's add.
+  be.rmsnorm(x, layers_[0].attn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
   for (int i = 0; i < hp_.n_layers; ++i) {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, x);
-    be.rmsnorm(x, L.attn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
     attention_block(be, L.attn_params, L.attn, xn, b.positions, b.kv[size_t(i)], ws.attn, branch);
     if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_attn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace("attention", i, branch);
-    be.add(x, branch);
-    be.rmsnorm(x, L.ffn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
+    be.add_rmsnorm(x, branch, L.ffn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
     if (L.ffn == FfnKind::kDense) {
       dense_mlp(be, L.mlp, xn, ws.ffn, branch);
     } else {
@@ -233,7 +234,11 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
     }
     if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_ffn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace(L.ffn == FfnKind::kDense ? "mlp" : "moe", i, branch);
-    be.add(x, branch);
+    if (i + 1 < hp_.n_layers) {
+      be.add_rmsnorm(x, branch, layers_[size_t(i) + 1].attn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
+    } else {
+      be.add(x, branch);
+    }
   }
   output_logits(be, b, {&final_norm_, hp_.rms_eps, hp_.norm_offset, &lm_head_, hp_.final_softcap}, hp_.n_layers, x, xn,
                 ws.logits);

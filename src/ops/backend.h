@@ -227,6 +227,13 @@ class Backend {
   // y[t, :] += bias (length y.cols)
   virtual void add_bias(const Mat& y, const float* bias) = 0;
   virtual void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset = 0.f) = 0;
+  // x += residual, then y = rmsnorm(x): a decoder's residual add and the next norm, one launch on
+  // a GPU backend. The default runs add then rmsnorm.
+  virtual void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y,
+                           float weight_offset = 0.f) {
+    add(x, residual);
+    rmsnorm(x, weight, eps, y, weight_offset);
+  }
   // In-place RoPE (rotate-half layout) over x viewed as [rows, n_heads, head_dim].
   virtual void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t* positions,
                     const float* inv_freq, float attention_factor) = 0;

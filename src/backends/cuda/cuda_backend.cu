@@ -272,6 +272,10 @@ class CudaBackend final : public Backend {
   void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset) override {
     cuda::rmsnorm(x, weight, eps, y, weight_offset, stream_);
   }
+  void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y,
+                   float weight_offset) override {
+    cuda::add_rmsnorm(x, residual, weight, eps, y, weight_offset, stream_);
+  }
   void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t* positions, const float* inv_freq,
             float attention_factor) override {
     cuda::rope(x, n_heads, head_dim, rotary_dim, positions, inv_freq, attention_factor, stream_);

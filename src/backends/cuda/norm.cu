@@ -16,26 +16,44 @@ constexpr int kWarpRowsPerBlock = 8;    // warp-per-row kernel: 8 rows per 256-t
 constexpr int kBlockRowThreads = 1024;  // block-per-row kernel: the most threads a launch uses
 constexpr int64_t kWarpRowMaxCols = 1024;
 
-// One warp per row. kVec: the row is float4-aligned (x, y, weight, strides, cols % 4).
-template <bool kVec>
-__global__ void rmsnorm_warp_kernel(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ weight,
-                                    float eps, float* y, int64_t y_stride, int64_t rows, int cols,
-                                    float weight_offset) {
-  const int64_t row = int64_t(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
-  if (row >= rows) return;
-  const int lane = threadIdx.x % kWarp;
-  const float* xr = x + row * x_stride;
-  float* yr = y + row * y_stride;
+// x += residual first, in place, with the sum of squares taken over the sums (kAdd,
+// Backend::add_rmsnorm: the residual add and the next norm in one launch). Each thread re-reads
+// only the elements it wrote, so the second pass sees the sums without a barrier.
+template <bool kVec, bool kAdd>
+__device__ __forceinline__ float sum_squares(float* xr, const float* __restrict__ rr, int cols, int t, int n) {
   float sum_sq = 0.f;
   if constexpr (kVec) {
-    const float4* x4 = reinterpret_cast<const float4*>(xr);
-    for (int c = lane; c < cols / 4; c += kWarp) {
-      const float4 v = x4[c];
+    float4* x4 = reinterpret_cast<float4*>(xr);
+    for (int c = t; c < cols / 4; c += n) {
+      float4 v = x4[c];
+      if constexpr (kAdd) {
+        const float4 r = reinterpret_cast<const float4*>(rr)[c];
+        v = make_float4(v.x + r.x, v.y + r.y, v.z + r.z, v.w + r.w);
+        x4[c] = v;
+      }
       sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
   } else {
-    for (int c = lane; c < cols; c += kWarp) sum_sq += xr[c] * xr[c];
+    for (int c = t; c < cols; c += n) {
+      float v = xr[c];
+      if constexpr (kAdd) xr[c] = v = v + rr[c];
+      sum_sq += v * v;
+    }
   }
+  return sum_sq;
+}
+
+// One warp per row. kVec: the row is float4-aligned (x, y, weight, residual, strides, cols % 4).
+template <bool kVec, bool kAdd>
+__global__ void rmsnorm_warp_kernel(float* x, int64_t x_stride, const float* __restrict__ residual, int64_t r_stride,
+                                    const float* __restrict__ weight, float eps, float* y, int64_t y_stride,
+                                    int64_t rows, int cols, float weight_offset) {
+  const int64_t row = int64_t(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % kWarp;
+  float* xr = x + row * x_stride;
+  float* yr = y + row * y_stride;
+  float sum_sq = sum_squares<kVec, kAdd>(xr, residual + row * r_stride, cols, lane, kWarp);
   sum_sq = warp_sum(sum_sq);
   const float inv_rms = 1.f / sqrtf(sum_sq / float(cols) + eps);
   // y may alias x: every lane reads an element before writing that same element only.
@@ -54,25 +72,16 @@ __global__ void rmsnorm_warp_kernel(const float* __restrict__ x, int64_t x_strid
 }
 
 // One block per row (256 or kBlockRowThreads threads), for long rows.
-template <bool kVec>
-__global__ void __launch_bounds__(kBlockRowThreads) rmsnorm_block_kernel(const float* __restrict__ x, int64_t x_stride,
-                                                                         const float* __restrict__ weight, float eps,
-                                                                         float* y, int64_t y_stride, int cols,
-                                                                         float weight_offset) {
+template <bool kVec, bool kAdd>
+__global__ void __launch_bounds__(kBlockRowThreads)
+    rmsnorm_block_kernel(float* x, int64_t x_stride, const float* __restrict__ residual, int64_t r_stride,
+                         const float* __restrict__ weight, float eps, float* y, int64_t y_stride, int cols,
+                         float weight_offset) {
   __shared__ float scratch[kWarp];
   const int64_t row = blockIdx.x;
-  const float* xr = x + row * x_stride;
+  float* xr = x + row * x_stride;
   float* yr = y + row * y_stride;
-  float sum_sq = 0.f;
-  if constexpr (kVec) {
-    const float4* x4 = reinterpret_cast<const float4*>(xr);
-    for (int c = threadIdx.x; c < cols / 4; c += blockDim.x) {
-      const float4 v = x4[c];
-      sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-  } else {
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) sum_sq += xr[c] * xr[c];
-  }
+  float sum_sq = sum_squares<kVec, kAdd>(xr, residual + row * r_stride, cols, threadIdx.x, blockDim.x);
   sum_sq = block_sum(sum_sq, scratch);  // contains the barrier that orders every read before any write
   const float inv_rms = 1.f / sqrtf(sum_sq / float(cols) + eps);
   if constexpr (kVec) {
@@ -93,23 +102,23 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 }  // namespace
 
-void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset, cudaStream_t stream) {
+namespace {
+
+template <bool kAdd>
+void launch_rmsnorm(const Mat& x, const float* residual, int64_t r_stride, const float* weight, float eps,
+                    const Mat& y, float weight_offset, cudaStream_t stream) {
   TS_CHECK(x.rows == y.rows && x.cols == y.cols, "rmsnorm: x [{}, {}] vs y [{}, {}]", x.rows, x.cols, y.rows, y.cols);
   TS_CHECK(x.cols > 0 && x.cols < (int64_t(1) << 31), "rmsnorm: {} columns", x.cols);
   if (x.rows == 0) return;
   const bool vec = aligned16(x.data) && aligned16(y.data) && aligned16(weight) && x.stride % 4 == 0 &&
-                   y.stride % 4 == 0 && x.cols % 4 == 0;
+                   y.stride % 4 == 0 && x.cols % 4 == 0 && (!kAdd || (aligned16(residual) && r_stride % 4 == 0));
   const int cols = int(x.cols);
   if (x.cols <= kWarpRowMaxCols) {
     // Warp per row: 8 rows per 256-thread block; a 1024-column row is 8 float4 loads per lane.
     const int blocks = ceil_div(x.rows, kWarpRowsPerBlock);
-    if (vec) {
-      rmsnorm_warp_kernel<true><<<blocks, kWarpRowsPerBlock * kWarp, 0, stream>>>(
-          x.data, x.stride, weight, eps, y.data, y.stride, x.rows, cols, weight_offset);
-    } else {
-      rmsnorm_warp_kernel<false><<<blocks, kWarpRowsPerBlock * kWarp, 0, stream>>>(
-          x.data, x.stride, weight, eps, y.data, y.stride, x.rows, cols, weight_offset);
-    }
+    auto* kernel = vec ? rmsnorm_warp_kernel<true, kAdd> : rmsnorm_warp_kernel<false, kAdd>;
+    kernel<<<blocks, kWarpRowsPerBlock * kWarp, 0, stream>>>(x.data, x.stride, residual, r_stride, weight, eps, y.data,
+                                                             y.stride, x.rows, cols, weight_offset);
   } else {
     TS_CHECK(x.rows <= 0x7fffffff, "rmsnorm: {} rows", x.rows);
     // Block per row: 256 threads x float4 cover 1024 columns per sweep (hidden 8192: 8 sweeps).
@@ -117,15 +126,25 @@ void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float w
     // reduce, read again, write), and a 4096-column row then takes one float4 per thread
     // (5.5 us per call at 256 threads on the H200, measured with ncu).
     const int threads = x.rows <= 16 ? kBlockRowThreads : 256;
-    if (vec) {
-      rmsnorm_block_kernel<true><<<int(x.rows), threads, 0, stream>>>(x.data, x.stride, weight, eps, y.data, y.stride,
-                                                                      cols, weight_offset);
-    } else {
-      rmsnorm_block_kernel<false><<<int(x.rows), threads, 0, stream>>>(x.data, x.stride, weight, eps, y.data,
-                                                                       y.stride, cols, weight_offset);
-    }
+    auto* kernel = vec ? rmsnorm_block_kernel<true, kAdd> : rmsnorm_block_kernel<false, kAdd>;
+    kernel<<<int(x.rows), threads, 0, stream>>>(x.data, x.stride, residual, r_stride, weight, eps, y.data, y.stride,
+                                                cols, weight_offset);
   }
-  TS_CUDA_LAUNCH_CHECK("rmsnorm [{}, {}] (stride {} -> {})", x.rows, x.cols, x.stride, y.stride);
+  TS_CUDA_LAUNCH_CHECK("rmsnorm{} [{}, {}] (stride {} -> {})", kAdd ? " with residual add" : "", x.rows, x.cols,
+                       x.stride, y.stride);
+}
+
+}  // namespace
+
+void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset, cudaStream_t stream) {
+  launch_rmsnorm<false>(x, nullptr, 0, weight, eps, y, weight_offset, stream);
+}
+
+void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y, float weight_offset,
+                 cudaStream_t stream) {
+  TS_CHECK(residual.rows == x.rows && residual.cols == x.cols, "add_rmsnorm: x [{}, {}] vs residual [{}, {}]",
+           x.rows, x.cols, residual.rows, residual.cols);
+  launch_rmsnorm<true>(x, residual.data, residual.stride, weight, eps, y, weight_offset, stream);
 }
 
 }  // namespace turbospark::cuda
