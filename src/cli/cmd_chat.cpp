@@ -87,6 +87,8 @@ void add_chat_command(CLI::App& app) {
   cmd->add_flag("--quiet,-q", o->quiet, "No load progress or per-reply timing on stderr");
   cmd->callback([o] {
     const std::string path = o->model.empty() ? default_model_path() : o->model;
+    if (o->max_tokens < 0) fail("--max-tokens must be >= 0, got {}", o->max_tokens);
+    Sampler::validate(o->sampling);
     LoadedRuntime rt = load_runtime(path, o->device, o->threads, o->quiet);
     if (!rt.tokenizer) fail("{}: no tokenizer (tokenizer.json or GGUF vocabulary); chat needs one", path);
     if (!rt.chat_template) fail("{}: no chat template; use `run --raw` or `generate` for a plain continuation", path);

@@ -39,6 +39,9 @@ void run_generation(const GenOpts& o, const std::string& model_path, bool chat_f
   if (!o.image.empty()) {
     fail("--image {}: image input is not supported (vision tensors are skipped on load; text only)", o.image);
   }
+  // Checked before the (possibly long) load: the sampler checks its own flags again.
+  if (o.max_tokens < 0) fail("--max-tokens must be >= 0, got {}", o.max_tokens);
+  Sampler::validate(o.sampling);
   LoadedRuntime rt = load_runtime(model_path, o.device, o.threads, o.quiet);
   const Model& model = *rt.model.model;
   std::vector<int32_t> prompt;

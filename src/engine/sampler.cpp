@@ -15,15 +15,17 @@ int32_t argmax(const float* logits, int64_t n) {
   return int32_t(best);
 }
 
-Sampler::Sampler(SamplingParams params) : params_(params), rng_(params.seed) {
+void Sampler::validate(const SamplingParams& p) {
   // Written as "not inside the range" so that NaN (every comparison false) is refused too.
-  if (!(params_.temperature >= 0 && params_.temperature <= 100)) {
-    fail("--temperature must be in [0, 100] (0 = greedy), got {}", params_.temperature);
+  if (!(p.temperature >= 0 && p.temperature <= 100)) {
+    fail("--temperature must be in [0, 100] (0 = greedy), got {}", p.temperature);
   }
-  if (!(params_.top_p > 0 && params_.top_p <= 1)) fail("--top-p must be in (0, 1], got {}", params_.top_p);
-  if (!(params_.min_p >= 0 && params_.min_p < 1)) fail("--min-p must be in [0, 1), got {}", params_.min_p);
-  if (params_.top_k < 0) fail("--top-k must be >= 0, got {}", params_.top_k);
+  if (!(p.top_p > 0 && p.top_p <= 1)) fail("--top-p must be in (0, 1], got {}", p.top_p);
+  if (!(p.min_p >= 0 && p.min_p < 1)) fail("--min-p must be in [0, 1), got {}", p.min_p);
+  if (p.top_k < 0) fail("--top-k must be >= 0, got {}", p.top_k);
 }
+
+Sampler::Sampler(SamplingParams params) : params_(params), rng_(params.seed) { validate(params_); }
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
   for (int64_t i = 0; i < vocab; ++i) {

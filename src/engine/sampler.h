@@ -19,6 +19,9 @@ struct SamplingParams {
 class Sampler {
  public:
   explicit Sampler(SamplingParams params);
+  // Refuses NaN, infinite and out-of-range parameters by flag name (the constructor does too;
+  // commands call this before loading a model).
+  static void validate(const SamplingParams& p);
   // Picks the next token from logits[0..vocab). Throws on NaN logits.
   int32_t sample(const float* logits, int64_t vocab);
   // Temperature 0: the pick is the argmax, which a backend can compute without the logits.

@@ -219,6 +219,13 @@ TEST(BadInput, NumericFlagsOutOfRangeRefusedByName) {
   expect_one_line_error(run_cli(gen + "--temperature 1 --min-p -0.5"), "--min-p");
   expect_one_line_error(run_cli(gen + "--threads -3"), "--threads");
   expect_one_line_error(run_cli(gen + "--ctx -5"), "--ctx");
+  expect_one_line_error(run_cli(gen + "--temperature 1 --top-k -5"), "--top-k");
+  const std::string gen_n = "generate --model " + fixture("qwen3_tiny") + " --tokens 1,2,3 --format ids -q ";
+  expect_one_line_error(run_cli(gen_n + "--max-tokens -3"), "--max-tokens must be >= 0");
+  // Refused before the model loads (a missing model would be the error otherwise).
+  expect_one_line_error(run_cli("chat --model /nonexistent --max-tokens -1"), "--max-tokens must be >= 0");
+  expect_one_line_error(run_cli("chat --model /nonexistent --temperature 1 --top-k -2"), "--top-k must be >= 0");
+  expect_one_line_error(run_cli("generate --model /nonexistent --tokens 1 --temperature nan"), "--temperature");
 }
 
 }  // namespace
