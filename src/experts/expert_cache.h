@@ -37,7 +37,6 @@ std::string_view eviction_policy_name(EvictionPolicy p);
 
 struct ExpertCacheStats {
   int64_t hits = 0, misses = 0, evictions = 0;
-  double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0.0; }
 };
 
 class ExpertCache {

@@ -107,6 +107,7 @@ const int64_t kPads[] = {0, 3};
 
 // ---------------- rmsnorm ----------------
 
+// rmsnorm out of place and in place, and add_rmsnorm.
 TEST(CudaOps, RmsNorm) {
   REQUIRE_GPU();
   for (int64_t rows : kRows)
@@ -129,33 +130,23 @@ TEST(CudaOps, RmsNorm) {
           cpu().rmsnorm(x.h(), w.data(), 1e-6f, x.h(), offset);
           cuda::rmsnorm(x.d(), dw.get(), 1e-6f, x.d(), offset, stream());
           EXPECT_LT(normalized_error(x.dev_dense(), x.host_dense()), 1e-6);
+          // add_rmsnorm (x += r, then y = rmsnorm(x)) against the CPU's add then rmsnorm: the
+          // updated x exactly (one f32 add per element), y to the rmsnorm bound. r has its own
+          // row padding.
+          x.upload();  // both sides start from the host's (normed) x
+          Strided r(rows, cols, pad ? pad + 1 : 0, 4 + uint32_t(cols), -1.f, 1.f);
+          cpu().add_rmsnorm(x.h(), r.h(), w.data(), 1e-6f, y.h(), offset);
+          y.poison();
+          cuda::add_rmsnorm(x.d(), r.d(), dw.get(), 1e-6f, y.d(), offset, stream());
+          EXPECT_EQ(x.dev_dense(), x.host_dense());
+          EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+          if (pad) {
+            EXPECT_TRUE(y.dev_pads_poisoned());
+          }
         }
 }
 
 // ---------------- elementwise ----------------
-
-// add_rmsnorm (x += r, y = rmsnorm(x)) against the CPU backend's add then rmsnorm: both the
-// updated x (exact: one f32 add per element) and y.
-TEST(CudaOps, AddRmsNorm) {
-  REQUIRE_GPU();
-  for (int64_t rows : kRows)
-    for (int64_t cols : kCols)
-      for (int64_t pad : kPads) {
-        SCOPED_TRACE(shape(rows, cols, pad));
-        Strided x(rows, cols, pad, 11 + uint32_t(cols), -2.f, 2.f), r(rows, cols, pad ? pad + 1 : 0, 12, -1.f, 1.f);
-        Strided y(rows, cols, pad, 13);
-        const std::vector<float> w = random_floats(size_t(cols), 14, -0.5f, 1.5f);
-        DeviceBuffer<float> dw(w);
-        cpu().add_rmsnorm(x.h(), r.h(), w.data(), 1e-6f, y.h(), 0.f);
-        y.poison();
-        cuda::add_rmsnorm(x.d(), r.d(), dw.get(), 1e-6f, y.d(), 0.f, stream());
-        EXPECT_EQ(x.dev_dense(), x.host_dense());
-        EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
-        if (pad) {
-          EXPECT_TRUE(y.dev_pads_poisoned());
-        }
-      }
-}
 
 TEST(CudaOps, AddAndBias) {
   REQUIRE_GPU();

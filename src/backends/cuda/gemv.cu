@@ -16,8 +16,9 @@
 // The 32-element ggml formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take the dp4a variant instead
 // when the matrix has rows enough for blocks of one-warp groups (LM heads, wide FFNs): the
 // block quantizes its activation rows to int8 in shared memory first (q8.cuh), then each unit
-// is two dp4a on the raw codes and one scale, fewer instructions than the f32 dequantize. K-quants, MXFP4 and INT4-affine keep the f32 variant for now (the CPU
-// quantizes their activations per 256 or not at all; a dp4a path for them must match that).
+// is two dp4a on the raw codes and one scale, fewer instructions than the f32 dequantize.
+// K-quants, MXFP4 and INT4-affine keep the f32 variant for now (the CPU quantizes their
+// activations per 256 or not at all; a dp4a path for them must match that).
 #include "backends/cuda/matmul.h"
 #include "backends/cuda/q8.cuh"
 #include "backends/cuda/quant.cuh"

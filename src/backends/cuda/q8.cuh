@@ -1,10 +1,11 @@
 // int8 activations for the dp4a GEMV path (gemv.cu) of the 32-element ggml formats (Q4_0,
 // Q4_1, Q5_0, Q5_1, Q8_0).
 //
-// Why: dequantizing 4-bit weights to f32 costs ~6 instructions per element, which bounds the
-// f32 GEMV on the SM's ALUs well below HBM speed (Q4_0 LM head [151936, 2048]: 197 us = 0.9 TB/s
-// on the H200, measured with ncu). With the activations quantized to int8 per 32 elements (the
-// CPU backend's BlockQ8x32, llama.cpp's q8_1), one dp4a does 4 multiply-adds on the raw codes:
+// Why: dequantizing 4-bit weights to f32 costs ~6 instructions per element, and the f32 GEMV
+// issues far more instructions per weight byte than HBM can feed (Q4_0 LM head [151936, 2048]:
+// 196 us = 0.9 TB/s on the H200, ncu). With the activations quantized to int8 per 32 elements
+// (the CPU backend's BlockQ8x32, llama.cpp's q8_1), one dp4a does 4 multiply-adds on the raw
+// codes (that LM head: 158 us; the kernel stays latency and load bound, NOTES_matmul.md):
 // w_i = a * c_i + b per weight block (c the integer codes), so
 //   sum_i w_i x_i = a * dx * sum_i c_i q_i + b * (dx * sum_i q_i).
 // The quantization is core/quant.cpp's quantize_row_q8x32 operation for operation (amax / 127,
