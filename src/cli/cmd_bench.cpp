@@ -21,7 +21,7 @@ namespace turbospark::cli {
 void add_bench_command(CLI::App& app) {
   struct Opts {
     std::string model, device = "auto";
-    int64_t prompt = 128, decode = 32;
+    int64_t prompt = 128, decode = 32, ubatch = 0;
     int threads = 0, repeat = 3;
     bool no_membw = false, profile = false;
   };
@@ -30,6 +30,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--model,-m", o->model, "Model directory")->required();
   cmd->add_option("--prompt", o->prompt, "Prompt tokens for the prefill measurement")->capture_default_str();
   cmd->add_option("--decode", o->decode, "Tokens to decode")->capture_default_str();
+  cmd->add_option("--ubatch", o->ubatch,
+                  "Prompt tokens per forward (prefill micro-batch; default 0: the backend's, 64 on cpu, 2048 on cuda)")
+      ->capture_default_str();
   cmd->add_option("--repeat", o->repeat, "Repetitions (the median is reported)")->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
@@ -38,16 +41,18 @@ void add_bench_command(CLI::App& app) {
   cmd->add_flag("--profile", o->profile, "Time each block (attention, GDN, QSA indexer, PLE, MoE, ...) in one extra run");
   cmd->callback([o] {
     using Clock = std::chrono::steady_clock;
+    if (o->prompt < 1 || o->decode < 1) fail("bench: --prompt and --decode must be >= 1");
+    if (o->ubatch < 0) fail("bench: --ubatch must be >= 1 (0 = the backend's), got {}", o->ubatch);
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, false);
     const Model& model = *rt.model.model;
     const ModelInfo& info = model.info();
-    if (o->prompt < 1 || o->decode < 1) fail("bench: --prompt and --decode must be >= 1");
     std::mt19937 rng(7);
     std::uniform_int_distribution<int32_t> pick(0, int32_t(info.vocab_size - 1));
     std::vector<int32_t> prompt(size_t(o->prompt));
     for (auto& t : prompt) t = pick(rng);
     SessionOptions so;
     so.max_context = std::max<int64_t>(info.max_context, o->prompt + o->decode + 1);
+    so.max_prefill_batch = o->ubatch;
     Session session(model, *rt.backend, so);
     std::vector<double> prefill_tps, decode_tps;
     for (int r = 0; r < std::max(1, o->repeat); ++r) {

@@ -20,7 +20,8 @@ Session::Session(const Model& model, Backend& backend, SessionOptions options)
       options_(options),
       max_context_(resolve_context(model, options)),
       kv_(backend, model.kv_spec(), resolve_context(model, options)) {
-  TS_CHECK(options_.max_prefill_batch > 0, "max_prefill_batch must be positive");
+  if (options_.max_prefill_batch == 0) options_.max_prefill_batch = backend_.preferred_prefill_batch();
+  if (options_.max_prefill_batch < 0) fail("prefill micro-batch must be >= 1 (0 = the backend's), got {}", options_.max_prefill_batch);
   workspace_ = model_.new_workspace(backend_, options_.max_prefill_batch);
   state_ = model_.new_sequence_state(backend_, max_context_);
   positions_.resize(size_t(options_.max_prefill_batch));

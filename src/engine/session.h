@@ -14,11 +14,11 @@
 
 namespace turbospark {
 
-constexpr int64_t kMaxPrefillBatch = 64;
+constexpr int64_t kMaxPrefillBatch = 64;  // the CPU backend's micro-batch
 
 struct SessionOptions {
   int64_t max_context = 0;  // 0: the model's max_position_embeddings
-  int64_t max_prefill_batch = kMaxPrefillBatch;
+  int64_t max_prefill_batch = 0;  // 0: the backend's preferred_prefill_batch()
 };
 
 class Session {

@@ -183,6 +183,10 @@ class Backend {
   virtual void run_step(std::unique_ptr<StepGraph>& graph, const std::function<void()>& record) { record(); }
   // Waits for every recorded op (no-op on the eager CPU backend).
   virtual void synchronize() {}
+  // Prompt rows per forward a session uses unless told otherwise (SessionOptions): each
+  // micro-batch reads every weight it touches once, so a GPU wants micro-batches large enough
+  // that a routed expert sees tens of rows; the CPU's caches want small ones.
+  virtual int64_t preferred_prefill_batch() const { return 64; }
 
   // Scratch activations of n_floats f32 (zeroed).
   std::shared_ptr<float> alloc(int64_t n_floats) {

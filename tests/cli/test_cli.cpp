@@ -226,6 +226,7 @@ TEST(BadInput, NumericFlagsOutOfRangeRefusedByName) {
   expect_one_line_error(run_cli("chat --model /nonexistent --max-tokens -1"), "--max-tokens must be >= 0");
   expect_one_line_error(run_cli("chat --model /nonexistent --temperature 1 --top-k -2"), "--top-k must be >= 0");
   expect_one_line_error(run_cli("generate --model /nonexistent --tokens 1 --temperature nan"), "--temperature");
+  expect_one_line_error(run_cli("bench --model /nonexistent --ubatch -4"), "--ubatch must be >= 1");
 }
 
 }  // namespace

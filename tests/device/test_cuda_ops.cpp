@@ -528,7 +528,22 @@ TEST(CudaOps, AttentionPrepMatchesSeparateOps) {
     }
 }
 
-enum class Kernel { kDecode, kPrefill, kAuto };
+enum class Kernel { kDecode, kPrefill, kPrefillTc, kAuto };
+
+// Inputs for the tensor-core kernel's tests: kBf16 rounds q, K and V to bf16 (the kernel's
+// own rounding of them is then exact and only P's remains); kZeroKeys also zeroes K, so every
+// visible key scores 0 and gets probability exactly 1: the output is the plain mean of V over
+// the keys the masks admit (V is integer-valued there: the sums are exact), which the
+// tensor-core kernel must reproduce to f32 rounding.
+enum class Inputs { kRandom, kBf16, kZeroKeys };
+
+float round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;  // round to nearest even (finite inputs)
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 struct AttnCase {
   int n_heads, n_kv_heads, head_dim;
@@ -543,8 +558,14 @@ struct AttnCase {
   }
 };
 
-// Runs one case on both backends through the chosen CUDA kernel; returns the error.
-double run_attention(const AttnCase& c, Kernel kernel, bool with_scratch = true) {
+struct AttnErrors {
+  double normalized;  // ||cuda - cpu|| / ||cpu||, infinite on NaN
+  double max_abs;     // max |cuda - cpu|, infinite on NaN
+};
+
+// Runs one case on both backends through the chosen CUDA kernel; returns the errors.
+AttnErrors run_attention_errors(const AttnCase& c, Kernel kernel, bool with_scratch = true,
+                                Inputs inputs = Inputs::kRandom) {
   // Row t belongs to sequence t % n_seqs (interleaved: the prefill tiles see mixed
   // sequences); sequence s's rows take the last positions of its context, which shrinks
   // with s so the sequences differ in length.
@@ -567,6 +588,16 @@ double run_attention(const AttnCase& c, Kernel kernel, bool with_scratch = true)
   // q is a column slice of a wider qkv-like buffer (stride > width), out has padding.
   Strided q(c.rows, width, 2 * int64_t(c.n_kv_heads) * c.head_dim + 1, uint32_t(c.rows + 100), -2.f, 2.f);
   Strided out(c.rows, width, 3, 101);
+  if (inputs != Inputs::kRandom) {
+    for (float& x : q.host) x = round_bf16(x);
+    for (float& x : cache.k) x = inputs == Inputs::kZeroKeys ? 0.f : round_bf16(x);
+    // Zero keys: V in {-1, 0, 1, 2}, so every sum of V either backend forms is an exact
+    // integer (whatever the order or the tensor cores' accumulation rounding).
+    for (float& x : cache.v) x = inputs == Inputs::kZeroKeys ? std::floor(2.f * x) : round_bf16(x);
+    q.upload();
+    cache.dk.upload(cache.k);
+    cache.dv.upload(cache.v);
+  }
   const std::vector<float> sinks = random_floats(size_t(c.n_heads), 102, -1.f, 3.f);
   DeviceBuffer<float> dsinks(sinks);
   DeviceBuffer<int32_t> dseq(seq);
@@ -591,16 +622,38 @@ double run_attention(const AttnCase& c, Kernel kernel, bool with_scratch = true)
     case Kernel::kPrefill:
       cuda::attention_prefill(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(), stream());
       break;
+    case Kernel::kPrefillTc:
+      cuda::attention_prefill_tc(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(), stream());
+      break;
     case Kernel::kAuto:
       cuda::attention(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(), scratch.get(), scratch_floats,
                       stream());
       break;
   }
   EXPECT_TRUE(out.dev_pads_poisoned());
-  return normalized_error(out.dev_dense(), out.host_dense());
+  const std::vector<float> got = out.dev_dense(), want = out.host_dense();
+  double max_abs = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = std::fabs(double(got[i]) - double(want[i]));
+    if (!(d <= max_abs)) max_abs = std::isnan(d) ? INFINITY : d;  // NaN wins
+  }
+  return {normalized_error(got, want), max_abs};
+}
+
+double run_attention(const AttnCase& c, Kernel kernel, bool with_scratch = true) {
+  return run_attention_errors(c, kernel, with_scratch).normalized;
 }
 
 constexpr double kAttentionBound = 1e-5;
+// The tensor-core kernel on bf16-exact inputs: each output is sum_j w_j v_j / sum_j w_j with
+// w_j = p_j (1 + d_j), |d_j| <= 2^-9 (P rounded to bf16, the sum taken over the rounded
+// weights), so |out - exact| <= 2^-9 max_j |v_j - out| <= 2^-9 (max V - min V) = 2^-9 * 2
+// for V in [-0.5, 1.5], plus f32 rounding. Element-wise, so a wrong key anywhere fails it
+// only when it moves an output by more than that: the kZeroKeys cases catch those at 1e-5.
+constexpr double kTcMaxAbsBound = 2.0 / 512 + 1e-5;
+// On general f32 inputs the scores also carry q's and k's rounding (~2^-9 |q||k| scale):
+// normalized, as the golden tests see it.
+constexpr double kTcRandomBound = 2e-2;
 
 // Every head_dim and GQA ratio, both kernels, one decode row and a small prefill chunk.
 TEST(CudaOps, AttentionHeadDimsAndGroups) {
@@ -650,7 +703,9 @@ TEST(CudaOps, AttentionPrefillBatches) {
           const AttnCase c{8, rows == 64 ? 1 : 4, hd, rows, ctx, window, window > 0, n_seqs};
           SCOPED_TRACE(c.name());
           EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
-          EXPECT_LT(run_attention(c, Kernel::kAuto), kAttentionBound) << "auto";
+          // attention() takes the tensor-core kernel for these rows and head dims.
+          EXPECT_LT(run_attention(c, Kernel::kAuto), kTcRandomBound) << "auto";
+          EXPECT_LT(run_attention(c, Kernel::kPrefillTc), kTcRandomBound) << "prefill tc";
           if (rows <= 64) {
             EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
           }
@@ -669,6 +724,44 @@ TEST(CudaOps, AttentionDecodeRowsOfManySequences) {
         EXPECT_LT(run_attention(c, Kernel::kDecode, scratch), kAttentionBound);
         EXPECT_LT(run_attention(c, Kernel::kAuto, scratch), kAttentionBound);
       }
+}
+
+// The tensor-core prefill kernel's masks, windows, sinks, sequences and GQA mapping, exactly:
+// with every key scoring 0 a key read or dropped by mistake moves an output by ~1 / keys,
+// 20x the bound even at 4000 keys (as the f32 kernels' tests).
+TEST(CudaOps, AttentionTensorCoreMasksExactly) {
+  REQUIRE_GPU();
+  for (int hd : {32, 64, 80, 128})
+    for (int group : {1, 4, 8, 12})
+      for (int64_t rows : {int64_t(17), int64_t(64), int64_t(100)}) {
+        const AttnCase c{2 * group, 2, hd, rows, 300, hd == 80 ? 7 : 0, (hd + group) % 3 == 0, group == 4 ? 2 : 1};
+        SCOPED_TRACE(c.name());
+        EXPECT_LT(run_attention_errors(c, Kernel::kPrefillTc, true, Inputs::kZeroKeys).normalized, kAttentionBound);
+      }
+  for (int64_t ctx : {17, 63, 64, 65, 300, 4000})
+    for (int window : {0, 1, 7, 128})
+      for (int n_seqs : {1, 2}) {
+        const int64_t rows = std::min<int64_t>(ctx, 40);
+        const AttnCase c{8, 2, 128, rows, ctx, window, window % 2 == 1, n_seqs};
+        SCOPED_TRACE(c.name());
+        EXPECT_LT(run_attention_errors(c, Kernel::kPrefillTc, true, Inputs::kZeroKeys).normalized, kAttentionBound);
+      }
+}
+
+// Its products: random bf16-exact q, K, V, held element-wise to P's rounding (kTcMaxAbsBound),
+// and general f32 inputs to kTcRandomBound. Ragged rows, every head_dim it takes.
+TEST(CudaOps, AttentionTensorCoreProducts) {
+  REQUIRE_GPU();
+  for (int hd : {32, 64, 80, 128})
+    for (int64_t rows : {int64_t(17), int64_t(64), int64_t(500)})
+      for (int64_t ctx : {int64_t(500), int64_t(4000)})
+        for (int window : {0, 128}) {
+          const AttnCase c{8, 2, hd, rows, ctx, window, window > 0, rows == 17 ? 2 : 1};
+          SCOPED_TRACE(c.name());
+          const AttnErrors exact = run_attention_errors(c, Kernel::kPrefillTc, true, Inputs::kBf16);
+          EXPECT_LT(exact.max_abs, kTcMaxAbsBound);
+          EXPECT_LT(run_attention_errors(c, Kernel::kPrefillTc).normalized, kTcRandomBound);
+        }
 }
 
 TEST(CudaOps, AttentionRefusesUnsupportedHeadDim) {

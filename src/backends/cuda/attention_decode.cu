@@ -398,6 +398,8 @@ void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, in
                const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream) {
   if (q.rows <= kAttentionDecodeMaxRows) {
     attention_decode(q, positions, kv, n_heads, scale, window, sinks, out, scratch, scratch_floats, stream);
+  } else if (attention_prefill_tc_supports(kv.head_dim)) {
+    attention_prefill_tc(q, positions, kv, n_heads, scale, window, sinks, out, stream);
   } else {
     attention_prefill(q, positions, kv, n_heads, scale, window, sinks, out, stream);
   }

@@ -73,7 +73,7 @@ void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* 
 // attention calls in flight on different streams.
 int64_t attention_scratch_floats(int64_t rows, int n_heads, int head_dim);
 // Picks the kernel by row count: decode (split-K over the context, parallel over rows) for
-// few rows, the tiled prefill kernel otherwise. Both are exposed for tests and for a caller
+// few rows, the tiled prefill kernel otherwise (on tensor cores for head_dim <= 128). Both are exposed for tests and for a caller
 // that knows its batch better (e.g. many decode rows of distinct sequences -> decode).
 void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
                const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream);
@@ -82,6 +82,11 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
                       cudaStream_t stream);
 void attention_prefill(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                        int window, const float* sinks, const Mat& out, cudaStream_t stream);
+// attention_prefill_tc.cu: the prefill kernel on bf16 tensor cores (f32 softmax and
+// accumulation; see the file for its precision), for head_dim <= 128.
+bool attention_prefill_tc_supports(int head_dim);
+void attention_prefill_tc(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
+                          int window, const float* sinks, const Mat& out, cudaStream_t stream);
 // Row count up to which attention() takes the decode kernel.
 constexpr int64_t kAttentionDecodeMaxRows = 16;
 

@@ -1,0 +1,387 @@
+// Prefill attention on tensor cores: the flash-attention loop of attention_prefill.cu (same
+// tiles of 64 query vectors of one KV head's GQA group, same passes per sequence, same
+// masks, sinks and windows) with both products, S = Q K^T and O += P V, as bf16
+// mma.sync.m16n8k16 with f32 accumulation. See attention_prefill.cu for the tile layout and
+// backends/cpu/kernels_ref.cpp for the math.
+//
+// Precision: Q, K, V (f32 in the cache) and the probabilities P are rounded to bf16 (8
+// significant bits) as they enter the products; scores, the online softmax, the row sums and
+// O stay f32. With bf16-exact inputs only P's rounding remains (relative 2^-9 per key, random
+// in sign, so the output error shrinks with the number of keys a row sees; the row sums add
+// the rounded P, so each output is an exact weighted mean of V); on general inputs
+// the score error is ~2^-9 of |q| |k|. The f32 SIMT kernel stays for head_dim above 128 and
+// for callers that want the CPU's rounding (tests); attention() takes this one for prefill.
+//
+// Layout: 4 warps, warp w owns query vectors 16w..16w+15 (the A rows of its mma tiles); keys
+// in tiles of 32. K and V rows arrive by cp.async into one of two f32 stages (the next tile's
+// copies fly while this one is converted and multiplied), are converted once into bf16 tiles
+// of head_dim padded to kHd + 8 (the +16 bytes put the 8 rows an mma fragment or ldmatrix
+// reads in distinct banks). Q's A fragments live in registers for the whole pass; S's
+// accumulators become P's A fragments in registers (an m16n8 C fragment pair has the m16k16
+// A layout); V's B fragments come from ldmatrix.trans (V is stored key-major, the product
+// wants it dim-major).
+//
+// Bound: tensor-core issue at long context (32 + 32 mma per warp and key tile); 184
+// registers a thread (Q fragments and O accumulators for head_dim 128) allow 2 blocks per SM,
+// and the KV bytes are f32 (twice a bf16 pool's) from L2.
+#include <climits>
+
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/ops.h"
+#include "backends/cuda/paged_kv.cuh"
+
+namespace turbospark::cuda {
+
+// attention_decode.cu
+void check_attention_shapes(const char* op, const Mat& q, const KvLayerView& kv, int n_heads, const Mat& out);
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kTileQ = 16 * kWarps;  // query vectors per block
+constexpr int kTileK = 32;           // keys per step
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Shared memory: two f32 stages of K and V rows (cp.async targets), the bf16 K and V tiles the
+// products read, and Q as bf16 (read once into registers).
+template <int kHd>
+struct TcSmem {
+  static constexpr int kLd = kHd + 8;      // bf16 per row
+  static constexpr int kLdF = kHd + 4;     // f32 per staged row (16-byte aligned rows)
+  static constexpr size_t kStageFloats = size_t(2) * kTileK * kLdF;  // K and V of one tile
+  static constexpr size_t kBytes = 2 * kStageFloats * sizeof(float) +
+                                   size_t(kTileQ + 2 * kTileK) * kLd * sizeof(__nv_bfloat16);
+};
+
+// 16 bytes global -> shared, asynchronously; src_bytes 0 writes zeros (keys past the range).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
+  uint2 u;
+  u.x = pack_bf16x2(v.x, v.y);
+  u.y = pack_bf16x2(v.z, v.w);
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+
+__device__ __forceinline__ uint32_t lds32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// c += a b: A 16x16 row-major (4 regs), B 16x8 column-major (2 regs), C 16x8 f32.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four transposed 8x8 b16 matrices; lane l gives the row address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <int kHd>
+__global__ void __launch_bounds__(kThreads)
+    attention_prefill_tc_kernel(const float* __restrict__ q, int64_t q_stride, int64_t rows,
+                                const int64_t* __restrict__ positions, PagedKv kv, int group, float scale_log2,
+                                int window, const float* __restrict__ sinks, float* __restrict__ out,
+                                int64_t out_stride) {
+  using S = TcSmem<kHd>;
+  constexpr int kLd = S::kLd;
+  constexpr int kKSteps = kHd / 16;    // depth steps of S = Q K^T
+  constexpr int kSTiles = kTileK / 8;  // 8-key column tiles of S
+  constexpr int kOTiles = kHd / 8;     // 8-dim column tiles of O
+  constexpr int kLdF = S::kLdF;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto* s_stage = reinterpret_cast<float*>(smem_raw);  // [2][K, V][kTileK][kLdF]
+  auto* s_q = reinterpret_cast<__nv_bfloat16*>(s_stage + 2 * S::kStageFloats);  // [kTileQ][kLd]
+  __nv_bfloat16* s_k = s_q + kTileQ * kLd;                                        // [kTileK][kLd]
+  __nv_bfloat16* s_v = s_k + kTileK * kLd;                                        // [kTileK][kLd]
+  __shared__ long long s_pos[kTileQ], s_lo[kTileQ];
+  __shared__ int s_seq[kTileQ], s_state[kTileQ];  // state: 0 pending, 1 in this pass, 2 done or empty
+  __shared__ int s_cur_seq;
+  __shared__ long long s_kmin, s_kmax;
+
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
+  const int kv_head = blockIdx.y;
+  const int rows_per_tile = kTileQ / group;
+  const int64_t row0 = int64_t(blockIdx.x) * rows_per_tile;
+  const int hd = kv.head_dim, hd4 = hd / 4;
+  const int64_t row_floats = int64_t(kv.n_kv_heads) * hd;
+
+  // Query vectors: m -> (row row0 + m / group, head kv_head * group + m % group).
+  if (tid < kTileQ) {
+    const int64_t t = row0 + tid / group;
+    const bool ok = tid < rows_per_tile * group && t < rows;
+    const long long pos = ok ? positions[t] : 0;
+    s_pos[tid] = pos;
+    s_lo[tid] = window > 0 ? max(0ll, pos - window + 1) : 0ll;
+    s_seq[tid] = ok ? (kv.row_seq ? kv.row_seq[t] : 0) : -1;
+    s_state[tid] = ok ? 0 : 2;
+  }
+  // Q as bf16, zero past head_dim and for empty vectors (q rows need not be 16-byte aligned).
+  for (int i = tid; i < kTileQ * (kHd / 4); i += kThreads) {
+    const int m = i / (kHd / 4), d4 = i % (kHd / 4);
+    const int64_t t = row0 + m / group;
+    float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m < rows_per_tile * group && t < rows && d4 < hd4) {
+      const float* src = q + t * q_stride + int64_t(kv_head * group + m % group) * hd + 4 * d4;
+      val = make_float4(src[0], src[1], src[2], src[3]);
+    }
+    store_bf16x4(s_q + m * kLd + 4 * d4, val);
+  }
+  __syncthreads();
+  uint32_t qa[kKSteps][4];
+  {
+    const __nv_bfloat16* qw = s_q + (16 * warp) * kLd;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      qa[ks][0] = lds32(qw + g * kLd + 16 * ks + 2 * t4);
+      qa[ks][1] = lds32(qw + (g + 8) * kLd + 16 * ks + 2 * t4);
+      qa[ks][2] = lds32(qw + g * kLd + 16 * ks + 8 + 2 * t4);
+      qa[ks][3] = lds32(qw + (g + 8) * kLd + 16 * ks + 8 + 2 * t4);
+    }
+  }
+
+  // This thread's C-fragment rows: query vectors mv[0] = 16 warp + g and mv[1] = mv[0] + 8.
+  const int mv[2] = {16 * warp + g, 16 * warp + g + 8};
+  float o[kOTiles][4];
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // m in log2 units; l per thread
+#pragma unroll
+  for (int j = 0; j < kOTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+
+  for (;;) {
+    __syncthreads();  // s_state ready; the previous pass's readers are done
+    if (tid == 0) {
+      int cur = -1;
+      long long kmin = 0, kmax = -1;
+      for (int m = 0; m < kTileQ; ++m) {
+        if (s_state[m] != 0) continue;
+        if (cur < 0) cur = s_seq[m], kmin = s_lo[m], kmax = s_pos[m];
+        if (s_seq[m] != cur) continue;
+        s_state[m] = 1;
+        kmin = min(kmin, s_lo[m]);
+        kmax = max(kmax, s_pos[m]);
+      }
+      s_cur_seq = cur;
+      s_kmin = kmin;
+      s_kmax = kmax;
+    }
+    __syncthreads();
+    const int cur_seq = s_cur_seq;
+    if (cur_seq < 0) break;
+    const long long kmin = s_kmin, kmax = s_kmax;
+    const int32_t* table = kv.block_table + int64_t(cur_seq) * kv.max_blocks;
+    bool act[2];
+    long long lo_i[2], pos_i[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      act[r] = s_state[mv[r]] == 1;
+      lo_i[r] = s_lo[mv[r]];
+      pos_i[r] = s_pos[mv[r]];
+    }
+    // The warp's own key range in this pass: tiles outside it skip the products.
+    long long w_lo = act[0] ? lo_i[0] : LLONG_MAX, w_hi = act[0] ? pos_i[0] : -1;
+    if (act[1]) w_lo = min(w_lo, lo_i[1]), w_hi = max(w_hi, pos_i[1]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      w_lo = min(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, off));
+      w_hi = max(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, off));
+    }
+
+    // Stage `tile` (keys kmin + kTileK tile ..) into f32 buffer `buf` with cp.async; keys past
+    // kmax and dims past head_dim are zero-filled (a zero V row keeps masked keys' garbage out
+    // of P V).
+    auto issue = [&](long long tile, int buf) {
+      float* sk = s_stage + buf * S::kStageFloats;
+      float* sv = sk + kTileK * kLdF;
+      const long long base = kmin + tile * kTileK;
+      for (int i = tid; i < kTileK * (kHd / 4); i += kThreads) {
+        const int n = i / (kHd / 4), d4 = i % (kHd / 4);
+        const long long p = base + n;
+        const bool ok = p <= kmax && d4 < hd4;
+        int64_t off = 0;
+        if (ok) {
+          const unsigned pu = unsigned(p), blk = pu / unsigned(kv.block_size);  // positions < 2^31
+          off = (int64_t(table[blk]) * kv.block_size + (pu - blk * unsigned(kv.block_size))) * row_floats +
+                int64_t(kv_head) * hd + 4 * d4;
+        }
+        cp_async16(sk + n * kLdF + 4 * d4, kv.k + off, ok ? 16 : 0);
+        cp_async16(sv + n * kLdF + 4 * d4, kv.v + off, ok ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+    const long long n_tiles = (kmax - kmin) / kTileK + 1;
+    issue(0, 0);
+    for (long long tile = 0; tile < n_tiles; ++tile) {
+      const long long k0 = kmin + tile * kTileK;
+      if (tile + 1 < n_tiles) {
+        issue(tile + 1, int((tile + 1) & 1));
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // this tile's stage has landed for every thread; the last tile's readers are done
+      {
+        const float* sk = s_stage + (tile & 1) * S::kStageFloats;
+        const float* sv = sk + kTileK * kLdF;
+        for (int i = tid; i < kTileK * (kHd / 4); i += kThreads) {
+          const int n = i / (kHd / 4), d4 = i % (kHd / 4);
+          store_bf16x4(s_k + n * kLd + 4 * d4, *reinterpret_cast<const float4*>(sk + n * kLdF + 4 * d4));
+          store_bf16x4(s_v + n * kLd + 4 * d4, *reinterpret_cast<const float4*>(sv + n * kLdF + 4 * d4));
+        }
+      }
+      __syncthreads();
+
+      if (k0 <= w_hi && k0 + kTileK - 1 >= w_lo) {
+        // S = Q K^T for this warp's 16 vectors x kTileK keys.
+        float s[kSTiles][4];
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+          s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+          const __nv_bfloat16* kr = s_k + (8 * j + g) * kLd + 2 * t4;
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks) mma_bf16_16816(s[j], qa[ks], lds32(kr + 16 * ks), lds32(kr + 16 * ks + 8));
+        }
+        // Mask and scale (log2 units); element e of tile j is vector mv[e / 2], key 8j + 2 t4 + e % 2.
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2;
+            const long long p = k0 + 8 * j + 2 * t4 + (e & 1);
+            const bool ok = act[r] && p >= lo_i[r] && p <= pos_i[r];
+            s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
+            tile_max[r] = fmaxf(tile_max[r], s[j][e]);
+          }
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+          const float m_new = fmaxf(m_run[r], tile_max[r]);
+          corr[r] = m_run[r] == m_new ? 1.f : exp2f(m_run[r] - m_new);
+          m_run[r] = m_new;
+        }
+        float row_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2;
+            // Rounded here, as P V will see it: the row sum then normalizes exactly the
+            // weights the product used.
+            s[j][e] = s[j][e] == -INFINITY ? 0.f : __bfloat162float(__float2bfloat16_rn(exp2f(s[j][e] - m_run[r])));
+            row_sum[r] += s[j][e];
+          }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * corr[r] + row_sum[r];
+#pragma unroll
+        for (int j = 0; j < kOTiles; ++j) {
+          o[j][0] *= corr[0];
+          o[j][1] *= corr[0];
+          o[j][2] *= corr[1];
+          o[j][3] *= corr[1];
+        }
+        // O += P V: P's A fragment for keys 16kk.. is S tiles 2kk and 2kk + 1.
+#pragma unroll
+        for (int kk = 0; kk < kTileK / 16; ++kk) {
+          const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                  pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+          const __nv_bfloat16* vrow = s_v + (16 * kk + lane % 8 + 8 * ((lane / 8) % 2)) * kLd + 8 * (lane / 16);
+#pragma unroll
+          for (int j = 0; j < kOTiles; j += 2) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, vrow + 8 * j);
+            mma_bf16_16816(o[j], pa, b[0], b[1]);
+            mma_bf16_16816(o[j + 1], pa, b[2], b[3]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every thread has read this pass's s_state before it changes
+    if (tid < kTileQ && s_state[tid] == 1) s_state[tid] = 2;
+  }
+
+  // Row sums across the quad, then normalize (with the sink) and write out[t, h * hd + d].
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int m = mv[r];
+    const int64_t t = row0 + m / group;
+    if (m >= rows_per_tile * group || t >= rows) continue;
+    const int h = kv_head * group + m % group;
+    float factor = 1.f / l_run[r];
+    if (sinks) {
+      const float sink = sinks[h] * kLog2e;
+      const float mf = fmaxf(m_run[r], sink);
+      const float f = exp2f(m_run[r] - mf);
+      factor = f / (l_run[r] * f + exp2f(sink - mf));
+    }
+    float* orow = out + t * out_stride + int64_t(h) * hd;
+#pragma unroll
+    for (int j = 0; j < kOTiles; ++j) {
+      const int d = 8 * j + 2 * t4;
+      if (d < hd) orow[d] = o[j][2 * r] * factor;
+      if (d + 1 < hd) orow[d + 1] = o[j][2 * r + 1] * factor;
+    }
+  }
+}
+
+template <int kHd>
+void launch_tc(const Mat& q, const int64_t* positions, const PagedKv& kv, int group, float scale, int window,
+               const float* sinks, const Mat& out, cudaStream_t stream) {
+  constexpr size_t bytes = TcSmem<kHd>::kBytes;  // head_dim 128: 52 KB, 64: 27 KB
+  TS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_tc_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(bytes)),
+                "attention_prefill_tc: shared memory {} bytes for head_dim <= {}", bytes, kHd);
+  const int rows_per_tile = kTileQ / group;
+  const dim3 grid(unsigned((q.rows + rows_per_tile - 1) / rows_per_tile), unsigned(kv.n_kv_heads));
+  attention_prefill_tc_kernel<kHd><<<grid, kThreads, bytes, stream>>>(
+      q.data, q.stride, q.rows, positions, kv, group, scale * kLog2e, window, sinks, out.data, out.stride);
+}
+
+}  // namespace
+
+bool attention_prefill_tc_supports(int head_dim) { return head_dim <= 128; }
+
+void attention_prefill_tc(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
+                          int window, const float* sinks, const Mat& out, cudaStream_t stream) {
+  check_attention_shapes("attention_prefill_tc", q, kv, n_heads, out);
+  TS_CHECK(attention_prefill_tc_supports(kv.head_dim), "attention_prefill_tc: head_dim {} above 128", kv.head_dim);
+  if (q.rows == 0) return;
+  const int group = n_heads / kv.n_kv_heads;
+  TS_CHECK(group <= kTileQ, "attention_prefill_tc: GQA group {} above {}", group, kTileQ);
+  const PagedKv pk = paged_kv(kv);
+  if (kv.head_dim <= 64) {
+    launch_tc<64>(q, positions, pk, group, scale, window, sinks, out, stream);
+  } else {
+    launch_tc<128>(q, positions, pk, group, scale, window, sinks, out, stream);
+  }
+  TS_CUDA_LAUNCH_CHECK("attention_prefill_tc rows {} heads {}/{} head_dim {} window {}", q.rows, n_heads,
+                       kv.n_kv_heads, kv.head_dim, window);
+}
+
+}  // namespace turbospark::cuda
