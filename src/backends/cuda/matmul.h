@@ -136,7 +136,9 @@ class WeightMatmul {
   DeviceScratch w_bf16_;      // [chunk, round_up(in, 8)] bf16: a chunk of dequantized weight rows
   DeviceScratch y_aligned_;   // [rows, round_up(out, 4)] f32: GEMM output when y's rows are unaligned
   DeviceScratch moe_index_;   // int32 grouping buffers: counts, offsets, tiles, sorted pairs, positions
-  DeviceScratch moe_hidden_;  // [pairs, round_up(inter, 4)] f32: act(gate) * up per (row, expert)
+  DeviceScratch moe_hidden_;  // act(gate) * up per (row, expert): [pairs, round_up(inter, 4)] f32 (decode) or
+                              // [pairs, round_up(inter, 8)] bf16 in expert order (prefill)
+  DeviceScratch moe_x_bf16_;  // [pairs, round_up(hidden, 8)] bf16: prefill activations gathered in expert order
   DeviceScratch moe_out_;     // [pairs, round_up(hidden, 4)] f32: down projection per pair (prefill)
 };
 

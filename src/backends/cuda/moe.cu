@@ -15,17 +15,19 @@
 //   a block covers 8 output rows, too few to amortize quantizing its activations.)
 //
 // Prefill (more rows): rows are grouped by expert on the device: count pairs per expert,
-// prefix-sum to offsets and to 64-row tile offsets, scatter pair ids into expert order. Then
-// one grouped kernel per projection covers every expert's tiles: block (m_tile, n_tile) finds
-// its expert by binary search over the tile offsets (device memory; the grid is the host-known
-// upper bound pairs / 64 + min(experts, pairs) + 1 and surplus blocks exit at once), gathers
-// its rows' activations as bf16 into shared memory, dequantizes the expert's weight tile to
-// bf16 and multiplies on tensor cores (WMMA 16x16x16, f32 accumulate). Each expert's weights
-// are read once per 64-row tile of its rows. A final kernel forms the weighted sum per row.
-//   Bound: tensor-core FLOPs for experts with many rows; for the common few-rows-per-expert
-//   case the weight bytes (HBM). This first grouped kernel is deliberately simple: no
-//   cp.async / TMA pipelining of the tile loads and no wgmma, so it runs well below either
-//   bound; those are the next steps (see NOTES_matmul.md).
+// prefix-sum to offsets and to 128-row tile offsets, scatter pair ids into expert order, and
+// gather the activations once in that order as bf16. Then one grouped kernel per projection
+// covers every expert's tiles: block (m_tile, n_tile) finds its expert by binary search over
+// the tile offsets (device memory; the grid is the host-known upper bound pairs / 128 +
+// min(experts, pairs) + 1 and surplus blocks exit at once), streams its rows' activations
+// into shared memory with cp.async (two stages), dequantizes the expert's weight tile to
+// bf16 while the other stage is multiplied, and multiplies on tensor cores (WMMA 16x16x16,
+// f32 accumulate). Gate/up writes act(gate) * up as bf16 in expert order, which the down
+// pass streams the same way. Each expert's weights are read once per 128-row tile of its
+// rows. A final kernel forms the weighted sum per row.
+//   Bound: the dequantize arithmetic and tensor-core issue for experts with many rows (each
+//   dequantized weight serves 128 rows); for few rows per expert the weight bytes (HBM). No
+//   wgmma/TMA yet (see NOTES_matmul.md).
 #include <mma.h>
 
 #include <algorithm>
@@ -222,27 +224,54 @@ __global__ void moe_scatter_kernel(const int32_t* __restrict__ idx, int64_t n_pa
 
 // ---- prefill: grouped tensor-core tiles -----------------------------------------------------------
 
-constexpr int kBM = 64;   // rows (pairs) per tile
-constexpr int kBN = 64;   // output features per tile
+constexpr int kBM = 128;  // rows (pairs) per tile
+constexpr int kBN = 64;   // output features per tile (of each of gate and up)
 constexpr int kBK = 32;   // reduction depth per step: 4 units
-constexpr int kGroupedThreads = 128;  // 4 warps, each a 32 x 32 quarter of the tile (2 x 2 WMMA)
-constexpr int kLdAB = kBK + 8;        // bf16 smem row: +16 bytes staggers banks, keeps ldm % 8 == 0
+constexpr int kGroupedThreads = 256;  // 8 warps: 4 (rows) x 2 (cols), each 32 x 32 of every matrix (2 x 2 WMMA)
+constexpr int kLdAB = kBK + 8;        // bf16 smem row: 80 bytes (16-byte aligned, staggered banks)
 constexpr int kLdC = kBN + 4;         // f32 smem row for the epilogue (ldm % 4 == 0)
-constexpr int kSmemIn = (kBM + 2 * kBN) * kLdAB * 2;
-constexpr int kSmemOut = 2 * kBM * kLdC * 4;
-constexpr int kSmemBytes = kSmemIn > kSmemOut ? kSmemIn : kSmemOut;  // 34.8 KB: A/B tiles and C share it
 
-// kGateUp: A = x rows gathered through sorted_pairs (row t = pair / k), B = gate and up, the
-// epilogue writes glu(...) to dst[pos] ([pairs, inter]). Else: A = h[pos] ([pairs, inter]),
-// B = down, the epilogue writes the projection (+ bias) to dst[pos] ([pairs, hidden]).
+template <bool kGateUp>
+struct GroupedSmem {
+  static constexpr int kMats = kGateUp ? 2 : 1;
+  static constexpr size_t kStage = size_t(kBM + kMats * kBN) * kLdAB * 2;  // bytes of one stage's A and B
+  static constexpr size_t kOut = size_t(kMats) * kBM * kLdC * 4;
+  static constexpr size_t kBytes = 2 * kStage > kOut ? 2 * kStage : kOut;  // gate/up 70 KB, down 35 KB
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+// a[pos, :] = bf16(x[sorted_pairs[pos] / k, :]) for pos < offsets[n_experts]: gate/up's
+// activations gathered once, in expert order, so its tiles stream them with cp.async.
+__global__ void moe_gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride, const int32_t* __restrict__ sorted_pairs,
+                                       const int32_t* __restrict__ total, int k, int64_t cols,
+                                       __nv_bfloat16* __restrict__ out, int64_t ld) {
+  const int64_t pos = blockIdx.x;
+  if (pos >= *total) return;
+  const float* xr = x + int64_t(sorted_pairs[pos] / k) * x_stride;
+  __nv_bfloat16* dst = out + pos * ld;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = __float2bfloat16_rn(xr[c]);
+}
+
+// kGateUp: A = the gathered activations ([pairs, hidden] bf16, expert order), B = gate and up,
+// the epilogue writes glu(...) as bf16 to dst[pos] ([pairs, inter]). Else: A = that h, B =
+// down, the epilogue writes the projection (+ bias) as f32 to dst[pos] ([pairs, hidden]).
+//
+// Pipeline (one barrier per step): A tiles arrive by cp.async into one of two stages while
+// the other stage is multiplied; B tiles are dequantized into registers during the products
+// and stored into the next stage after them. Each expert's weights are dequantized once per
+// 128-row tile of its rows.
 template <class F, bool kGateUp>
-__global__ void __launch_bounds__(kGroupedThreads)
-    moe_grouped_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ a_src,
-                       int64_t a_stride, bool a_aligned, const int32_t* __restrict__ sorted_pairs,
-                       const int32_t* __restrict__ offsets, const int32_t* __restrict__ tile_offsets,
-                       float* __restrict__ dst, int64_t ld_dst) {
+__global__ void __launch_bounds__(kGroupedThreads, 2)  // 2 blocks (16 warps) per SM: <= 128 registers
+    moe_grouped_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const __nv_bfloat16* __restrict__ a_src,
+                       int64_t lda, const int32_t* __restrict__ offsets, const int32_t* __restrict__ tile_offsets,
+                       void* __restrict__ dst_ptr, int64_t ld_dst) {
   using namespace nvcuda;
-  constexpr int kMats = kGateUp ? 2 : 1;
+  using S = GroupedSmem<kGateUp>;
+  constexpr int kMats = S::kMats;
   const int mt = blockIdx.x;
   const int n_experts = p.n_experts;
   if (mt >= tile_offsets[n_experts]) return;
@@ -262,39 +291,66 @@ __global__ void __launch_bounds__(kGroupedThreads)
   const int64_t depth = kGateUp ? p.hidden : p.inter;
   const MoeExpertDesc& d = experts[e];
 
-  __shared__ __align__(128) unsigned char smem[kSmemBytes];
-  auto* sa = reinterpret_cast<__nv_bfloat16*>(smem);   // [kBM][kLdAB]
-  auto* sb = sa + kBM * kLdAB;                          // [kMats][kBN][kLdAB]
-  auto* sc = reinterpret_cast<float*>(smem);            // [kMats][kBM][kLdC], after the main loop
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto stage_a = [&](int s) { return reinterpret_cast<__nv_bfloat16*>(smem + s * S::kStage); };  // [kBM][kLdAB]
+  auto stage_b = [&](int s) { return stage_a(s) + kBM * kLdAB; };                               // [kMats][kBN][kLdAB]
+  auto* sc = reinterpret_cast<float*>(smem);  // [kMats][kBM][kLdC], after the main loop
 
-  // Each thread loads 2 A chunks and 2 units of each B matrix per step: slot s = tid + 128 i
-  // is (row s / 4, unit s % 4) of the 64 x 32 tile.
-  const float* a_row[2];
-  int a_col[2];
-  WeightRow b_row[kMats][2];
-  bool b_valid[2];
-  int b_n[2], b_q[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int s = threadIdx.x + kGroupedThreads * i;
-    const int r = s / 4;
-    a_col[i] = 8 * (s % 4);
-    const int pos = row_begin + r;
-    a_row[i] = nullptr;
-    if (pos < row_end) a_row[i] = kGateUp ? a_src + int64_t(sorted_pairs[pos] / p.k) * a_stride : a_src + pos * a_stride;
-    b_n[i] = r;
-    b_q[i] = s % 4;
-    b_valid[i] = n0 + r < n_out;
-    const int64_t wr = b_valid[i] ? n0 + r : 0;
+  // A: 128 rows x 4 chunks of 8 per step, 2 chunks a thread; B: kMats x 64 rows x 4 units,
+  // kMats x 1 unit a thread (slot tid: row tid / 4, unit tid % 4).
+  const int tid = threadIdx.x;
+  const int b_n = tid / 4, b_q = tid % 4;
+  const bool b_valid = n0 + b_n < n_out;
+  WeightRow b_row[kMats];
+  {
+    const int64_t wr = b_valid ? n0 + b_n : 0;
     if constexpr (kGateUp) {
-      b_row[0][i] = weight_row(d.gate, wr);
-      b_row[1][i] = weight_row(d.up, wr);
+      b_row[0] = weight_row(d.gate, wr);
+      b_row[1] = weight_row(d.up, wr);
     } else {
-      b_row[0][i] = weight_row(d.down, wr);
+      b_row[0] = weight_row(d.down, wr);
     }
   }
+  auto issue_a = [&](int64_t k0, int s) {
+    __nv_bfloat16* sa = stage_a(s);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int c = tid + kGroupedThreads * i;
+      const int r = c / 4, kc = 8 * (c % 4);
+      const int pos = row_begin + r;
+      const int64_t kk = k0 + kc;
+      const int64_t left = depth - kk;
+      const int bytes = pos < row_end && left > 0 ? int(left < 8 ? left : 8) * 2 : 0;
+      const __nv_bfloat16* src = bytes ? a_src + int64_t(pos) * lda + kk : a_src;
+      cp_async16(sa + r * kLdAB + kc, src, bytes);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  float bv[kMats][kUnit];
+  auto load_b = [&](int64_t k0) {
+    const int64_t kk = k0 + 8 * b_q;
+#pragma unroll
+    for (int m = 0; m < kMats; ++m) {
+      if (b_valid && kk + kUnit <= depth) {
+        F::unit(b_row[m], kk / kUnit, bv[m]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < kUnit; ++c) bv[m][c] = 0.f;
+        if constexpr (F::kTail) {
+          if (b_valid)
+#pragma unroll
+            for (int c = 0; c < kUnit; ++c)
+              if (kk + c < depth) bv[m][c] = F::elem(b_row[m], kk + c);
+        }
+      }
+    }
+  };
+  auto store_b = [&](int s) {
+#pragma unroll
+    for (int m = 0; m < kMats; ++m) store_bf16x8(stage_b(s) + (m * kBN + b_n) * kLdAB + 8 * b_q, bv[m]);
+  };
 
-  const int warp = threadIdx.x / kWarp, warp_m = warp / 2, warp_n = warp % 2;
+  const int warp = tid / kWarp, warp_m = warp / 2, warp_n = warp % 2;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMats][2][2];
 #pragma unroll
   for (int m = 0; m < kMats; ++m)
@@ -303,42 +359,21 @@ __global__ void __launch_bounds__(kGroupedThreads)
 #pragma unroll
       for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[m][i][j], 0.f);
 
-  for (int64_t k0 = 0; k0 < depth; k0 += kBK) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = threadIdx.x + kGroupedThreads * i;
-      const int64_t kk = k0 + a_col[i];
-      float v[kUnit];
-      if (a_row[i] && a_aligned && kk + kUnit <= depth) {
-        load_x8(a_row[i] + kk, v);
-      } else {
-#pragma unroll
-        for (int c = 0; c < kUnit; ++c) v[c] = a_row[i] && kk + c < depth ? a_row[i][kk + c] : 0.f;
-      }
-      store_bf16x8(sa + (s / 4) * kLdAB + a_col[i], v);
+  const int64_t n_steps = (depth + kBK - 1) / kBK;
+  issue_a(0, 0);
+  load_b(0);
+  store_b(0);
+  for (int64_t step = 0; step < n_steps; ++step) {
+    const int s = int(step & 1);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // stage s complete for all; every warp is past the products of stage s ^ 1
+    const bool more = step + 1 < n_steps;
+    if (more) {
+      issue_a((step + 1) * kBK, s ^ 1);
+      load_b((step + 1) * kBK);
     }
-#pragma unroll
-    for (int m = 0; m < kMats; ++m) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int64_t kk = k0 + 8 * b_q[i];
-        float v[kUnit];
-        if (b_valid[i] && kk + kUnit <= depth) {
-          F::unit(b_row[m][i], kk / kUnit, v);
-        } else {
-#pragma unroll
-          for (int c = 0; c < kUnit; ++c) v[c] = 0.f;
-          if constexpr (F::kTail) {
-            if (b_valid[i])
-#pragma unroll
-              for (int c = 0; c < kUnit; ++c)
-                if (kk + c < depth) v[c] = F::elem(b_row[m][i], kk + c);
-          }
-        }
-        store_bf16x8(sb + (m * kBN + b_n[i]) * kLdAB + 8 * b_q[i], v);
-      }
-    }
-    __syncthreads();
+    const __nv_bfloat16* sa = stage_a(s);
+    const __nv_bfloat16* sb = stage_b(s);
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
@@ -356,8 +391,9 @@ __global__ void __launch_bounds__(kGroupedThreads)
         }
       }
     }
-    __syncthreads();
+    if (more) store_b(s ^ 1);
   }
+  __syncthreads();  // the stages are reused for C
 
 #pragma unroll
   for (int m = 0; m < kMats; ++m)
@@ -368,8 +404,8 @@ __global__ void __launch_bounds__(kGroupedThreads)
         wmma::store_matrix_sync(sc + (m * kBM + 32 * warp_m + 16 * i) * kLdC + 32 * warp_n + 16 * j, acc[m][i][j],
                                 kLdC, wmma::mem_row_major);
   __syncthreads();
-  for (int s = threadIdx.x; s < kBM * kBN; s += kGroupedThreads) {
-    const int r = s / kBN, c = s % kBN;
+  for (int s2 = tid; s2 < kBM * kBN; s2 += kGroupedThreads) {
+    const int r = s2 / kBN, c = s2 % kBN;
     const int pos = row_begin + r;
     const int64_t n = n0 + c;
     if (pos >= row_end || n >= n_out) continue;
@@ -378,11 +414,11 @@ __global__ void __launch_bounds__(kGroupedThreads)
       if (d.gate_bias) v += d.gate_bias[n];
       float u = sc[(kBM + r) * kLdC + c];
       if (d.up_bias) u += d.up_bias[n];
-      v = apply_glu(p, v, u);
+      static_cast<__nv_bfloat16*>(dst_ptr)[int64_t(pos) * ld_dst + n] = __float2bfloat16_rn(apply_glu(p, v, u));
     } else {
       if (d.down_bias) v += d.down_bias[n];
+      static_cast<float*>(dst_ptr)[int64_t(pos) * ld_dst + n] = v;
     }
-    dst[int64_t(pos) * ld_dst + n] = v;
   }
 }
 
@@ -484,8 +520,6 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
   p.glu_alpha = e0.glu_alpha;
   p.glu_limit = e0.glu_limit;
   const int64_t rows = x.rows, n_pairs = rows * k;
-  const int64_t ldh = round_up(inter, 4);  // 16-byte aligned rows: the down pass loads them as float4
-  auto* h = static_cast<float*>(moe_hidden_.get(size_t(n_pairs * ldh) * 4, stream, "moe hidden"));
 
   // Every expert's views must suit the format variant chosen from expert 0's.
   auto check_all = [&](auto fmt, bool gate_up) {
@@ -500,6 +534,8 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
   };
 
   if (rows <= kMoeDecodeMaxRows) {
+    const int64_t ldh = round_up(inter, 4);  // 16-byte aligned rows: the down pass loads them as float4
+    auto* h = static_cast<float*>(moe_hidden_.get(size_t(n_pairs * ldh) * 4, stream, "moe hidden"));
     int64_t xs = 0;
     const float* xa = aligned_rows(x, &xs, stream);
     dispatch_weight_format(
@@ -547,17 +583,28 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
   moe_scatter_kernel<<<pair_blocks, 256, 0, stream>>>(idx, n_pairs, p, offsets, cursors, sorted_pairs, pair_pos);
   TS_CUDA_LAUNCH_CHECK("moe scatter: {} pairs", n_pairs);
 
+  // Gate/up's activations in expert order, bf16 (the rounding the tensor cores apply anyway).
+  const int64_t lda = round_up(hidden, 8);
+  auto* xs = static_cast<__nv_bfloat16*>(moe_x_bf16_.get(size_t(n_pairs * lda) * 2, stream, "moe gathered x"));
+  moe_gather_bf16_kernel<<<unsigned(n_pairs), 256, 0, stream>>>(x.data, x.stride, sorted_pairs, offsets + n_experts, k,
+                                                               hidden, xs, lda);
+  TS_CUDA_LAUNCH_CHECK("moe gather: {} pairs x {}", n_pairs, hidden);
   // Tiles: sum_e ceil(c_e / kBM) <= n_pairs / kBM + (number of experts with rows).
   const int64_t max_tiles = n_pairs / kBM + std::min<int64_t>(n_experts, n_pairs) + 1;
-  const bool x_aligned = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride % 4 == 0;
+  const int64_t ldh16 = round_up(inter, 8);  // bf16 h rows, 16-byte aligned for the down pass's cp.async
+  auto* h16 = static_cast<__nv_bfloat16*>(moe_hidden_.get(size_t(n_pairs * ldh16) * 2, stream, "moe hidden"));
   dispatch_weight_format(
       e0.gate.view, "moe_experts gate/up",
       [&](auto fmt) {
         using F = decltype(fmt);
         check_all(fmt, true);
+        constexpr size_t bytes = GroupedSmem<true>::kBytes;
+        TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(bytes)),
+                      "moe grouped gate_up: {} bytes of shared memory", bytes);
         const dim3 grid(unsigned(max_tiles), unsigned((inter + kBN - 1) / kBN));
-        moe_grouped_kernel<F, true><<<grid, kGroupedThreads, 0, stream>>>(
-            descs, p, x.data, x.stride, x_aligned, sorted_pairs, offsets, tile_offsets, h, ldh);
+        moe_grouped_kernel<F, true><<<grid, kGroupedThreads, bytes, stream>>>(descs, p, xs, lda, offsets, tile_offsets,
+                                                                              h16, ldh16);
         TS_CUDA_LAUNCH_CHECK("moe grouped gate_up {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
                              inter, hidden, rows, k);
       },
@@ -569,9 +616,13 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
       [&](auto fmt) {
         using F = decltype(fmt);
         check_all(fmt, false);
+        constexpr size_t bytes = GroupedSmem<false>::kBytes;
+        TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(bytes)),
+                      "moe grouped down: {} bytes of shared memory", bytes);
         const dim3 grid(unsigned(max_tiles), unsigned((hidden + kBN - 1) / kBN));
-        moe_grouped_kernel<F, false><<<grid, kGroupedThreads, 0, stream>>>(descs, p, h, ldh, true, sorted_pairs,
-                                                                           offsets, tile_offsets, y, ldy);
+        moe_grouped_kernel<F, false><<<grid, kGroupedThreads, bytes, stream>>>(descs, p, h16, ldh16, offsets,
+                                                                               tile_offsets, y, ldy);
         TS_CUDA_LAUNCH_CHECK("moe grouped down {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
                              inter, rows, k);
       },
