@@ -2,9 +2,9 @@
 // tiled flash attention with an online softmax, f32 SIMT tiles. Same math as
 // attention_decode.cu (see there and backends/cpu/kernels_ref.cpp).
 //
-// Precision choice: f32 SIMT, not tensor cores. The cache and activations of this interface
-// are f32 and the CPU agreement bound is 1e-5..1e-4; bf16 (or tf32) mma tiles would put
-// ~1e-3 on the scores. A bf16-tile WMMA/mma.sync variant belongs with a bf16 KV pool.
+// Precision: f32 SIMT, agreeing with the CPU to 1e-5. attention() takes the bf16 tensor-core
+// kernel (attention_prefill_tc.cu, same tiles and masks) for head_dim <= 128; this one runs
+// head_dim 256 (Gemma 3) and whatever calls it directly for f32 agreement.
 //
 // Tile: 64 query vectors x 32 keys per step, 256 threads. The 64 query vectors are
 // (row, head) pairs of one KV head's GQA group -- 64 / group rows x group heads -- so one
