@@ -78,6 +78,12 @@ cli_check "unknown device refused" "unknown device" "$build/turbospark" logits -
 cli_check "qwen4_exp refused on cuda" "not supported on --device cuda" "$build/turbospark" logits --model $fx/qwen4_exp_tiny --tokens 1,2 --device cuda --out /tmp/x.npy
 cpu_ids=$("$build/turbospark" generate --model $fx/llama_tiny --tokens 3,1,4,1,5,9,2,6 --max-tokens 12 --temperature 0 --format ids --device cpu 2>/dev/null)
 cli_check "generate ids equal on cpu and cuda ($cpu_ids)" "^${cpu_ids:-none}\$" "$build/turbospark" generate --model $fx/llama_tiny --tokens 3,1,4,1,5,9,2,6 --max-tokens 12 --temperature 0 --format ids --device cuda
+# Programmatic dependent launch (kernels scheduled while the previous one drains) must not
+# change a bit: greedy ids of a MoE fixture over 40 graph-replayed decode steps, with and
+# without it.
+moe_args="generate --model $fx/qwen3_moe_tiny --tokens 3,1,4,1,5,9,2,6 --max-tokens 40 --temperature 0 --format ids --device cuda"
+nopdl_ids=$(TURBOSPARK_CUDA_PDL=0 "$build/turbospark" $moe_args 2>/dev/null)
+cli_check "generate ids equal with and without PDL ($nopdl_ids)" "^${nopdl_ids:-none}\$" "$build/turbospark" $moe_args
 if [ -n "${TS_DEFAULT_GGUF:-}" ] && [ -f "${TS_DEFAULT_GGUF}" ]; then
   cli_check "default model answers Paris on cuda" "Paris" "$build/turbospark" run --model "$TS_DEFAULT_GGUF" --device cuda --temperature 0 --max-tokens 24 "What is the capital of France?"
 else

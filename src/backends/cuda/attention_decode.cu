@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                             PagedKv kv, int n_heads, int group, int head_chunks, float scale, int window,
                             const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
                             int n_splits, Partials part) {
+  pdl_begin();
   constexpr int kLanes = kHdMax / 4 < kWarp ? kHdMax / 4 : kWarp;
   constexpr int kChunks = kHdMax / 4 / kLanes;
   constexpr int kKeysPerWarp = kWarp / kLanes;
@@ -244,6 +245,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 __global__ void __launch_bounds__(kCombineThreads)
     attention_combine_kernel(Partials part, int n_heads, int head_dim, int n_splits, const float* __restrict__ sinks,
                              float* __restrict__ out, int64_t out_stride) {
+  pdl_begin();
   __shared__ float s_f[kMaxSplits];
   __shared__ float s_denom;
   __shared__ int s_live;
@@ -306,9 +308,8 @@ void launch_decode(const Mat& q, const int64_t* positions, const PagedKv& kv, in
                    cudaStream_t stream) {
   const int head_chunks = (group + kGroupTile - 1) / kGroupTile;
   const dim3 grid(unsigned(n_splits), unsigned(kv.n_kv_heads * head_chunks), unsigned(q.rows));
-  attention_decode_kernel<kHdMax, kGroupTile><<<grid, kDecodeThreads, 0, stream>>>(
-      q.data, q.stride, positions, kv, n_heads, group, head_chunks, scale, window, sinks, out.data, out.stride,
-      n_splits, part);
+  launch(attention_decode_kernel<kHdMax, kGroupTile>, grid, kDecodeThreads, 0, stream, q.data, q.stride, positions, kv,
+         n_heads, group, head_chunks, scale, window, sinks, out.data, out.stride, n_splits, part);
 }
 
 template <int kHdMax>
@@ -387,8 +388,8 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
                        kv.n_kv_heads, kv.head_dim, n_splits, window);
   if (n_splits > 1) {
     // One block of 128 per (head, row): head_dim <= 256 is at most 2 outputs per thread.
-    attention_combine_kernel<<<dim3(unsigned(n_heads), unsigned(q.rows)), kCombineThreads, 0, stream>>>(
-        part, n_heads, kv.head_dim, ns, sinks, out.data, out.stride);
+    launch(attention_combine_kernel, dim3(unsigned(n_heads), unsigned(q.rows)), kCombineThreads, 0, stream, part,
+           n_heads, kv.head_dim, ns, sinks, out.data, out.stride);
     TS_CUDA_LAUNCH_CHECK("attention_combine rows {} heads {} head_dim {} splits {}", q.rows, n_heads, kv.head_dim,
                          n_splits);
   }

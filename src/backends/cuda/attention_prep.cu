@@ -24,6 +24,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     attention_prep_kernel(float* __restrict__ q, int64_t q_stride, float* __restrict__ k, int64_t k_stride,
                           const float* __restrict__ v, int64_t v_stride, AttentionPrep p,
                           const int64_t* __restrict__ positions, KvLayerView kv) {
+  pdl_begin();
   extern __shared__ float head[];  // [head_dim]
   __shared__ float s_partial[kPrepThreads / kWarp];
   const int64_t t = blockIdx.x;
@@ -96,8 +97,8 @@ bool attention_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPre
   if (q.rows == 0) return true;
   TS_CHECK(q.rows <= 0x7fffffff, "attention_prep: {} rows", q.rows);
   const dim3 grid(unsigned(q.rows), unsigned(p.n_heads + p.n_kv_heads));
-  attention_prep_kernel<<<grid, kPrepThreads, size_t(p.head_dim) * 4, stream>>>(
-      q.data, q.stride, k.data, k.stride, v.data, v.stride, p, positions, kv);
+  launch(attention_prep_kernel, grid, kPrepThreads, size_t(p.head_dim) * 4, stream, q.data, q.stride, k.data, k.stride,
+         v.data, v.stride, p, positions, kv);
   TS_CUDA_LAUNCH_CHECK("attention_prep rows {} heads {}/{} head_dim {} rotary_dim {}", q.rows, p.n_heads,
                        p.n_kv_heads, p.head_dim, p.rotary_dim);
   return true;

@@ -78,6 +78,7 @@ __device__ __forceinline__ float4 load4(const Operand& o, int64_t r, int c) {
 template <class F, bool kVec>
 __global__ void __launch_bounds__(kThreads) binary_kernel(F f, float* out, int64_t out_stride, Operand a, Operand b,
                                                           int64_t rows, int cols) {
+  pdl_begin();
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (c0 >= cols) return;
   for (int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y; r < rows; r += int64_t(gridDim.y) * blockDim.y) {
@@ -140,9 +141,9 @@ void launch_binary(const char* op, F f, const Mat& out, Operand a, Operand b, cu
   const bool vec = aligned16(out.data) && out.stride % 4 == 0 && out.cols % 4 == 0 && vec_ok(a) && vec_ok(b);
   const Launch l = launch_shape(out.rows, (out.cols + 3) / 4);
   if (vec) {
-    binary_kernel<F, true><<<l.grid, l.block, 0, stream>>>(f, out.data, out.stride, a, b, out.rows, int(out.cols));
+    launch(binary_kernel<F, true>, l.grid, l.block, 0, stream, f, out.data, out.stride, a, b, out.rows, int(out.cols));
   } else {
-    binary_kernel<F, false><<<l.grid, l.block, 0, stream>>>(f, out.data, out.stride, a, b, out.rows, int(out.cols));
+    launch(binary_kernel<F, false>, l.grid, l.block, 0, stream, f, out.data, out.stride, a, b, out.rows, int(out.cols));
   }
   TS_CUDA_LAUNCH_CHECK("{} [{}, {}] (out stride {}, a stride {}, b stride {}, vec {})", op, out.rows, out.cols,
                        out.stride, a.stride, b.stride, vec);

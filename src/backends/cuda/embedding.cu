@@ -18,6 +18,7 @@ template <class F>
 __global__ void __launch_bounds__(kEmbeddingThreads)
     embedding_kernel(DeviceWeight table, const int32_t* __restrict__ ids, float scale, float* __restrict__ out,
                      int64_t out_stride) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
   float* dst = out + t * out_stride;
@@ -49,8 +50,8 @@ void launch_embedding(const WeightView& table, const int32_t* ids, int64_t n, fl
   dispatch_weight_format(table, "embedding", [&](auto fmt) {
     using F = decltype(fmt);
     if (n == 0) return;
-    embedding_kernel<F><<<dim3(unsigned(n)), kEmbeddingThreads, 0, stream>>>(device_weight(table), ids, scale,
-                                                                              out.data, out.stride);
+    launch(embedding_kernel<F>, dim3(unsigned(n)), kEmbeddingThreads, 0, stream, device_weight(table), ids, scale,
+           out.data, out.stride);
     TS_CUDA_LAUNCH_CHECK("embedding {} [{}, {}] x {} ids", dtype_name(table.dtype), table.rows, table.cols, n);
   });
 }

@@ -92,6 +92,7 @@ template <class F, int kMaxRows, int kOut, bool kQ8>
 __global__ void __launch_bounds__(kGemvThreads)
     gemv_kernel(DeviceWeight w, const float* __restrict__ x, int64_t x_stride, int n_rows, float* __restrict__ y,
                 int64_t y_stride, int warps_per_group) {
+  pdl_begin();
   [[maybe_unused]] SmemQ8 xq{};
   if constexpr (kQ8) {
     extern __shared__ int4 q8_smem[];
@@ -190,14 +191,14 @@ void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& 
   const bool q8 = use_q8(kHasQ8<F>, y.rows, w.rows, w.cols, num_sms);
   if constexpr (kHasQ8<F>) {
     if (q8) {
-      gemv_kernel<F, kMaxRows, kOut, true><<<dim3(unsigned(blocks)), kGemvThreads,
-                                             size_t(q8_smem_bytes(y.rows, w.cols)), stream>>>(
-          device_weight(w), x, x_stride, int(y.rows), y.data, y.stride, warps_per_group);
+      launch(gemv_kernel<F, kMaxRows, kOut, true>, dim3(unsigned(blocks)), kGemvThreads,
+             size_t(q8_smem_bytes(y.rows, w.cols)), stream, device_weight(w), x, x_stride, int(y.rows), y.data,
+             y.stride, warps_per_group);
     }
   }
   if (!q8) {
-    gemv_kernel<F, kMaxRows, kOut, false><<<dim3(unsigned(blocks)), kGemvThreads, 0, stream>>>(
-        device_weight(w), x, x_stride, int(y.rows), y.data, y.stride, warps_per_group);
+    launch(gemv_kernel<F, kMaxRows, kOut, false>, dim3(unsigned(blocks)), kGemvThreads, 0, stream, device_weight(w), x,
+           x_stride, int(y.rows), y.data, y.stride, warps_per_group);
   }
   TS_CUDA_LAUNCH_CHECK("gemv {}{} [{}, {}] x {} rows ({} blocks, {} warps/group)", dtype_name(w.dtype),
                        q8 ? " (int8 activations)" : "", w.rows, w.cols, y.rows, blocks, warps_per_group);

@@ -89,6 +89,7 @@ template <class F>
 __global__ void __launch_bounds__(kDecodeThreads)
     moe_gate_up_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ x,
                             int64_t x_stride, const int32_t* __restrict__ idx, float* __restrict__ h, int64_t ldh) {
+  pdl_begin();
   const int64_t pair = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
   const int64_t i = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
@@ -134,6 +135,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     moe_down_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
                          int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
                          float* __restrict__ out, int64_t out_stride) {
+  pdl_begin();
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
   const int64_t o = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
@@ -544,7 +546,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
           using F = decltype(fmt);
           check_all(fmt, true);
           const dim3 grid(unsigned((inter + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(n_pairs));
-          moe_gate_up_gemv_kernel<F><<<grid, kDecodeThreads, 0, stream>>>(descs, p, xa, xs, idx, h, ldh);
+          launch(moe_gate_up_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh);
           TS_CUDA_LAUNCH_CHECK("moe gate_up gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
                                inter, hidden, rows, k);
         },
@@ -555,8 +557,8 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
           using F = decltype(fmt);
           check_all(fmt, false);
           const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
-          moe_down_gemv_kernel<F><<<grid, kDecodeThreads, 0, stream>>>(descs, p, h, ldh, idx, weight, out.data,
-                                                                       out.stride);
+          launch(moe_down_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh, idx, weight, out.data,
+                 out.stride);
           TS_CUDA_LAUNCH_CHECK("moe down gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
                                inter, rows, k);
         },

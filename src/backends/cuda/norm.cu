@@ -48,6 +48,7 @@ template <bool kVec, bool kAdd>
 __global__ void rmsnorm_warp_kernel(float* x, int64_t x_stride, const float* __restrict__ residual, int64_t r_stride,
                                     const float* __restrict__ weight, float eps, float* y, int64_t y_stride,
                                     int64_t rows, int cols, float weight_offset) {
+  pdl_begin();
   const int64_t row = int64_t(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
   if (row >= rows) return;
   const int lane = threadIdx.x % kWarp;
@@ -77,6 +78,7 @@ __global__ void __launch_bounds__(kBlockRowThreads)
     rmsnorm_block_kernel(float* x, int64_t x_stride, const float* __restrict__ residual, int64_t r_stride,
                          const float* __restrict__ weight, float eps, float* y, int64_t y_stride, int cols,
                          float weight_offset) {
+  pdl_begin();
   __shared__ float scratch[kWarp];
   const int64_t row = blockIdx.x;
   float* xr = x + row * x_stride;
@@ -117,8 +119,8 @@ void launch_rmsnorm(const Mat& x, const float* residual, int64_t r_stride, const
     // Warp per row: 8 rows per 256-thread block; a 1024-column row is 8 float4 loads per lane.
     const int blocks = ceil_div(x.rows, kWarpRowsPerBlock);
     auto* kernel = vec ? rmsnorm_warp_kernel<true, kAdd> : rmsnorm_warp_kernel<false, kAdd>;
-    kernel<<<blocks, kWarpRowsPerBlock * kWarp, 0, stream>>>(x.data, x.stride, residual, r_stride, weight, eps, y.data,
-                                                             y.stride, x.rows, cols, weight_offset);
+    launch(kernel, blocks, kWarpRowsPerBlock * kWarp, 0, stream, x.data, x.stride, residual, r_stride, weight, eps,
+           y.data, y.stride, x.rows, cols, weight_offset);
   } else {
     TS_CHECK(x.rows <= 0x7fffffff, "rmsnorm: {} rows", x.rows);
     // Block per row: 256 threads x float4 cover 1024 columns per sweep (hidden 8192: 8 sweeps).
@@ -127,8 +129,8 @@ void launch_rmsnorm(const Mat& x, const float* residual, int64_t r_stride, const
     // (5.5 us per call at 256 threads on the H200, measured with ncu).
     const int threads = x.rows <= 16 ? kBlockRowThreads : 256;
     auto* kernel = vec ? rmsnorm_block_kernel<true, kAdd> : rmsnorm_block_kernel<false, kAdd>;
-    kernel<<<int(x.rows), threads, 0, stream>>>(x.data, x.stride, residual, r_stride, weight, eps, y.data, y.stride,
-                                                cols, weight_offset);
+    launch(kernel, int(x.rows), threads, 0, stream, x.data, x.stride, residual, r_stride, weight, eps, y.data, y.stride,
+           cols, weight_offset);
   }
   TS_CUDA_LAUNCH_CHECK("rmsnorm{} [{}, {}] (stride {} -> {})", kAdd ? " with residual add" : "", x.rows, x.cols,
                        x.stride, y.stride);

@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(kRouterRowsPerBlock* kWarp)
     router_topk_kernel(const float* __restrict__ logits, int64_t stride, int64_t rows, int n_experts, int k,
                        bool renormalize, int32_t* __restrict__ idx, float* __restrict__ weight,
                        const float* __restrict__ expert_scale) {
+  pdl_begin();
   const int64_t row = int64_t(blockIdx.x) * kRouterRowsPerBlock + threadIdx.x / kWarp;
   if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
   const int lane = threadIdx.x % kWarp;
@@ -120,6 +121,7 @@ constexpr int kArgmaxThreads = 1024;
 template <bool kVec>
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_rows_kernel(const float* __restrict__ logits, int64_t stride, int cols, int32_t* __restrict__ ids) {
+  pdl_begin();
   __shared__ float s_v[kArgmaxThreads / kWarp];
   __shared__ int s_i[kArgmaxThreads / kWarp];
   const float* l = logits + int64_t(blockIdx.x) * stride;
@@ -168,8 +170,8 @@ void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* id
            kRouterMaxExperts, kRouterMaxK);
   if (logits.rows == 0) return;
   // Warp per row (all 512 logits of a row live in its 32 lanes' registers), 4 rows per block.
-  router_topk_kernel<<<ceil_div(logits.rows, kRouterRowsPerBlock), kRouterRowsPerBlock * kWarp, 0, stream>>>(
-      logits.data, logits.stride, logits.rows, int(logits.cols), k, renormalize, idx, weight, expert_scale);
+  launch(router_topk_kernel, ceil_div(logits.rows, kRouterRowsPerBlock), kRouterRowsPerBlock * kWarp, 0, stream,
+         logits.data, logits.stride, logits.rows, int(logits.cols), k, renormalize, idx, weight, expert_scale);
   TS_CUDA_LAUNCH_CHECK("router_softmax_topk [{}, {}] k {}", logits.rows, logits.cols, k);
 }
 
@@ -191,11 +193,11 @@ void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream) {
   // this is one SM's bandwidth (~1 MB in ~10 us); a split over blocks would need scratch.
   const bool vec = aligned16(logits.data) && logits.stride % 4 == 0 && logits.cols % 4 == 0;
   if (vec) {
-    argmax_rows_kernel<true><<<int(logits.rows), kArgmaxThreads, 0, stream>>>(logits.data, logits.stride,
-                                                                            int(logits.cols), ids);
+    launch(argmax_rows_kernel<true>, int(logits.rows), kArgmaxThreads, 0, stream, logits.data, logits.stride,
+           int(logits.cols), ids);
   } else {
-    argmax_rows_kernel<false><<<int(logits.rows), kArgmaxThreads, 0, stream>>>(logits.data, logits.stride,
-                                                                             int(logits.cols), ids);
+    launch(argmax_rows_kernel<false>, int(logits.rows), kArgmaxThreads, 0, stream, logits.data, logits.stride,
+           int(logits.cols), ids);
   }
   TS_CUDA_LAUNCH_CHECK("argmax_rows [{}, {}]", logits.rows, logits.cols);
 }
