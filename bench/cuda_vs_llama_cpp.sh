@@ -7,9 +7,11 @@
 #
 #   LLAMA_BENCH=/tmp/llama-bench GGUF_PY=.peer/gguf-py TS=build-cuda/turbospark \
 #     bench/cuda_vs_llama_cpp.sh OUTDIR
+#   LLAMA_SRC_TAR=llama_trim.tar.xz GGUF_PY=... bench/cuda_vs_llama_cpp.sh OUTDIR   # builds it first
 #
 # Environment:
-#   LLAMA_BENCH  llama.cpp's llama-bench built with -DGGML_CUDA=ON (required)
+#   LLAMA_BENCH  llama.cpp's llama-bench built with -DGGML_CUDA=ON, or
+#   LLAMA_SRC_TAR  bench/trim_llama_cpp_cuda.sh's tarball: built here first (all cores, ~4 min)
 #   GGUF_PY      llama.cpp's gguf-py folder (required unless the GGUF already exists)
 #   TS           turbospark binary (default build-cuda/turbospark)
 #   GGUF_TYPE    q4_0 (default), q4_k or q8_0
@@ -22,7 +24,17 @@ set -euo pipefail
 out="${1:?usage: cuda_vs_llama_cpp.sh OUTDIR}"
 mkdir -p "$out"
 ts="${TS:-build-cuda/turbospark}"
-lb="${LLAMA_BENCH:?set LLAMA_BENCH to a CUDA llama-bench}"
+if [[ -z "${LLAMA_BENCH:-}" && -n "${LLAMA_SRC_TAR:-}" ]]; then
+  lsrc="${TMPDIR:-/tmp}/llama-trim-src" lbuild="${TMPDIR:-/tmp}/llama-trim-build"
+  mkdir -p "$lsrc" && tar xJf "$LLAMA_SRC_TAR" -C "$lsrc"
+  echo "== building llama-bench (CUDA, sm_90) from $LLAMA_SRC_TAR" >&2
+  cmake -S "$lsrc/llama.cpp" -B "$lbuild" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF \
+    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF >"$out/llama_cmake.log" 2>&1
+  cmake --build "$lbuild" -j"$(nproc)" --target llama-bench >"$out/llama_build.log" 2>&1
+  LLAMA_BENCH="$lbuild/bin/llama-bench"
+fi
+lb="${LLAMA_BENCH:?set LLAMA_BENCH to a CUDA llama-bench, or LLAMA_SRC_TAR to build one}"
 type="${GGUF_TYPE:-q4_0}"
 layers="${LAYERS:-48}"
 prompts="${PROMPTS:-512 2048 8192}"
