@@ -113,7 +113,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int c = 0; c < kChunks; ++c) acc[j][c] = f4_zero();
   }
 
-  const int64_t row_floats = int64_t(kv.n_kv_heads) * hd;
   const int32_t* table = kv.block_table + int64_t(seq) * kv.max_blocks;
   for (int64_t base = begin; base < end; base += int64_t(kGroups) * kUnroll) {
     float4 kk[kUnroll][kChunks], vv[kUnroll][kChunks];
@@ -125,11 +124,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const float* kp = nullptr;
       const float* vp = nullptr;
       if (valid[u]) {
-        // 32-bit division (positions < 2^31): a 64-bit one per key would cost more than the load.
-        const unsigned pu = unsigned(p), blk = pu / unsigned(kv.block_size);
-        const int64_t off =
-            (int64_t(table[blk]) * kv.block_size + (pu - blk * unsigned(kv.block_size))) * row_floats +
-            int64_t(kv_head) * hd;
+        const int64_t off = pool_offset(kv, table, p, kv_head);
         kp = kv.k + off;
         vp = kv.v + off;
       }

@@ -26,6 +26,7 @@
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
 #include "backends/cuda/paged_kv.cuh"
+#include "backends/cuda/prefill_tile.cuh"
 
 namespace turbospark::cuda {
 
@@ -61,28 +62,16 @@ __global__ void __launch_bounds__(kThreads)
   float* s_k = s_q + kTileQ * kLd;       // [kTileK][kLd]
   float* s_v = s_k + kTileK * kLd;       // [kTileK][kHdMax]
   float* s_p = s_v + kTileK * kHdMax;    // [kTileQ][kLdP]
-  __shared__ long long s_pos[kTileQ], s_lo[kTileQ];
-  __shared__ int s_seq[kTileQ], s_state[kTileQ];  // state: 0 pending, 1 in this pass, 2 done or empty
-  __shared__ int s_cur_seq;
-  __shared__ long long s_kmin, s_kmax;
+  __shared__ PrefillTileQueries<kTileQ> tq;
 
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const int kv_head = blockIdx.y;
   const int rows_per_tile = kTileQ / group;
   const int64_t row0 = int64_t(blockIdx.x) * rows_per_tile;
   const int hd = kv.head_dim, hd4 = hd / 4;
-  const int64_t row_floats = int64_t(kv.n_kv_heads) * hd;
 
   // Query vectors: m -> (row row0 + m / group, head kv_head * group + m % group).
-  if (tid < kTileQ) {
-    const int64_t t = row0 + tid / group;
-    const bool ok = tid < rows_per_tile * group && t < rows;
-    const long long pos = ok ? positions[t] : 0;
-    s_pos[tid] = pos;
-    s_lo[tid] = window > 0 ? max(0ll, pos - window + 1) : 0ll;
-    s_seq[tid] = ok ? (kv.row_seq ? kv.row_seq[t] : 0) : -1;
-    s_state[tid] = ok ? 0 : 2;
-  }
+  tq.init(tid, row0, rows_per_tile, group, rows, positions, window, kv.row_seq);
   for (int i = tid; i < kTileQ * kHdMax; i += kThreads) {
     const int m = i / kHdMax, d = i % kHdMax;
     const int64_t t = row0 + m / group;
@@ -105,26 +94,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   for (;;) {
-    __syncthreads();  // s_state / s_q ready; the previous pass's readers are done
-    if (tid == 0) {
-      int cur = -1;
-      long long kmin = 0, kmax = -1;
-      for (int m = 0; m < kTileQ; ++m) {
-        if (s_state[m] != 0) continue;
-        if (cur < 0) cur = s_seq[m], kmin = s_lo[m], kmax = s_pos[m];
-        if (s_seq[m] != cur) continue;
-        s_state[m] = 1;
-        kmin = min(kmin, s_lo[m]);
-        kmax = max(kmax, s_pos[m]);
-      }
-      s_cur_seq = cur;
-      s_kmin = kmin;
-      s_kmax = kmax;
-    }
-    __syncthreads();
-    const int cur_seq = s_cur_seq;
+    const int cur_seq = tq.next_pass(tid);
     if (cur_seq < 0) break;
-    const long long kmin = s_kmin, kmax = s_kmax;
+    const long long kmin = tq.kmin, kmax = tq.kmax;
     const int32_t* table = kv.block_table + int64_t(cur_seq) * kv.max_blocks;
     // Per owned query vector: active in this pass, and its visible range.
     bool act[4];
@@ -132,9 +104,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int m = 4 * ty + i;
-      act[i] = s_state[m] == 1;
-      lo_i[i] = s_lo[m];
-      pos_i[i] = s_pos[m];
+      act[i] = tq.state[m] == 1;
+      lo_i[i] = tq.lo[m];
+      pos_i[i] = tq.pos[m];
     }
 
     for (long long k0 = kmin; k0 <= kmax; k0 += kTileK) {
@@ -145,10 +117,7 @@ __global__ void __launch_bounds__(kThreads)
         const long long p = k0 + n;
         float4 kk = make_float4(0.f, 0.f, 0.f, 0.f), vv = kk;
         if (p <= kmax && d4 < hd4) {
-          const unsigned pu = unsigned(p), blk = pu / unsigned(kv.block_size);  // positions < 2^31
-          const int64_t off =
-              (int64_t(table[blk]) * kv.block_size + (pu - blk * unsigned(kv.block_size))) * row_floats +
-              int64_t(kv_head) * hd + 4 * d4;
+          const int64_t off = pool_offset(kv, table, p, kv_head) + 4 * d4;
           kk = __ldg(reinterpret_cast<const float4*>(kv.k + off));
           vv = __ldg(reinterpret_cast<const float4*>(kv.v + off));
         }
@@ -231,8 +200,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();  // s_k / s_v / s_p are rewritten by the next step
     }
-    __syncthreads();  // every thread has read this pass's s_state before it changes
-    if (tid < kTileQ && s_state[tid] == 1) s_state[tid] = 2;
+    tq.end_pass(tid);
   }
 
   // Normalize (with the sink) and write: out[t, h * hd + d].

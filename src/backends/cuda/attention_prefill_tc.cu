@@ -31,6 +31,7 @@
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
 #include "backends/cuda/paged_kv.cuh"
+#include "backends/cuda/prefill_tile.cuh"
 
 namespace turbospark::cuda {
 
@@ -117,28 +118,16 @@ __global__ void __launch_bounds__(kThreads)
   auto* s_q = reinterpret_cast<__nv_bfloat16*>(s_stage + 2 * S::kStageFloats);  // [kTileQ][kLd]
   __nv_bfloat16* s_k = s_q + kTileQ * kLd;                                        // [kTileK][kLd]
   __nv_bfloat16* s_v = s_k + kTileK * kLd;                                        // [kTileK][kLd]
-  __shared__ long long s_pos[kTileQ], s_lo[kTileQ];
-  __shared__ int s_seq[kTileQ], s_state[kTileQ];  // state: 0 pending, 1 in this pass, 2 done or empty
-  __shared__ int s_cur_seq;
-  __shared__ long long s_kmin, s_kmax;
+  __shared__ PrefillTileQueries<kTileQ> tq;
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
   const int kv_head = blockIdx.y;
   const int rows_per_tile = kTileQ / group;
   const int64_t row0 = int64_t(blockIdx.x) * rows_per_tile;
   const int hd = kv.head_dim, hd4 = hd / 4;
-  const int64_t row_floats = int64_t(kv.n_kv_heads) * hd;
 
   // Query vectors: m -> (row row0 + m / group, head kv_head * group + m % group).
-  if (tid < kTileQ) {
-    const int64_t t = row0 + tid / group;
-    const bool ok = tid < rows_per_tile * group && t < rows;
-    const long long pos = ok ? positions[t] : 0;
-    s_pos[tid] = pos;
-    s_lo[tid] = window > 0 ? max(0ll, pos - window + 1) : 0ll;
-    s_seq[tid] = ok ? (kv.row_seq ? kv.row_seq[t] : 0) : -1;
-    s_state[tid] = ok ? 0 : 2;
-  }
+  tq.init(tid, row0, rows_per_tile, group, rows, positions, window, kv.row_seq);
   // Q as bf16, zero past head_dim and for empty vectors (q rows need not be 16-byte aligned).
   for (int i = tid; i < kTileQ * (kHd / 4); i += kThreads) {
     const int m = i / (kHd / 4), d4 = i % (kHd / 4);
@@ -171,34 +160,17 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < kOTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
   for (;;) {
-    __syncthreads();  // s_state ready; the previous pass's readers are done
-    if (tid == 0) {
-      int cur = -1;
-      long long kmin = 0, kmax = -1;
-      for (int m = 0; m < kTileQ; ++m) {
-        if (s_state[m] != 0) continue;
-        if (cur < 0) cur = s_seq[m], kmin = s_lo[m], kmax = s_pos[m];
-        if (s_seq[m] != cur) continue;
-        s_state[m] = 1;
-        kmin = min(kmin, s_lo[m]);
-        kmax = max(kmax, s_pos[m]);
-      }
-      s_cur_seq = cur;
-      s_kmin = kmin;
-      s_kmax = kmax;
-    }
-    __syncthreads();
-    const int cur_seq = s_cur_seq;
+    const int cur_seq = tq.next_pass(tid);
     if (cur_seq < 0) break;
-    const long long kmin = s_kmin, kmax = s_kmax;
+    const long long kmin = tq.kmin, kmax = tq.kmax;
     const int32_t* table = kv.block_table + int64_t(cur_seq) * kv.max_blocks;
     bool act[2];
     long long lo_i[2], pos_i[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      act[r] = s_state[mv[r]] == 1;
-      lo_i[r] = s_lo[mv[r]];
-      pos_i[r] = s_pos[mv[r]];
+      act[r] = tq.state[mv[r]] == 1;
+      lo_i[r] = tq.lo[mv[r]];
+      pos_i[r] = tq.pos[mv[r]];
     }
     // The warp's own key range in this pass: tiles outside it skip the products.
     long long w_lo = act[0] ? lo_i[0] : LLONG_MAX, w_hi = act[0] ? pos_i[0] : -1;
@@ -222,9 +194,7 @@ __global__ void __launch_bounds__(kThreads)
         const bool ok = p <= kmax && d4 < hd4;
         int64_t off = 0;
         if (ok) {
-          const unsigned pu = unsigned(p), blk = pu / unsigned(kv.block_size);  // positions < 2^31
-          off = (int64_t(table[blk]) * kv.block_size + (pu - blk * unsigned(kv.block_size))) * row_floats +
-                int64_t(kv_head) * hd + 4 * d4;
+          off = pool_offset(kv, table, p, kv_head) + 4 * d4;
         }
         cp_async16(sk + n * kLdF + 4 * d4, kv.k + off, ok ? 16 : 0);
         cp_async16(sv + n * kLdF + 4 * d4, kv.v + off, ok ? 16 : 0);
@@ -321,8 +291,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    __syncthreads();  // every thread has read this pass's s_state before it changes
-    if (tid < kTileQ && s_state[tid] == 1) s_state[tid] = 2;
+    tq.end_pass(tid);
   }
 
   // Row sums across the quad, then normalize (with the sink) and write out[t, h * hd + d].
