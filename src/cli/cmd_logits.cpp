@@ -25,8 +25,7 @@ void add_logits_command(CLI::App& app) {
   cmd->add_option("--model,-m", o->model, "Model directory (config.json + safetensors) or .gguf file")->required();
   cmd->add_option("--tokens", o->tokens, "Comma-separated token ids, e.g. 5,17,9")->required();
   cmd->add_option("--out", o->out, "Output .npy: row t = logits after tokens[0..t]")->required();
-  cmd->add_option("--chunk", o->chunk, "Feed the prompt as prefill chunks of N tokens (default: largest micro-batch)")
-      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--chunk", o->chunk, "Feed the prompt as prefill chunks of N tokens (default 0: largest micro-batch)");
   cmd->add_option("--router-out", o->router_out, "Also write router probabilities [layers, T, n_experts] .npy (MoE models)");
   cmd->add_option("--trace-out", o->trace_out,
                   "Also write every traced activation as DIR/<name>_<layer>.npy [T, cols] (dump-and-diff)");
@@ -34,6 +33,7 @@ void add_logits_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->callback([o] {
+    if (o->chunk < 0) fail("logits: --chunk must be >= 0 (0 = the largest micro-batch), got {}", o->chunk);
     std::vector<int32_t> tokens = parse_token_list(o->tokens);
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true);
     const Model& model = *rt.model.model;

@@ -227,6 +227,11 @@ TEST(BadInput, NumericFlagsOutOfRangeRefusedByName) {
   expect_one_line_error(run_cli("chat --model /nonexistent --temperature 1 --top-k -2"), "--top-k must be >= 0");
   expect_one_line_error(run_cli("generate --model /nonexistent --tokens 1 --temperature nan"), "--temperature");
   expect_one_line_error(run_cli("bench --model /nonexistent --ubatch -4"), "--ubatch must be >= 1");
+  expect_one_line_error(run_cli("logits --model /nonexistent --tokens 1 --out /tmp/x.npy --chunk -5"),
+                        "--chunk must be >= 0");
+  expect_one_line_error(run_cli("convert --model " + fixture("qwen3_tiny") + " --out /tmp/ts_gs --quant int4-affine "
+                                "--group-size -8"),
+                        "--group-size -8 is not supported");
 }
 
 }  // namespace
