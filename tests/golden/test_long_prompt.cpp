@@ -106,9 +106,10 @@ TEST_P(LongPrompt, GoldenIsLongAndItsContinuationIsNotDegenerate) {
 TEST_P(LongPrompt, LogitsMatchTransformersAtEveryChunkSize) {
   const int64_t T = int64_t(long_.tokens.size());
   ASSERT_EQ(long_.logits.shape, (std::vector<int64_t>{T, vocab()}));
-  // max batch 64: the default micro-batch (the whole prompt is 3 of them); 16: ten, and the
-  // chunk sizes land on, inside and across their boundaries. chunk 0 = the whole prompt.
-  for (int64_t max_batch : {kMaxPrefillBatch, int64_t(16)}) {
+  // max batch 64: the CPU's micro-batch (the whole prompt is 3 of them); 16: ten, and the
+  // chunk sizes land on, inside and across their boundaries; 2048: the CUDA backend's, the
+  // whole prompt in one forward. chunk 0 = the whole prompt.
+  for (int64_t max_batch : {kMaxPrefillBatch, int64_t(16), int64_t(2048)}) {
     for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5), kMaxPrefillBatch, int64_t(100), T}) {
       Session s(model(), *backend_, options(max_batch));
       std::vector<float> logits = s.feed(long_.tokens, chunk, /*all_logits=*/true);
