@@ -92,21 +92,13 @@ template <class F, int kMaxRows, int kOut, bool kQ8>
 __global__ void __launch_bounds__(kGemvThreads)
     gemv_kernel(DeviceWeight w, const float* __restrict__ x, int64_t x_stride, int n_rows, float* __restrict__ y,
                 int64_t y_stride, int warps_per_group) {
-  const GemvPlace<kOut> at(w, warps_per_group);
-  // Until the previous kernel completes (pdl_begin) only weights may be read: pull this
-  // group's rows toward L2 meanwhile, 128-byte lines spread over the group's threads.
-  if (at.o0 < w.rows) {
-#pragma unroll
-    for (int j = 0; j < kOut; ++j)
-      for (int64_t off = int64_t(at.t) * 128; off < w.row_bytes; off += int64_t(at.group_threads) * 128)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at.wr[j].data + off));
-  }
   pdl_begin();
   [[maybe_unused]] SmemQ8 xq{};
   if constexpr (kQ8) {
     extern __shared__ int4 q8_smem[];
     xq = quantize_q8_rows(x, x_stride, n_rows, w.cols, q8_smem);
   }
+  const GemvPlace<kOut> at(w, warps_per_group);
   const int t = at.t, group_threads = at.group_threads;
   const int64_t o0 = at.o0;
   const WeightRow* wr = at.wr;
