@@ -14,7 +14,7 @@
 
 namespace turbospark {
 
-constexpr int64_t kMaxPrefillBatch = 64;  // the CPU backend's micro-batch
+constexpr int64_t kMaxPrefillBatch = kDefaultPrefillBatch;  // the CPU backend's micro-batch
 
 struct SessionOptions {
   int64_t max_context = 0;  // 0: the model's max_position_embeddings

@@ -155,6 +155,9 @@ class StepGraph {
   virtual ~StepGraph() = default;
 };
 
+// The prompt rows per forward a backend asks for unless it knows better (the CPU's).
+inline constexpr int64_t kDefaultPrefillBatch = 64;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -186,7 +189,7 @@ class Backend {
   // Prompt rows per forward a session uses unless told otherwise (SessionOptions): each
   // micro-batch reads every weight it touches once, so a GPU wants micro-batches large enough
   // that a routed expert sees tens of rows; the CPU's caches want small ones.
-  virtual int64_t preferred_prefill_batch() const { return 64; }
+  virtual int64_t preferred_prefill_batch() const { return kDefaultPrefillBatch; }
 
   // Scratch activations of n_floats f32 (zeroed).
   std::shared_ptr<float> alloc(int64_t n_floats) {

@@ -121,6 +121,20 @@ TEST_P(LongPrompt, LogitsMatchTransformersAtEveryChunkSize) {
   }
 }
 
+// max_prefill_batch 0 is the backend's choice (the CPU's 64); a negative one is refused.
+TEST_P(LongPrompt, PrefillBatchDefaultsToTheBackendsAndRefusesNegative) {
+  EXPECT_EQ(backend_->preferred_prefill_batch(), kMaxPrefillBatch);
+  Session s(model(), *backend_, options(0));
+  const std::vector<float> logits = s.feed(long_.tokens, 0, /*all_logits=*/true);
+  EXPECT_LT(max_rel_error(logits.data(), long_.logits.data.data(), logits.size()), kLogitTol);
+  try {
+    Session bad(model(), *backend_, options(-3));
+    FAIL() << "max_prefill_batch -3 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("prefill micro-batch must be >= 1"), std::string::npos) << e.what();
+  }
+}
+
 // The prompt fed in uneven pieces across calls (the chat path: each turn is a new feed at
 // the session's position), last-token logits only.
 TEST_P(LongPrompt, PiecewiseFeedsMatchTransformers) {

@@ -71,6 +71,20 @@ __device__ __forceinline__ float f16_bits_to_f32(uint16_t h) { return __half2flo
 
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
+// ---- cp.async (sm_80+): global -> shared copies that bypass registers ----
+// 16 bytes; only src_bytes (0..16) are read and the rest of the 16 written as zeros (rows or
+// keys past the end of a range).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most kPending committed groups of this thread are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
 // ---- programmatic dependent launch (PDL, sm_90) ----
 // A kernel started with launch() may be scheduled while the kernel before it in the stream
 // is still finishing (its blocks land as the previous grid drains, launch latency hidden; in

@@ -241,11 +241,6 @@ struct GroupedSmem {
   static constexpr size_t kBytes = 2 * kStage > kOut ? 2 * kStage : kOut;  // gate/up 70 KB, down 35 KB
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-}
-
 // a[pos, :] = bf16(x[sorted_pairs[pos] / k, :]) for pos < offsets[n_experts]: gate/up's
 // activations gathered once, in expert order, so its tiles stream them with cp.async.
 __global__ void moe_gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride, const int32_t* __restrict__ sorted_pairs,
@@ -326,7 +321,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 2)  // 2 blocks (16 warps) pe
       const __nv_bfloat16* src = bytes ? a_src + int64_t(pos) * lda + kk : a_src;
       cp_async16(sa + r * kLdAB + kc, src, bytes);
     }
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
   };
   float bv[kMats][kUnit];
   auto load_b = [&](int64_t k0) {
@@ -367,7 +362,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 2)  // 2 blocks (16 warps) pe
   store_b(0);
   for (int64_t step = 0; step < n_steps; ++step) {
     const int s = int(step & 1);
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    cp_async_wait<0>();
     __syncthreads();  // stage s complete for all; every warp is past the products of stage s ^ 1
     const bool more = step + 1 < n_steps;
     if (more) {
