@@ -152,10 +152,12 @@ TEST(CudaGgufGolden, Q8AndBf16FilesMatchTransformers) {
     const char* file;
     double tol;
   };
-  for (const Case& c : {Case{"qwen3_tiny", "model-bf16.gguf", kCudaLogitTol}, Case{"qwen3_tiny", "model-q8_0.gguf", 0.1},
-                        Case{"llama_tiny", "model-bf16.gguf", kCudaLogitTol}}) {
+  for (const Case& c : {Case{"qwen3_tiny", "qwen3_tiny-bf16.gguf", kCudaLogitTol},
+                        Case{"llama_tiny", "llama_tiny-bf16.gguf", kCudaLogitTol},
+                        Case{"qwen2_tiny", "qwen2_tiny-q8_0.gguf", 0.1},
+                        Case{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-bf16.gguf", kCudaLogitTol}}) {
     const std::string path = fixture(c.fixture) + "/" + c.file;
-    if (!std::filesystem::exists(path)) continue;
+    ASSERT_TRUE(std::filesystem::exists(path)) << path;
     auto cuda = make_cuda_backend(0);
     LoadedModel m = load_model(path, *cuda);
     Golden g = load_golden(c.fixture);
@@ -163,6 +165,39 @@ TEST(CudaGgufGolden, Q8AndBf16FilesMatchTransformers) {
     std::vector<float> logits = s.feed(g.tokens, 0, true);
     EXPECT_LT(max_rel_error(logits.data(), g.logits.data.data(), logits.size()), c.tol) << path;
   }
+}
+
+// A Q4_0 GGUF (tools/fixtures/requantize_gguf.py) on CUDA against the CPU backend on the same
+// file in both device layouts: TURBOSPARK_CUDA_Q4_0_PLANES=1 rewrites Q4_0 into planes at
+// upload (repack.cu) read by the block32 kernels, 0 keeps ggml's blocks (unit and dp4a paths).
+// The CPU quantizes activations to int8 for Q4_0 and the planes path keeps them f32, so the two
+// differ by that rounding (~1e-2 of the logits), far below what a wrong code, scale or nibble
+// order gives (the file's logits are 0.39 off the bf16 model's).
+TEST(CudaGgufGolden, Q4_0FileMatchesCpuBackendInBothLayouts) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string path = fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-q4_0.gguf";
+  ASSERT_TRUE(std::filesystem::exists(path)) << path;
+  const Golden g = load_golden("qwen3_moe_gguf_tiny");
+  auto cpu = make_cpu_backend(2);
+  LoadedModel mc = load_model(path, *cpu);
+  Session sc(*mc.model, *cpu);
+  const std::vector<float> want = sc.feed(g.tokens, 0, true);
+  const int64_t V = mc.model->info().vocab_size, T = int64_t(g.tokens.size());
+  for (const char* planes : {"1", "0"}) {
+    setenv("TURBOSPARK_CUDA_Q4_0_PLANES", planes, 1);
+    auto cuda = make_cuda_backend(0);
+    LoadedModel m = load_model(path, *cuda);
+    for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(7)}) {
+      Session s(*m.model, *cuda);
+      const std::vector<float> got = s.feed(g.tokens, chunk, true);
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_LT(max_rel_error(got.data(), want.data(), got.size()), 0.05) << "planes " << planes << " chunk " << chunk;
+      int agree = 0;
+      for (int64_t t = 0; t < T; ++t) agree += argmax(&got[size_t(t * V)], V) == argmax(&want[size_t(t * V)], V);
+      EXPECT_GE(agree, T - 2) << "planes " << planes << " chunk " << chunk;
+    }
+  }
+  unsetenv("TURBOSPARK_CUDA_Q4_0_PLANES");
 }
 
 TEST(CudaRefusals, FamiliesWithoutCudaKernelsAreRefusedByName) {

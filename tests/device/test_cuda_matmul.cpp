@@ -59,8 +59,10 @@ struct Format {
   DType dtype;
   DType plane = DType::U8;  // INT4_AFFINE scale/bias dtype
   int group = 0;            // INT4_AFFINE group size
+  bool planes = false;      // Q4_0 rewritten into code/scale planes on the device (repack.cu)
   std::string name() const {
     std::string n(dtype_name(dtype));
+    if (planes) n.append("_planes");
     if (dtype == DType::INT4_AFFINE) {
       n.append("_").append(dtype_name(plane)).append("_g").append(std::to_string(group));
     }
@@ -78,6 +80,7 @@ struct Format {
 const std::vector<Format>& all_formats() {
   static const std::vector<Format> formats = {
       {DType::F32},  {DType::F16},  {DType::BF16}, {DType::Q4_0}, {DType::Q4_1},
+      {DType::Q4_0, DType::U8, 0, true},
       {DType::Q5_0}, {DType::Q5_1}, {DType::Q8_0}, {DType::Q4_K}, {DType::Q5_K},
       {DType::Q6_K}, {DType::MXFP4}, {DType::INT4_AFFINE, DType::BF16, 32},
       {DType::INT4_AFFINE, DType::F16, 64}, {DType::INT4_AFFINE, DType::F32, 128}};
@@ -139,14 +142,23 @@ HostWeight make_weight(const Format& f, int64_t rows, int64_t cols, uint32_t see
   return h;
 }
 
-// Device copies of every plane, same layout; view points into device memory.
+// Device copies of every plane, same layout (or, with planes, Q4_0 rewritten the way the CUDA
+// backend stores it); view points into device memory.
 struct DevWeight {
-  DeviceBuffer<uint8_t> data, scales, biases;
+  DeviceBuffer<uint8_t> data, scales, biases, planes;
   WeightView view;
 };
 
-DevWeight upload(const HostWeight& h) {
+DevWeight upload(const HostWeight& h, bool planes = false) {
   DevWeight d;
+  if (planes) {
+    const DevWeight raw = upload(h);
+    d.planes = DeviceBuffer<uint8_t>(size_t(cuda::q4_0_planes_bytes(h.view.rows, h.view.cols)));
+    d.planes.poison();
+    d.view = cuda::launch_repack_q4_0(raw.view, d.planes.get(), nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return d;
+  }
   d.view = h.view;
   d.data = DeviceBuffer<uint8_t>(h.data);
   d.view.data = d.data.get();
@@ -206,9 +218,9 @@ struct DevMat {
   }
 };
 
-double matmul_tolerance(const cuda::WeightMatmul& mm, const Format& f, int64_t rows, int64_t out, int64_t cols) {
+double matmul_tolerance(const cuda::WeightMatmul& mm, const Format& f, const WeightView& dev, int64_t rows) {
   if (rows <= cuda::kGemvMaxRows) {
-    return cuda::gemv_int8_activations(f.dtype, rows, out, cols, mm.num_sms()) ? kInt8Tol : kF32Tol;
+    return cuda::gemv_int8_activations(dev, rows, mm.num_sms()) ? kInt8Tol : kF32Tol;
   }
   return f.dtype == DType::F32 ? kTf32Tol : kBf16Tol;
 }
@@ -263,7 +275,7 @@ TEST(CudaMatmul, EveryFormatRaggedShapes) {
         // variant 1: strided weight rows (2x), unaligned x and y with padded strides.
         const int stride_mult = variant ? 2 : 1;
         const HostWeight hw = make_weight(f, s.out, in, seed++, stride_mult);
-        const DevWeight dw = upload(hw);
+        const DevWeight dw = upload(hw, f.planes);
         const std::vector<float> x = random_floats(size_t(s.rows * in), seed++);
         DevMat dx(s.rows, in, in + (variant ? 3 : 0), variant ? 1 : 0);
         DevMat dy(s.rows, s.out, s.out + (variant ? 5 : 0), variant ? 1 : 0);
@@ -274,10 +286,10 @@ TEST(CudaMatmul, EveryFormatRaggedShapes) {
         const std::vector<float> want = reference_matmul(hw.view, x, s.rows);
         const std::string what = f.name() + " rows " + std::to_string(s.rows) + " out " + std::to_string(s.out) +
                                  " in " + std::to_string(in) + " variant " + std::to_string(variant);
-        if (s.rows <= cuda::kGemvMaxRows && cuda::gemv_int8_activations(f.dtype, s.rows, s.out, in, mm.num_sms())) {
+        if (s.rows <= cuda::kGemvMaxRows && cuda::gemv_int8_activations(dw.view, s.rows, mm.num_sms())) {
           expect_within_int8_bound(hw.view, x, s.rows, got, want, what);
         } else {
-          EXPECT_LE(normalized_error(got, want), matmul_tolerance(mm, f, s.rows, s.out, in)) << what;
+          EXPECT_LE(normalized_error(got, want), matmul_tolerance(mm, f, dw.view, s.rows)) << what;
         }
       }
     }
@@ -288,13 +300,17 @@ TEST(CudaMatmul, EveryFormatRaggedShapes) {
 // CUDA GEMV/GEMM (device output poisoned first).
 struct BothMatmuls {
   std::vector<float> cpu, cuda;
+  bool int8 = false;  // the CUDA GEMV quantized the activations (gemv_int8_activations)
+  double tolerance = 0;  // matmul_tolerance of the CUDA path
 };
 BothMatmuls cpu_and_cuda_matmul(Backend& cpu, cuda::WeightMatmul& mm, const Format& f, int64_t rows, int64_t out,
                                 int64_t in, uint32_t& seed) {
   const HostWeight hw = make_weight(f, out, in, seed++);
-  const DevWeight dw = upload(hw);
+  const DevWeight dw = upload(hw, f.planes);
   std::vector<float> x = random_floats(size_t(rows * in), seed++);
   BothMatmuls r;
+  r.int8 = rows <= cuda::kGemvMaxRows && cuda::gemv_int8_activations(dw.view, rows, mm.num_sms());
+  r.tolerance = matmul_tolerance(mm, f, dw.view, rows);
   r.cpu.resize(size_t(rows * out));
   Weight w;
   w.view = hw.view;
@@ -318,7 +334,7 @@ TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {
     for (int64_t rows : {1, 3, 17}) {
       const int64_t out = 129, in = f.is_float() ? 131 : 256;
       const BothMatmuls y = cpu_and_cuda_matmul(*cpu, mm, f, rows, out, in, seed);
-      EXPECT_LE(normalized_error(y.cuda, y.cpu), matmul_tolerance(mm, f, rows, out, in)) << f.name() << " rows " << rows;
+      EXPECT_LE(normalized_error(y.cuda, y.cpu), y.tolerance) << f.name() << " rows " << rows;
     }
   }
   cpu::mxfp4_set_int8_activations(true);
@@ -327,23 +343,25 @@ TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {
 // The int8-activation GEMV formats on matrices with rows enough for the dp4a path (and one
 // without: split-K keeps f32 activations): the CPU backend quantizes activations the same way,
 // so on the dp4a path the two agree to f32 summation order at every decode row count; the f32
-// path is held to kInt8Tol against the CPU's int8 result.
+// path is held to kInt8Tol against the CPU's int8 result. Q4_0 in planes (the CUDA backend's
+// layout) always keeps f32 activations.
 TEST(CudaMatmul, Int8ActivationPathsMatchCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
   uint32_t seed = 300;
   int int8_cases = 0;
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0}) {
-    const Format f{t};
+  const Format formats[] = {{DType::Q4_0}, {DType::Q4_0, DType::U8, 0, true}, {DType::Q4_1}, {DType::Q5_0},
+                            {DType::Q5_1}, {DType::Q8_0}};
+  for (const Format& f : formats) {
     for (int64_t rows : {1, 2, 3, 8}) {
       for (int64_t in : {32, 224, 2048, 6144}) {
         for (int64_t out : {int64_t(129), int64_t(rows == 1 ? 20000 : 9000)}) {
           if (out > 129 && in > 2048) continue;  // host-side cost; 6144 covers the f32 path
           const BothMatmuls y = cpu_and_cuda_matmul(*cpu, mm, f, rows, out, in, seed);
-          const bool int8 = cuda::gemv_int8_activations(t, rows, out, in, mm.num_sms());
+          const bool int8 = y.int8;
           int8_cases += int8;
-          if (out == 129 && in >= 2048) {
-            EXPECT_FALSE(int8) << "a 129-row matrix splits K: f32 activations";
+          if ((out == 129 && in >= 2048) || f.planes) {
+            EXPECT_FALSE(int8) << f.name() << ": f32 activations (a 129-row matrix splits K; planes have no dp4a path)";
           }
           EXPECT_LE(normalized_error(y.cuda, y.cpu), int8 ? 1e-5 : kInt8Tol)
               << f.name() << " rows " << rows << " out " << out << " in " << in << (int8 ? " (int8)" : " (f32)");
@@ -365,7 +383,7 @@ TEST(CudaEmbedding, EveryFormatAgainstCpuBackend) {
   for (const Format& f : all_formats()) {
     const int64_t cols = f.is_float() ? 67 : f.granule() * 3;
     const HostWeight hw = make_weight(f, vocab, cols, seed++, 2);
-    const DevWeight dw = upload(hw);
+    const DevWeight dw = upload(hw, f.planes);
     const float scale = 0.75f;
     std::vector<float> want(ids.size() * size_t(cols));
     Weight w;
@@ -452,21 +470,21 @@ void run_moe_case(cuda::WeightMatmul& mm, const MoeCase& c, uint32_t seed) {
     ExpertWeights& x = experts[size_t(e)];
     if (c.interleaved) {
       fused[size_t(e)] = make_weight(c.gate_up, 2 * c.inter, c.hidden, seed++);
-      dfused[size_t(e)] = upload(fused[size_t(e)]);
+      dfused[size_t(e)] = upload(fused[size_t(e)], c.gate_up.planes);
       std::tie(host_gate[size_t(e)], host_up[size_t(e)]) = split_interleaved(fused[size_t(e)].view);
       std::tie(x.gate.view, x.up.view) = split_interleaved(dfused[size_t(e)].view);
     } else {
       gate[size_t(e)] = make_weight(c.gate_up, c.inter, c.hidden, seed++);
       up[size_t(e)] = make_weight(c.gate_up, c.inter, c.hidden, seed++);
-      dgate[size_t(e)] = upload(gate[size_t(e)]);
-      dup[size_t(e)] = upload(up[size_t(e)]);
+      dgate[size_t(e)] = upload(gate[size_t(e)], c.gate_up.planes);
+      dup[size_t(e)] = upload(up[size_t(e)], c.gate_up.planes);
       host_gate[size_t(e)] = gate[size_t(e)].view;
       host_up[size_t(e)] = up[size_t(e)].view;
       x.gate.view = dgate[size_t(e)].view;
       x.up.view = dup[size_t(e)].view;
     }
     down[size_t(e)] = make_weight(c.down, c.hidden, c.inter, seed++);
-    ddown[size_t(e)] = upload(down[size_t(e)]);
+    ddown[size_t(e)] = upload(down[size_t(e)], c.down.planes);
     x.down.view = ddown[size_t(e)].view;
     x.gate_up_interleaved = c.interleaved;
     x.act = c.glu == GluKind::kGelu ? Act::kGeluTanh : Act::kSilu;
@@ -551,7 +569,8 @@ void run_moe_case(cuda::WeightMatmul& mm, const MoeCase& c, uint32_t seed) {
 TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   cuda::WeightMatmul mm;
   const Format bf16{DType::BF16}, f32{DType::F32}, f16{DType::F16}, q4k{DType::Q4_K}, q6k{DType::Q6_K},
-      q8{DType::Q8_0}, q40{DType::Q4_0}, mx{DType::MXFP4}, i4{DType::INT4_AFFINE, DType::BF16, 32};
+      q8{DType::Q8_0}, q40{DType::Q4_0}, mx{DType::MXFP4}, i4{DType::INT4_AFFINE, DType::BF16, 32},
+      q40p{DType::Q4_0, DType::U8, 0, true};
   std::vector<MoeCase> cases;
   // Every variant (act x biases x interleaved) at decode and prefill sizes, bf16 and MXFP4.
   for (const Format& f : {bf16, mx})
@@ -566,7 +585,14 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
     cases.push_back({f32, f32, 16, 8, rows, 67, 45, GluKind::kGelu, true, false});
     cases.push_back({q4k, q6k, 128, 8, std::min<int64_t>(rows, 64), 256, 256, GluKind::kSilu, false, false});
     cases.push_back({i4, q8, 32, 2, rows, 64, 96, GluKind::kClamped, true, true});
+    // Q4_0 in planes (the block32 decode kernels): hidden 160 leaves lanes without a block,
+    // inter 96 gives the down pass k * 3 (expert, block) items per warp; odd output rows.
+    cases.push_back({q40p, q40p, 16, 8, rows, 160, 96, GluKind::kSilu, true, false});
+    cases.push_back({q40p, q40p, 12, 3, rows, 96, 32, GluKind::kGelu, false, true});
   }
+  // The Qwen3-30B-A3B expert shape at half width (hidden 1024, inter 384), decode rows.
+  for (int64_t rows : {1, 2}) cases.push_back({q40p, q40p, 9, 8, rows, 1024, 384, GluKind::kSilu, false, false});
+  cases.push_back({q40p, q40, 8, 8, 1, 96, 64, GluKind::kSilu, false, false});
   cases.push_back({f16, q40, 8, 8, 3, 96, 64, GluKind::kSilu, true, false});
   cases.push_back({f16, q40, 8, 8, 33, 96, 64, GluKind::kSilu, true, false});
   cases.push_back({q8, mx, 64, 8, 500, 64, 64, GluKind::kGelu, false, true});
@@ -580,9 +606,9 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
 TEST(CudaMoe, MatchesCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
-  for (DType dt : {DType::BF16, DType::Q4_0, DType::Q8_0}) {
-    const Format f{dt};
-    const bool int8 = dt != DType::BF16;
+  for (const Format& f : {Format{DType::BF16}, Format{DType::Q4_0}, Format{DType::Q4_0, DType::U8, 0, true},
+                          Format{DType::Q8_0}}) {
+    const bool int8 = f.dtype != DType::BF16;
     const int E = 6, k = 2;
     const int64_t hidden = 64, inter = 32;
     std::vector<HostWeight> g, u, d;
@@ -594,9 +620,9 @@ TEST(CudaMoe, MatchesCpuBackend) {
       d.push_back(make_weight(f, hidden, inter, 30 + e));
     }
     for (int e = 0; e < E; ++e) {
-      dg.push_back(upload(g[size_t(e)]));
-      du.push_back(upload(u[size_t(e)]));
-      dd.push_back(upload(d[size_t(e)]));
+      dg.push_back(upload(g[size_t(e)], f.planes));
+      du.push_back(upload(u[size_t(e)], f.planes));
+      dd.push_back(upload(d[size_t(e)], f.planes));
       host[size_t(e)].gate.view = g[size_t(e)].view;
       host[size_t(e)].up.view = u[size_t(e)].view;
       host[size_t(e)].down.view = d[size_t(e)].view;

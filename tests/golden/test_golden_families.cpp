@@ -152,7 +152,13 @@ INSTANTIATE_TEST_SUITE_P(
                       GgufCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-bf16.gguf", kLogitTol, 1.0},
                       // Q8_0 flips one token's expert choice (position 14): transformers on the
                       // dequantized weights is 0.34 off the golden there too, <= 0.05 elsewhere.
-                      GgufCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q8_0.gguf", 0.5, 0.9}),
+                      GgufCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q8_0.gguf", 0.5, 0.9},
+                      // Q4_0 (tools/fixtures/requantize_gguf.py): 4-bit random weights move the
+                      // logits far (0.39 of the largest, 60% top-1 measured); a loose check that
+                      // the file loads and runs end to end. The format's arithmetic is held to
+                      // its dequantized reference by the kernel tests; the CUDA device tests
+                      // compare this file on CUDA against the CPU backend, tightly.
+                      GgufCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q4_0.gguf", 0.5, 0.5}),
     [](const auto& info) {
       std::string n = info.param.file;
       for (char& ch : n) if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';

@@ -69,6 +69,14 @@ bool graphs_from_env() {
   return !(v && std::string(v) == "0");
 }
 
+// TURBOSPARK_CUDA_Q4_0_PLANES=1 rewrites Q4_0 weights into code/scale planes at upload
+// (repack.cu) for the block32 decode kernels. Opt-in until it has run on the device: the
+// kernels and their tests are written and compiled, not yet measured (NOTES_matmul.md).
+bool q4_0_planes_from_env() {
+  const char* v = std::getenv("TURBOSPARK_CUDA_Q4_0_PLANES");
+  return v && std::string(v) == "1";
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int ordinal) : ordinal_(ordinal) {
@@ -89,6 +97,7 @@ class CudaBackend final : public Backend {
       if (e) cudaEventDestroy(e);
     }
     if (weight_pool_) cudaFree(weight_pool_);
+    if (repack_src_) cudaFree(repack_src_);
     for (void* p : overflow_weights_) cudaFree(p);
     for (void* p : attention_scratch_) cudaFree(p);
     cudaStreamDestroy(stream_);
@@ -251,6 +260,26 @@ class CudaBackend final : public Backend {
   }
 
   WeightView resident(const WeightView& host, const std::string& name) override {
+    // Q4_0 goes up as ggml blocks into a scratch buffer and is rewritten into aligned planes
+    // (repack.cu) in the weight pool: same bytes, 16-byte loads for the kernels.
+    if (q4_0_planes_ && host.dtype == DType::Q4_0 && !host.scales && host.rows > 0 && host.cols % 32 == 0 &&
+        host.row_bytes % 2 == 0) {
+      const int64_t raw_bytes = plane_span(host.rows, host.row_bytes, packed_data_row_bytes(host));
+      if (raw_bytes > repack_src_bytes_) {
+        // The old scratch may still feed a queued repack.
+        TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "weight upload");
+        if (repack_src_) cudaFree(repack_src_);
+        repack_src_ = nullptr;
+        TS_CUDA_CHECK(cudaMalloc(&repack_src_, size_t(raw_bytes)), "repack scratch for weight {} ({} bytes)", name,
+                      raw_bytes);
+        repack_src_bytes_ = raw_bytes;
+      }
+      copy_through_staging(repack_src_, host.data, raw_bytes, name);
+      WeightView raw = host;
+      raw.data = repack_src_;
+      return cuda::launch_repack_q4_0(raw, weight_slot(cuda::q4_0_planes_bytes(host.rows, host.cols), name),
+                                      stream_);
+    }
     WeightView d = host;
     d.data = upload_plane(host.data, plane_span(host.rows, host.row_bytes, packed_data_row_bytes(host)), name);
     if (host.scales) {
@@ -268,6 +297,9 @@ class CudaBackend final : public Backend {
 
   void end_weights() override {
     TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "weight upload");
+    if (repack_src_) cudaFree(repack_src_);
+    repack_src_ = nullptr;
+    repack_src_bytes_ = 0;
     const double s = std::chrono::duration<double>(Clock::now() - upload_start_).count();
     fmt::print(stderr, "{}weights on {}: {:.2f} GiB in {:.2f} s ({:.1f} GB/s through pinned staging)\n",
                progress_ ? "\r" : "", props_.name, double(uploaded_) / (1 << 30), s, double(uploaded_) / 1e9 / std::max(s, 1e-9));
@@ -350,8 +382,15 @@ class CudaBackend final : public Backend {
   // through pinned staging: two halves alternate, each reused only after its copy finished.
   void* upload_plane(const void* src, int64_t bytes, const std::string& name) {
     if (bytes <= 0 || !src) return nullptr;
+    void* dst = weight_slot(bytes, name);
+    copy_through_staging(dst, src, bytes, name);
+    return dst;
+  }
+
+  // kAlign-aligned room for `bytes` of weight: the pool, or its own allocation past it.
+  void* weight_slot(int64_t bytes, const std::string& name) {
     void* dst = nullptr;
-    const int64_t slot = round_up(bytes, kAlign);
+    const int64_t slot = round_up(std::max<int64_t>(bytes, 1), kAlign);
     if (weight_pool_ && pool_used_ + slot <= pool_bytes_) {
       dst = static_cast<char*>(weight_pool_) + pool_used_;
       pool_used_ += slot;
@@ -359,6 +398,10 @@ class CudaBackend final : public Backend {
       TS_CUDA_CHECK(cudaMalloc(&dst, size_t(slot)), "weight {} ({} bytes) beyond the pool", name, bytes);
       overflow_weights_.push_back(dst);
     }
+    return dst;
+  }
+
+  void copy_through_staging(void* dst, const void* src, int64_t bytes, const std::string& name) {
     TS_CHECK(staging_, "cuda: weight {} made resident outside begin_weights/end_weights", name);
     const int64_t half = kStagingBytes / 2;
     for (int64_t off = 0; off < bytes; off += half) {
@@ -374,7 +417,6 @@ class CudaBackend final : public Backend {
       uploaded_ += n;
     }
     report_progress();
-    return dst;
   }
 
   void report_progress() {
@@ -408,6 +450,9 @@ class CudaBackend final : public Backend {
   void* weight_pool_ = nullptr;
   int64_t pool_bytes_ = 0, pool_used_ = 0;
   std::vector<void*> overflow_weights_;
+  bool q4_0_planes_ = q4_0_planes_from_env();
+  void* repack_src_ = nullptr;  // Q4_0 blocks on their way into planes (resident)
+  int64_t repack_src_bytes_ = 0;
   void* staging_ = nullptr;
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
   int staging_half_ = 0;

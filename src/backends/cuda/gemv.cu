@@ -13,6 +13,9 @@
 // kernel on L1 rather than HBM. warps_per_group > 1 (split-K inside the block, reduced in
 // shared memory) only when the matrix has too few rows to occupy the GPU otherwise.
 //
+// Q4_0 in planes (repack.cu, the CUDA backend's layout for Q4_0) reads whole 32-element blocks
+// per thread, one 16-byte load each (kBlock32, quant.cuh), with f32 activations.
+//
 // The 32-element ggml formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take the dp4a variant instead
 // when the matrix has rows enough for blocks of one-warp groups (LM heads, wide FFNs): the
 // block quantizes its activation rows to int8 in shared memory first (q8.cuh), then each unit
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   const int64_t o0 = at.o0;
   const WeightRow* wr = at.wr;
   float acc[kMaxRows][kOut] = {};
-  const int64_t n_units = w.cols / kUnit;
+  const int64_t n_units = kBlock32<F> ? w.cols / 32 : w.cols / kUnit;
   if (o0 < w.rows) {
 #pragma unroll 2
     for (int64_t u = t; u < n_units; u += group_threads) {
@@ -120,6 +123,20 @@ __global__ void __launch_bounds__(kGemvThreads)
             xq.unit(r, u, x0, x1, dx, sx);
 #pragma unroll
             for (int j = 0; j < kOut; ++j) acc[r][j] += q8_unit_dot(c0[j], c1[j], a[j], b[j], x0, x1, dx, sx);
+          }
+        }
+      } else if constexpr (kBlock32<F>) {
+        // u counts 32-element blocks here (see run_gemv).
+        typename F::Block32 blk[kOut];
+#pragma unroll
+        for (int j = 0; j < kOut; ++j) blk[j] = F::load32(wr[j], u);
+#pragma unroll
+        for (int r = 0; r < kMaxRows; ++r) {
+          if (r < n_rows) {
+            float xv[32];
+            load_x32(x + r * x_stride + u * 32, xv);
+#pragma unroll
+            for (int j = 0; j < kOut; ++j) acc[r][j] += F::dot32(blk[j], xv);
           }
         }
       } else {
@@ -159,13 +176,16 @@ __global__ void __launch_bounds__(kGemvThreads)
 // then keeps >= 4 units in its loop (a split-K group of 8 warps on a 4096-column row left 2
 // per thread, and the block's life was load latency plus the shared-memory reduction: 56% of
 // peak DRAM on 4096 x 4096 bf16, measured). Split K only while every thread keeps >= 2 units.
-int gemv_warps_per_group(int64_t out_rows, int64_t cols, int k_out, int num_sms) {
-  const int64_t n_units = cols / kUnit;
+// Formats read in 32-element blocks (kBlock32) split while every thread keeps >= 1 block:
+// each block is already four units' bytes in one load.
+int gemv_warps_per_group(int64_t out_rows, int64_t cols, int k_out, int num_sms, bool block32 = false) {
+  const int64_t n_items = block32 ? cols / 32 : cols / kUnit;
+  const int64_t min_per_thread = block32 ? 1 : 2;
   const int64_t groups = (out_rows + k_out - 1) / k_out;
   const int64_t target_warps = int64_t(std::max(num_sms, 1)) * 16;
   int warps_per_group = 1;
   while (warps_per_group < kGemvThreads / kWarp && groups * warps_per_group < target_warps &&
-         n_units >= int64_t(warps_per_group) * 2 * kWarp * 2)
+         n_items >= int64_t(warps_per_group) * 2 * kWarp * min_per_thread)
     warps_per_group *= 2;
   return warps_per_group;
 }
@@ -185,7 +205,7 @@ template <class F, int kMaxRows, int kOut>
 void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
               cudaStream_t stream) {
   const int64_t groups = (w.rows + kOut - 1) / kOut;
-  const int warps_per_group = gemv_warps_per_group(w.rows, w.cols, kOut, num_sms);
+  const int warps_per_group = gemv_warps_per_group(w.rows, w.cols, kOut, num_sms, kBlock32<F>);
   const int groups_per_block = kGemvThreads / (warps_per_group * kWarp);
   const int64_t blocks = (groups + groups_per_block - 1) / groups_per_block;
   const bool q8 = use_q8(kHasQ8<F>, y.rows, w.rows, w.cols, num_sms);
@@ -206,11 +226,13 @@ void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& 
 
 }  // namespace
 
-bool gemv_int8_activations(DType dtype, int64_t rows, int64_t out_rows, int64_t cols, int num_sms) {
-  const bool has_q8 = dtype == DType::Q4_0 || dtype == DType::Q4_1 || dtype == DType::Q5_0 || dtype == DType::Q5_1 ||
-                      dtype == DType::Q8_0;
+bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms) {
+  const DType dtype = w.dtype;
+  const int64_t out_rows = w.rows, cols = w.cols;
+  const bool has_q8 = (dtype == DType::Q4_0 && !is_q4_0_planes(w)) || dtype == DType::Q4_1 || dtype == DType::Q5_0 ||
+                      dtype == DType::Q5_1 || dtype == DType::Q8_0;
   static_assert(kHasQ8<FmtQ4_0> && kHasQ8<FmtQ4_1> && kHasQ8<FmtQ5_0> && kHasQ8<FmtQ5_1> && kHasQ8<FmtQ8_0> &&
-                !kHasQ8<FmtQK45<false>> && !kHasQ8<FmtQ6_K> && !kHasQ8<FmtMXFP4>);
+                !kHasQ8<FmtQK45<false>> && !kHasQ8<FmtQ6_K> && !kHasQ8<FmtMXFP4> && !kHasQ8<FmtQ4_0Planes>);
   return rows >= 1 && rows <= kGemvMaxRows && use_q8(has_q8, rows, out_rows, cols, num_sms);
 }
 

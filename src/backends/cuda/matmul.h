@@ -68,10 +68,15 @@ class DeviceScratch {
 void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
                  cudaStream_t stream);
 // Whether a GEMV of a [out_rows, cols] weight of this format over `rows` activation rows
-// quantizes the activations to int8 per 32 (q8.cuh's dp4a path: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, for
+// quantizes the activations to int8 per 32 (q8.cuh's dp4a path: ggml-layout Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, for
 // matrices with rows enough to skip split-K, while the codes fit a block's shared memory);
 // else the activations stay f32.
-bool gemv_int8_activations(DType dtype, int64_t rows, int64_t out_rows, int64_t cols, int num_sms);
+bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms);
+// repack.cu: a ggml Q4_0 weight in device memory (any 2-byte-aligned row stride) rewritten
+// into code and f16 scale planes at dst (256-byte aligned, q4_0_planes_bytes long: codes
+// first, scales at *scales_offset); returns the view kernels read as FmtQ4_0Planes.
+int64_t q4_0_planes_bytes(int64_t rows, int64_t cols, int64_t* scales_offset = nullptr);
+WeightView launch_repack_q4_0(const WeightView& raw, void* dst, cudaStream_t stream);
 // gemm.cu: rows [row0, row0 + n_rows) of w dequantized to bf16 at out (row-major, ld elements
 // per row, ld % 8 == 0, out 16-byte aligned).
 void launch_dequant_bf16(const WeightView& w, int64_t row0, int64_t n_rows, void* out, int64_t ld,

@@ -11,6 +11,9 @@
 //   down: one warp per (t, hidden row) loops over the k experts of row t, so the weighted sum
 //     is formed in registers: no atomics, deterministic, out written once. Grid (hidden / 8, rows).
 //   Bound: HBM on the k selected experts' bytes (3 * inter * hidden per expert and row).
+//   Formats read in 32-element blocks (kBlock32: Q4_0 in planes) take block32 variants of both
+//   (below): each lane owns whole blocks (one 16-byte load each), a warp two output rows, and
+//   the down pass spreads the k experts' blocks over the warp's lanes instead of looping.
 //   (int8-activation dp4a variants, as gemv.cu has for wide matrices, measured slower here:
 //   a block covers 8 output rows, too few to amortize quantizing its activations.)
 //
@@ -156,6 +159,120 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   acc = warp_sum(acc);
   if (lane == 0) out[t * out_stride + o] = bad ? nan_f32() : acc;
+}
+
+// Formats read in 32-element blocks (kBlock32, e.g. Q4_0 in planes): each lane owns whole
+// blocks, one 16-byte code load each, and a warp covers two output rows so every activation
+// block it loads meets four (gate/up) or two (down) weight rows.
+constexpr int kBlockRowsPerWarp = 2;
+constexpr int kGateUpBlockThreads = 256;
+constexpr int kDownBlockThreads = 128;
+
+template <class F>
+__global__ void __launch_bounds__(kGateUpBlockThreads)
+    moe_gate_up_block32_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ x,
+                               int64_t x_stride, const int32_t* __restrict__ idx, float* __restrict__ h,
+                               int64_t ldh) {
+  pdl_begin();
+  const int64_t pair = blockIdx.y;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t i0 = (int64_t(blockIdx.x) * (kGateUpBlockThreads / kWarp) + threadIdx.x / kWarp) * kBlockRowsPerWarp;
+  if (i0 >= p.inter) return;
+  const int32_t e = idx[pair];
+  if (!valid_expert(e, p)) {
+    if (lane < kBlockRowsPerWarp && i0 + lane < p.inter) h[pair * ldh + i0 + lane] = nan_f32();
+    return;
+  }
+  const MoeExpertDesc& d = experts[e];
+  WeightRow wg[kBlockRowsPerWarp], wu[kBlockRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kBlockRowsPerWarp; ++r) {
+    const int64_t i = i0 + r < p.inter ? i0 + r : p.inter - 1;  // past the end: read a valid row, drop it
+    wg[r] = weight_row(d.gate, i);
+    wu[r] = weight_row(d.up, i);
+  }
+  const float* xr = x + (pair / p.k) * x_stride;
+  const int64_t n_blocks = p.hidden / 32;
+  float g[kBlockRowsPerWarp] = {}, u[kBlockRowsPerWarp] = {};
+#pragma unroll 2
+  for (int64_t b = lane; b < n_blocks; b += kWarp) {
+    typename F::Block32 bg[kBlockRowsPerWarp], bu[kBlockRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kBlockRowsPerWarp; ++r) bg[r] = F::load32(wg[r], b), bu[r] = F::load32(wu[r], b);
+    float xv[32];
+    load_x32(xr + b * 32, xv);
+#pragma unroll
+    for (int r = 0; r < kBlockRowsPerWarp; ++r) g[r] += F::dot32(bg[r], xv), u[r] += F::dot32(bu[r], xv);
+  }
+#pragma unroll
+  for (int r = 0; r < kBlockRowsPerWarp; ++r) {
+    g[r] = warp_sum(g[r]);
+    u[r] = warp_sum(u[r]);
+  }
+  if (lane < kBlockRowsPerWarp && i0 + lane < p.inter) {
+    const int64_t i = i0 + lane;
+    float gi = g[0], ui = u[0];
+#pragma unroll
+    for (int r = 1; r < kBlockRowsPerWarp; ++r)
+      if (lane == r) gi = g[r], ui = u[r];
+    if (d.gate_bias) gi += d.gate_bias[i];
+    if (d.up_bias) ui += d.up_bias[i];
+    h[pair * ldh + i] = apply_glu(p, gi, ui);
+  }
+}
+
+// One warp per two output rows of token t: its lanes stride over the (expert j, block b)
+// items of all k experts, each item weighted by the token's routing weight, so the weighted
+// sum is formed in registers and reduced once (deterministic, no atomics).
+template <class F>
+__global__ void __launch_bounds__(kDownBlockThreads)
+    moe_down_block32_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
+                            int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
+                            float* __restrict__ out, int64_t out_stride) {
+  pdl_begin();
+  const int64_t t = blockIdx.y;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t o0 = (int64_t(blockIdx.x) * (kDownBlockThreads / kWarp) + threadIdx.x / kWarp) * kBlockRowsPerWarp;
+  if (o0 >= p.hidden) return;
+  int64_t o[kBlockRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kBlockRowsPerWarp; ++r) o[r] = o0 + r < p.hidden ? o0 + r : p.hidden - 1;
+  const int32_t nb = int32_t(p.inter / 32), items = p.k * nb;
+  float acc[kBlockRowsPerWarp] = {};
+  bool bad = false;
+#pragma unroll 2
+  for (int32_t it = lane; it < items; it += kWarp) {
+    const int32_t j = it / nb, b = it - j * nb;
+    const int64_t pair = t * p.k + j;
+    const int32_t e = idx[pair];
+    if (!valid_expert(e, p)) {
+      bad = true;
+      continue;
+    }
+    const MoeExpertDesc& d = experts[e];
+    typename F::Block32 blk[kBlockRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kBlockRowsPerWarp; ++r) blk[r] = F::load32(weight_row(d.down, o[r]), b);
+    float hv[32];
+    load_x32(h + pair * ldh + int64_t(b) * 32, hv);
+    const float wt = weight[pair];
+#pragma unroll
+    for (int r = 0; r < kBlockRowsPerWarp; ++r) {
+      float y = F::dot32(blk[r], hv);
+      if (b == 0 && d.down_bias) y += d.down_bias[o[r]];
+      acc[r] = fmaf(wt, y, acc[r]);
+    }
+  }
+  bad = __any_sync(0xffffffffu, bad);
+#pragma unroll
+  for (int r = 0; r < kBlockRowsPerWarp; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane < kBlockRowsPerWarp && o0 + lane < p.hidden) {
+    float v = acc[0];
+#pragma unroll
+    for (int r = 1; r < kBlockRowsPerWarp; ++r)
+      if (lane == r) v = acc[r];
+    out[t * out_stride + o0 + lane] = bad ? nan_f32() : v;
+  }
 }
 
 // ---- prefill: grouping -------------------------------------------------------------------------
@@ -540,8 +657,15 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
         [&](auto fmt) {
           using F = decltype(fmt);
           check_all(fmt, true);
-          const dim3 grid(unsigned((inter + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(n_pairs));
-          launch(moe_gate_up_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh);
+          if constexpr (kBlock32<F>) {
+            constexpr int64_t rows_per_block = kGateUpBlockThreads / kWarp * kBlockRowsPerWarp;
+            const dim3 grid(unsigned((inter + rows_per_block - 1) / rows_per_block), unsigned(n_pairs));
+            launch(moe_gate_up_block32_kernel<F>, grid, kGateUpBlockThreads, 0, stream, descs, p, xa, xs, idx, h,
+                   ldh);
+          } else {
+            const dim3 grid(unsigned((inter + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(n_pairs));
+            launch(moe_gate_up_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh);
+          }
           TS_CUDA_LAUNCH_CHECK("moe gate_up gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
                                inter, hidden, rows, k);
         },
@@ -551,9 +675,16 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
         [&](auto fmt) {
           using F = decltype(fmt);
           check_all(fmt, false);
-          const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
-          launch(moe_down_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh, idx, weight, out.data,
-                 out.stride);
+          if constexpr (kBlock32<F>) {
+            constexpr int64_t rows_per_block = kDownBlockThreads / kWarp * kBlockRowsPerWarp;
+            const dim3 grid(unsigned((hidden + rows_per_block - 1) / rows_per_block), unsigned(rows));
+            launch(moe_down_block32_kernel<F>, grid, kDownBlockThreads, 0, stream, descs, p, h, ldh, idx, weight,
+                   out.data, out.stride);
+          } else {
+            const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
+            launch(moe_down_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh, idx, weight, out.data,
+                   out.stride);
+          }
           TS_CUDA_LAUNCH_CHECK("moe down gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
                                inter, rows, k);
         },

@@ -176,6 +176,32 @@ struct FmtQ4_0 {
   }
 };
 
+// Q4_0 in planes (repack.cu rewrites ggml blocks so at upload): block b of a row is the 16 code
+// bytes at data + 16 b (byte j: element j in the low nibble, element j + 16 in the high, as in
+// ggml) and its f16 scale at scales + 2 b. One 16-byte load per 32 elements where ggml's
+// 18-byte blocks allow only 2-byte loads. The view keeps dtype Q4_0; the scale plane marks the
+// layout (is_q4_0_planes). Dequantized values are those of FmtQ4_0, bit for bit.
+struct FmtQ4_0Planes {
+  static constexpr DType kDType = DType::Q4_0;
+  static constexpr int kAlign = 16;
+  static constexpr bool kTail = false;
+  static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
+    const int p = int(u & 3);
+    const uint2 q = ld_u64(w.data + (u >> 2) * 16 + 8 * (p & 1));
+    nibbles_affine(q.x, q.y, 4 * (p >> 1), f16_at(w.scales + 2 * (u >> 2)), -8.f, false, v);
+  }
+  // Block b as one 16-byte load and its scale; dot32 forms d * sum_i (q_i - 8) x_i with
+  // x = the activations of the block's 32 elements (q4_block_dot below).
+  struct Block32 {
+    uint4 codes;
+    float d;
+  };
+  static __device__ __forceinline__ Block32 load32(const WeightRow& w, int64_t b) {
+    return {ld_u128(w.data + 16 * b), f16_at(w.scales + 2 * b)};
+  }
+  static __device__ __forceinline__ float dot32(const Block32& blk, const float (&x)[32]);
+};
+
 struct FmtQ4_1 {
   static constexpr DType kDType = DType::Q4_1;
   static constexpr int kAlign = 4;
@@ -413,6 +439,57 @@ struct FmtInt4Affine {
   }
 };
 
+// ---- 32-element blocks in one 16-byte load ----------------------------------------------------
+// Formats with F::load32(row, b) (block b of 32 elements in a register-sized F::Block32) and
+// F::dot32(block, x) let decode kernels give each lane whole 32-element blocks (gemv.cu,
+// moe.cu): one 16-byte code load and one scale load per block instead of four unit decodes.
+template <class F>
+constexpr bool kBlock32 = requires(const WeightRow& w) { F::load32(w, int64_t(0)); };
+
+// (q - 8) * 2^p for the nibble q at bits [p, p + 4) of w, p <= 16, exactly, in two ALU ops and
+// without an int-to-float conversion: OR-ing the masked bits into the mantissa of 2^23 gives
+// 2^23 + q 2^p, and subtracting 2^23 + 8 2^p is exact (both below 2^24).
+template <int kP>
+__device__ __forceinline__ float q4_centered_scaled(uint32_t w) {
+  static_assert(kP >= 0 && kP <= 16);
+  return __uint_as_float((w & (0xFu << kP)) | 0x4B000000u) - (8388608.f + 8.f * float(1u << kP));
+}
+
+// sum_i (q_i - 8) x_i over one ggml-ordered block of 16 code bytes (byte j: element j low,
+// j + 16 high). Nibbles at bits 0..19 of a word are read in place, those at 20..31 after one
+// shift by 12; five accumulators (one per bit offset, each exact product scaled by 2^p) are
+// rescaled once at the end (multiplications by powers of two: exact).
+__device__ __forceinline__ float q4_block_dot(uint4 codes, const float (&x)[32]) {
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  float a0 = 0.f, a4 = 0.f, a8 = 0.f, a12 = 0.f, a16 = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = words[i], s = w >> 12;
+    a0 = fmaf(q4_centered_scaled<0>(w), x[4 * i], a0);           // byte 4i low
+    a4 = fmaf(q4_centered_scaled<4>(w), x[16 + 4 * i], a4);      // byte 4i high
+    a8 = fmaf(q4_centered_scaled<8>(w), x[4 * i + 1], a8);       // byte 4i+1 low
+    a12 = fmaf(q4_centered_scaled<12>(w), x[17 + 4 * i], a12);   // byte 4i+1 high
+    a16 = fmaf(q4_centered_scaled<16>(w), x[4 * i + 2], a16);    // byte 4i+2 low
+    a8 = fmaf(q4_centered_scaled<8>(s), x[18 + 4 * i], a8);      // byte 4i+2 high
+    a12 = fmaf(q4_centered_scaled<12>(s), x[4 * i + 3], a12);    // byte 4i+3 low
+    a16 = fmaf(q4_centered_scaled<16>(s), x[19 + 4 * i], a16);   // byte 4i+3 high
+  }
+  return a0 + a4 * 0x1p-4f + a8 * 0x1p-8f + a12 * 0x1p-12f + a16 * 0x1p-16f;
+}
+
+__device__ __forceinline__ float FmtQ4_0Planes::dot32(const Block32& blk, const float (&x)[32]) {
+  return blk.d * q4_block_dot(blk.codes, x);
+}
+
+// 32 consecutive floats of a 16-byte-aligned activation row.
+__device__ __forceinline__ void load_x32(const float* __restrict__ x, float (&v)[32]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x) + i);
+    v[4 * i] = a.x, v[4 * i + 1] = a.y, v[4 * i + 2] = a.z, v[4 * i + 3] = a.w;
+  }
+}
+
 // ---- host side: validation and the one list of formats ---------------------------------------
 
 inline bool is_pow2(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
@@ -421,6 +498,12 @@ inline int32_t log2_exact(int64_t v) {
   int32_t s = 0;
   while ((int64_t(1) << s) < v) ++s;
   return s;
+}
+
+// Q4_0 rewritten into code and scale planes (FmtQ4_0Planes; repack.cu): ggml's Q4_0 has no
+// scale plane.
+inline bool is_q4_0_planes(const WeightView& w) {
+  return w.dtype == DType::Q4_0 && w.scales != nullptr && w.scales_dtype == DType::F16 && w.group_size == 32;
 }
 
 inline DeviceWeight device_weight(const WeightView& w) {
@@ -446,7 +529,18 @@ inline void check_weight(const WeightView& w, const char* op) {
     case DType::F32: packed = 4 * w.cols; break;
     case DType::F16:
     case DType::BF16: packed = 2 * w.cols; break;
-    case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1: case DType::Q8_0:
+    case DType::Q4_0:
+      if (is_q4_0_planes(w)) {
+        TS_CHECK(w.cols % 32 == 0, "{}: Q4_0 weight [{}, {}] in planes: cols not a multiple of 32", op, w.rows,
+                 w.cols);
+        TS_CHECK(w.scales_row_bytes >= w.cols / 16 || w.rows <= 1,
+                 "{}: Q4_0 weight [{}, {}] in planes: scale row stride {} below {}", op, w.rows, w.cols,
+                 w.scales_row_bytes, w.cols / 16);
+        packed = w.cols / 2;
+        break;
+      }
+      [[fallthrough]];
+    case DType::Q4_1: case DType::Q5_0: case DType::Q5_1: case DType::Q8_0:
     case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
       TS_CHECK(w.cols % block_size(w.dtype) == 0, "{}: {} weight [{}, {}]: cols not a multiple of the block size {}",
                op, name, w.rows, w.cols, block_size(w.dtype));
@@ -498,7 +592,7 @@ inline void dispatch_weight_format(const WeightView& w, const char* op, Fn&& fn,
     case DType::BF16:
       return allow_vec && aligned_for<FmtHalf<DType::BF16, true>>(w) ? run(FmtHalf<DType::BF16, true>{})
                                                         : run(FmtHalf<DType::BF16, false>{});
-    case DType::Q4_0: return run(FmtQ4_0{});
+    case DType::Q4_0: return is_q4_0_planes(w) ? run(FmtQ4_0Planes{}) : run(FmtQ4_0{});
     case DType::Q4_1: return run(FmtQ4_1{});
     case DType::Q5_0: return run(FmtQ5_0{});
     case DType::Q5_1: return run(FmtQ5_1{});
