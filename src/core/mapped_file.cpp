@@ -9,11 +9,38 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "core/error.h"
 
 namespace turbospark {
+namespace {
+
+// Every live mapping, for locate_mapped(). Few entries (one per checkpoint file).
+struct Registry {
+  std::mutex mu;
+  std::vector<const MappedFile*> files;
+};
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+}  // namespace
+
+std::optional<MappedLocation> locate_mapped(const void* p, int64_t bytes) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (const MappedFile* f : r.files) {
+    if (f->data() && b >= f->data() && bytes >= 0 && b + bytes <= f->data() + f->size()) {
+      return MappedLocation{f->path(), int64_t(b - f->data()), int64_t(f->size())};
+    }
+  }
+  return std::nullopt;
+}
 
 MappedFile::MappedFile(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -34,9 +61,17 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
     data_ = static_cast<const uint8_t*>(p);
   }
   ::close(fd);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.files.push_back(this);
 }
 
 MappedFile::~MappedFile() {
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.files.erase(std::remove(r.files.begin(), r.files.end(), this), r.files.end());
+  }
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 

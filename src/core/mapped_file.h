@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 namespace turbospark {
@@ -30,6 +31,16 @@ class MappedFile {
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
 };
+
+// Where a pointer into a live MappedFile's pages comes from: the file and the byte offset
+// (expert streaming reads routed experts from disk by offset instead of through the mapping).
+// Empty when [p, p + bytes) is not inside one live mapping (e.g. memory a checkpoint owns).
+struct MappedLocation {
+  std::string path;
+  int64_t offset = 0;
+  int64_t file_size = 0;
+};
+std::optional<MappedLocation> locate_mapped(const void* p, int64_t bytes);
 
 // Whole-file read for small text files (configs, JSON); throws Error naming the path.
 std::string read_text_file(const std::string& path);

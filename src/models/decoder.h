@@ -68,6 +68,7 @@ class DecoderModel : public Model {
   const ModelInfo& info() const override { return info_; }
   std::vector<KvLayerSpec> kv_spec() const override;
   int64_t n_experts() const override { return hp_.n_experts; }
+  int experts_per_token() const override { return hp_.n_experts > 0 ? hp_.top_k : 0; }
   std::unique_ptr<ModelWorkspace> new_workspace(Backend& backend, int64_t max_rows) const override;
   void forward(Backend& backend, const ForwardBatch& batch) const override;
 

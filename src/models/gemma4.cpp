@@ -426,6 +426,7 @@ class Gemma4Model final : public Model {
 
   const ModelInfo& info() const override { return info_; }
   int64_t n_experts() const override { return hp_.moe ? hp_.n_experts : 0; }
+  int experts_per_token() const override { return hp_.moe ? hp_.top_k : 0; }
 
   // Shared layers own no cache: 0 KV heads, so the engine allocates nothing for them.
   std::vector<KvLayerSpec> kv_spec() const override {

@@ -214,6 +214,7 @@ class GptOssModel final : public Model {
     return std::vector<KvLayerSpec>(size_t(hp_.n_layers), KvLayerSpec{hp_.n_kv_heads, hp_.head_dim});
   }
   int64_t n_experts() const override { return hp_.n_experts; }
+  int experts_per_token() const override { return hp_.top_k; }
   std::unique_ptr<ModelWorkspace> new_workspace(Backend& backend, int64_t max_rows) const override;
   void forward(Backend& backend, const ForwardBatch& batch) const override;
 

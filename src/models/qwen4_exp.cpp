@@ -336,6 +336,7 @@ class Qwen4Exp final : public Model {
 
   const ModelInfo& info() const override { return info_; }
   int64_t n_experts() const override { return hp_.n_experts; }
+  int experts_per_token() const override { return hp_.n_experts > 0 ? hp_.top_k : 0; }
 
   std::vector<KvLayerSpec> kv_spec() const override {
     std::vector<KvLayerSpec> spec(size_t(hp_.n_layers));

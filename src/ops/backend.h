@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 
 namespace turbospark {
@@ -94,6 +95,19 @@ struct ExpertWeights {
   // with twice the row stride, gate's starting at row 0): a backend may run them as one
   // contiguous matmul (fused_gate_up) instead of two strided ones.
   bool gate_up_interleaved = false;
+};
+
+// Expert streaming (experts/expert_streamer.h): routed experts that are not read in place
+// from their stored views but brought into a bounded cache as the router asks for them. A
+// backend computing moe_experts() asks the provider for each expert right before it uses it.
+class ExpertProvider {
+ public:
+  virtual ~ExpertProvider() = default;
+  // The experts the backend will acquire next, in order: loads may start now.
+  virtual void prefetch(std::span<const ExpertWeights* const> next) { (void)next; }
+  // `stored`'s weights, readable now: the same values at other addresses. Valid until the
+  // next acquire() or the end of the moe_experts() call, whichever comes first.
+  virtual const ExpertWeights& acquire(const ExpertWeights& stored) = 0;
 };
 
 // The [2 * inter, hidden] matrix whose even rows are e.gate and odd rows e.up, for an expert
@@ -326,6 +340,12 @@ class Backend {
   // resident experts need no host round trip (the streaming path will sync here, by design).
   virtual void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
                            const float* weight, int k, const Mat& out) = 0;
+  // Streams routed experts through `provider` (null: read them in place again). Backends
+  // without a streaming tier refuse it by name.
+  virtual void set_expert_provider(ExpertProvider* provider) {
+    TS_CHECK(provider == nullptr, "expert streaming (--expert-cache-slots) is not supported on --device {} yet",
+             name());
+  }
 };
 
 inline void Backend::upload(const Mat& dst, const float* src) {

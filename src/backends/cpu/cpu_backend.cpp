@@ -201,11 +201,27 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < T; ++r) std::memset(out.row(r), 0, size_t(out.cols) * 4);
     const int64_t inter = experts.empty() ? 0 : experts[0].gate.rows();
     ensure_scratch(T * (hidden + 5 * inter + hidden));
+    // Streaming: the experts this micro-batch uses, in the order they are computed, so the
+    // provider can load the next ones while this one runs (the routing read above is the
+    // host sync streaming needs; on the CPU it costs nothing).
+    auto& used = used_experts_;
+    used.clear();
+    if (provider_) {
+      for (int64_t e = 0; e < n_experts; ++e)
+        if (!by_expert[size_t(e)].empty()) used.push_back(&experts[size_t(e)]);
+    }
+    size_t next_used = 0;
     for (int64_t e = 0; e < n_experts; ++e) {
       const auto& rows = by_expert[size_t(e)];
       if (rows.empty()) continue;
       const int64_t n = int64_t(rows.size());
-      const ExpertWeights& ew = experts[size_t(e)];
+      const ExpertWeights* ewp = &experts[size_t(e)];
+      if (provider_) {
+        ewp = &provider_->acquire(*ewp);
+        provider_->prefetch(std::span<const ExpertWeights* const>(used).subspan(next_used + 1));
+        ++next_used;
+      }
+      const ExpertWeights& ew = *ewp;
       Mat xs(scratch_.data(), n, hidden);
       Mat gate(xs.data + n * hidden, n, inter);
       Mat up(gate.data + n * inter, n, inter);
@@ -250,7 +266,12 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void set_expert_provider(ExpertProvider* provider) override { provider_ = provider; }
+
  private:
+  ExpertProvider* provider_ = nullptr;
+  std::vector<const ExpertWeights*> used_experts_;
+
   // Quantized formats have their own kernels; models never see the difference.
   void matmul_view(const WeightView& w, const Mat& x, const Mat& y) {
     if (w.dtype == DType::MXFP4) {

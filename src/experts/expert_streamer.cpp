@@ -1,0 +1,359 @@
+#include "experts/expert_streamer.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/mapped_file.h"
+#include "core/quant.h"
+#include "core/quant_grouped.h"
+
+namespace turbospark {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kAlign = 4096;  // O_DIRECT: buffer, offset and length
+
+int64_t align_down(int64_t v) { return v / kAlign * kAlign; }
+int64_t align_up(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// One pointer field of an expert's views and the bytes it spans (rows may be strided).
+struct PlaneField {
+  const void** field;
+  int64_t bytes;
+};
+
+int64_t span_bytes(int64_t rows, int64_t stride, int64_t packed) { return rows <= 0 ? 0 : (rows - 1) * stride + packed; }
+
+void add_planes(WeightView& w, std::vector<PlaneField>& out) {
+  int64_t packed = 0;
+  if (is_grouped(w.dtype)) packed = grouped_row_bytes(w.dtype, w.cols);
+  else if (is_quantized(w.dtype)) packed = row_bytes(w.dtype, w.cols);
+  else packed = w.cols * int64_t(dtype_size(w.dtype));
+  out.push_back({&w.data, span_bytes(w.rows, w.row_bytes, packed)});
+  const int64_t groups = w.group_size > 0 ? w.cols / w.group_size : 0;
+  if (w.scales) {
+    const int64_t each = w.dtype == DType::MXFP4 ? 1 : int64_t(dtype_size(w.scales_dtype));
+    out.push_back({&w.scales, span_bytes(w.rows, w.scales_row_bytes, groups * each)});
+  }
+  if (w.biases) out.push_back({&w.biases, span_bytes(w.rows, w.biases_row_bytes, groups * int64_t(dtype_size(w.scales_dtype)))});
+}
+
+// Every plane of the expert, gate then up then down: the order Layout::plane_at follows.
+std::vector<PlaneField> planes_of(ExpertWeights& ew) {
+  std::vector<PlaneField> p;
+  for (Weight* w : {&ew.gate, &ew.up, &ew.down}) add_planes(w->view, p);
+  return p;
+}
+
+int64_t mtime_ns(const struct stat& st) { return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec; }
+
+}  // namespace
+
+ExpertStreamer::ExpertStreamer(ExpertStreamOptions options)
+    : opt_(std::move(options)), cache_(opt_.slots, opt_.top_k, opt_.policy) {
+  if (!opt_.pread_fn) opt_.pread_fn = [](int fd, void* dst, size_t n, off_t off) { return ::pread(fd, dst, n, off); };
+  opt_.prefetch_depth = int(std::clamp<int64_t>(opt_.prefetch_depth, 0, opt_.slots - 1));
+  slots_.resize(size_t(opt_.slots));
+  io_ = std::thread([this] { io_loop(); });
+}
+
+ExpertStreamer::~ExpertStreamer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  io_.join();
+  for (Slot& s : slots_) std::free(s.buffer);
+  for (File& f : files_) {
+    if (f.fd_direct >= 0) ::close(f.fd_direct);
+    if (f.fd >= 0) ::close(f.fd);
+  }
+}
+
+int ExpertStreamer::file_index(const std::string& path, int64_t size) {
+  for (size_t i = 0; i < files_.size(); ++i)
+    if (files_[i].path == path) return int(i);
+  File f;
+  f.path = path;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd < 0) fail("expert streaming: cannot open {}: {}", path, std::strerror(errno));
+  if (opt_.direct_io) f.fd_direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1: not supported here
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) fail("expert streaming: cannot stat {}: {}", path, std::strerror(errno));
+  f.size = int64_t(st.st_size);
+  f.mtime_ns = mtime_ns(st);
+  TS_CHECK(f.size == size, "expert streaming: {} is {} bytes on disk but {} bytes were mapped: the file changed", path,
+           f.size, size);
+  std::lock_guard<std::mutex> lock(mu_);  // the I/O thread reads files_ (read_spans)
+  files_.push_back(f);
+  return int(files_.size() - 1);
+}
+
+const ExpertStreamer::Layout& ExpertStreamer::layout_of(const ExpertWeights& stored) {
+  TS_CHECK(stored.gate.layer >= 0 && stored.gate.expert >= 0,
+           "expert streaming: routed expert weights {} carry no layer/expert index", stored.gate.name);
+  const int64_t key = key_of(stored.gate.layer, stored.gate.expert);
+  auto it = layouts_.find(key);
+  if (it != layouts_.end()) return it->second;
+  Layout L;
+  ExpertWeights copy = stored;
+  const std::vector<PlaneField> planes = planes_of(copy);
+  struct Located {
+    int file;
+    int64_t offset, bytes;
+    size_t plane;
+  };
+  std::vector<Located> located;
+  for (size_t i = 0; i < planes.size(); ++i) {
+    if (planes[i].bytes == 0) {
+      located.push_back({-1, 0, 0, i});
+      continue;
+    }
+    const auto loc = locate_mapped(*planes[i].field, planes[i].bytes);
+    if (!loc) {
+      L.in_place = true;  // memory the checkpoint owns: nothing to stream
+      return layouts_.emplace(key, std::move(L)).first->second;
+    }
+    located.push_back({file_index(loc->path, loc->file_size), loc->offset, planes[i].bytes, i});
+  }
+  // Spans: planes sorted by (file, offset); a plane overlapping the previous span's aligned
+  // range joins it (keeps interleaved or adjacent planes' relative layout), else a new span.
+  std::vector<size_t> order(located.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::tie(located[a].file, located[a].offset) < std::tie(located[b].file, located[b].offset);
+  });
+  L.plane_at.assign(planes.size(), -1);
+  int64_t at = 0;
+  for (size_t oi : order) {
+    const Located& p = located[oi];
+    if (p.file < 0) continue;
+    const int64_t b = align_down(p.offset), e = align_up(p.offset + p.bytes);
+    if (!L.spans.empty() && L.spans.back().file == p.file && b < L.spans.back().end) {
+      Span& s = L.spans.back();
+      if (e > s.end) {
+        at += e - s.end;
+        s.end = e;
+      }
+    } else {
+      L.spans.push_back({p.file, b, e, at});
+      at += e - b;
+    }
+    const Span& s = L.spans.back();
+    L.plane_at[p.plane] = s.at + (p.offset - s.begin);
+  }
+  L.bytes = at;
+  slot_bytes_ = std::max(slot_bytes_, L.bytes);
+  return layouts_.emplace(key, std::move(L)).first->second;
+}
+
+void ExpertStreamer::ensure_capacity(Slot& s, int64_t bytes) {
+  if (s.capacity >= bytes) return;
+  std::free(s.buffer);
+  s.buffer = static_cast<uint8_t*>(std::aligned_alloc(size_t(kAlign), size_t(align_up(bytes))));
+  TS_CHECK(s.buffer != nullptr, "expert streaming: cannot allocate a {}-byte slot", bytes);
+  s.capacity = align_up(bytes);
+}
+
+void ExpertStreamer::read_exact(const File& f, int64_t offset, int64_t bytes, uint8_t* dst) {
+  // The aligned range may run past the end of the file: only bytes up to the end must arrive.
+  const int64_t need = std::min(bytes, f.size - offset);
+  TS_CHECK(need > 0, "expert streaming: {}: offset {} is past the end ({} bytes): the file changed", f.path, offset,
+           f.size);
+  const int fd = f.fd_direct >= 0 ? f.fd_direct : f.fd;
+  int64_t done = 0;
+  while (done < need) {
+    const ssize_t got = opt_.pread_fn(fd, dst + done, size_t(bytes - done), off_t(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail("expert streaming: read of {} bytes at offset {} of {} failed: {}", bytes - done, offset + done, f.path,
+           std::strerror(errno));
+    }
+    if (got == 0) {
+      fail("expert streaming: short read at offset {} of {} ({} of {} bytes): the file is truncated or changed",
+           offset + done, f.path, done, need);
+    }
+    done += got;
+    // O_DIRECT needs aligned continuation: a short aligned read retries from the aligned point.
+    if (f.fd_direct >= 0 && done % kAlign != 0 && done < need) {
+      done = done / kAlign * kAlign;
+    }
+  }
+}
+
+void ExpertStreamer::read_spans(const Layout& layout, uint8_t* buffer) {
+  for (const Span& s : layout.spans) {
+    File f;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      f = files_[size_t(s.file)];
+    }
+    struct stat st {};
+    TS_CHECK(::fstat(f.fd, &st) == 0 && int64_t(st.st_size) == f.size && mtime_ns(st) == f.mtime_ns,
+             "expert streaming: {} changed on disk while the model was loaded (size or modification time)", f.path);
+    read_exact(f, s.begin, s.end - s.begin, buffer + s.at);
+  }
+}
+
+void ExpertStreamer::bind(Slot& s, const ExpertWeights& stored, const Layout& layout) {
+  s.weights = stored;
+  const std::vector<PlaneField> planes = planes_of(s.weights);
+  for (size_t i = 0; i < planes.size(); ++i)
+    if (layout.plane_at[i] >= 0) *planes[i].field = s.buffer + layout.plane_at[i];
+}
+
+std::vector<int32_t> ExpertStreamer::protected_slots(int32_t also) const {
+  std::vector<int32_t> p;
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].state == SlotState::kLoading || int32_t(i) == in_use_ || int32_t(i) == also) p.push_back(int32_t(i));
+  return p;
+}
+
+const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
+  ++stats_.acquires;
+  const Layout& layout = layout_of(stored);
+  if (layout.in_place) {
+    ++stats_.in_place;
+    return stored;
+  }
+  const int32_t layer = stored.gate.layer, expert = stored.gate.expert;
+  in_use_ = -1;  // the backend is done with the previous expert
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::vector<int32_t> protect = protected_slots(-1);
+  lock.unlock();
+  const int32_t e[1] = {expert};
+  const ExpertCache::Plan plan = cache_.plan(layer, e, protect);
+  const int32_t slot = plan.slot[0];
+  Slot& s = slots_[size_t(slot)];
+  lock.lock();
+  if (plan.load[0]) {
+    // A miss: read it here while the backend waits.
+    ++stats_.misses;
+    s.state = SlotState::kLoading;
+    s.key = key_of(layer, expert);
+    lock.unlock();
+    const auto t0 = Clock::now();
+    try {
+      ensure_capacity(s, layout.bytes);
+      read_spans(layout, s.buffer);
+    } catch (...) {
+      cache_.invalidate(slot);
+      lock.lock();
+      s.state = SlotState::kEmpty;
+      s.key = -1;
+      throw;
+    }
+    const double dt = seconds_since(t0);
+    bind(s, stored, layout);
+    lock.lock();
+    s.state = SlotState::kReady;
+    stats_.read_seconds += dt;
+    stats_.stall_seconds += dt;
+    stats_.bytes_read += layout.bytes;
+  } else {
+    ++stats_.hits;
+    if (s.state == SlotState::kLoading) {
+      const auto t0 = Clock::now();
+      cv_.wait(lock, [&] { return s.state != SlotState::kLoading; });
+      stats_.stall_seconds += seconds_since(t0);
+    }
+    if (s.state == SlotState::kFailed) {
+      std::exception_ptr err = s.error;
+      s.state = SlotState::kEmpty;
+      s.key = -1;
+      s.error = nullptr;
+      lock.unlock();
+      cache_.invalidate(slot);
+      std::rethrow_exception(err);
+    }
+  }
+  in_use_ = slot;
+  return s.weights;
+}
+
+void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
+  int issued = 0;
+  for (const ExpertWeights* w : next) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (loading_ >= opt_.prefetch_depth || issued >= opt_.prefetch_depth) return;
+    lock.unlock();
+    const Layout& layout = layout_of(*w);
+    if (layout.in_place) continue;
+    const int32_t layer = w->gate.layer, expert = w->gate.expert;
+    if (cache_.slot_of(layer, expert)) continue;  // resident or under way: nothing to do
+    lock.lock();
+    const std::vector<int32_t> protect = protected_slots(-1);
+    lock.unlock();
+    const int32_t e[1] = {expert};
+    const ExpertCache::Plan plan = cache_.plan(layer, e, protect);
+    const int32_t slot = plan.slot[0];
+    Slot& s = slots_[size_t(slot)];
+    ensure_capacity(s, layout.bytes);
+    bind(s, *w, layout);
+    lock.lock();
+    s.state = SlotState::kLoading;
+    s.key = key_of(layer, expert);
+    s.error = nullptr;
+    ++loading_;
+    ++stats_.prefetched;
+    ++issued;
+    queue_.push_back({slot, &layout});
+    lock.unlock();
+    cv_.notify_all();
+  }
+}
+
+void ExpertStreamer::io_loop() {
+  for (;;) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    const Job job = queue_.front();
+    queue_.pop_front();
+    Slot& s = slots_[size_t(job.slot)];
+    uint8_t* buffer = s.buffer;
+    lock.unlock();
+    const auto t0 = Clock::now();
+    std::exception_ptr err;
+    try {
+      read_spans(*job.layout, buffer);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    const double dt = seconds_since(t0);
+    lock.lock();
+    stats_.read_seconds += dt;
+    if (!err) stats_.bytes_read += job.layout->bytes;
+    s.state = err ? SlotState::kFailed : SlotState::kReady;
+    s.error = err;
+    --loading_;
+    lock.unlock();
+    cv_.notify_all();
+  }
+}
+
+std::string ExpertStreamer::summary() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const ExpertStreamStats& st = stats_;
+  const int64_t streamed = st.acquires - st.in_place;
+  const double hit = streamed > 0 ? 100.0 * double(st.hits) / double(streamed) : 0.0;
+  return fmt::format(
+      "expert cache: {} slots of {:.2f} MiB ({}), {} acquires, {:.1f}% hits ({} misses, {} prefetched), "
+      "{:.2f} GiB read at {:.2f} GB/s, {:.3f} s stalled",
+      cache_.slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_.policy()), st.acquires, hit,
+      st.misses, st.prefetched, double(st.bytes_read) / (1 << 30),
+      st.read_seconds > 0 ? double(st.bytes_read) / 1e9 / st.read_seconds : 0.0, st.stall_seconds);
+}
+
+}  // namespace turbospark

@@ -1,0 +1,145 @@
+// Expert streaming, CPU tier: routed experts read from the checkpoint file into a bounded set
+// of RAM slots as the backend asks for them, instead of through the memory mapping, so a MoE
+// model whose experts exceed RAM runs with the slots' memory plus the resident part.
+//
+// Where bytes come from: each stored expert's planes (gate, up, down: codes, scales, biases)
+// point into a MappedFile; locate_mapped() turns them into (file, offset). The planes of one
+// expert are read as few spans as possible: overlapping planes (gpt-oss's interleaved gate/up
+// rows) share one span, so the copy keeps their relative layout. Spans are widened to 4 KiB
+// boundaries and read with O_DIRECT where the file system allows it (no page-cache copy: the
+// memory bound holds), with buffered reads otherwise. Experts not in a mapping (float stacks a
+// checkpoint transposed into its own memory) are served in place and counted as resident.
+//
+// Placement and eviction are ExpertCache's (experts/expert_cache.h). acquire() returns the
+// expert in its slot, loading it first on a miss (the caller waits: a stall). prefetch() hands
+// the next experts of the micro-batch to one I/O thread, so their reads overlap the current
+// expert's compute; slots being loaded and the slot in use are protected from eviction, and no
+// more than slots - 1 loads are in flight, so a miss always finds a slot.
+//
+// Failures: a short read, an I/O error or a file whose size or modification time changed since
+// it was opened throws an Error naming the file, offset and cause; the slot is emptied, never
+// left holding wrong bytes.
+#pragma once
+
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "experts/expert_cache.h"
+#include "ops/backend.h"
+
+namespace turbospark {
+
+struct ExpertStreamStats {
+  int64_t acquires = 0;        // experts the backend asked for
+  int64_t hits = 0;            // already in a slot (or its prefetch done or under way)
+  int64_t misses = 0;          // loaded while the backend waited
+  int64_t prefetched = 0;      // loads started by prefetch()
+  int64_t in_place = 0;        // acquires served from memory the checkpoint owns
+  int64_t bytes_read = 0;      // from disk, including 4 KiB alignment
+  double read_seconds = 0;     // inside read calls (the I/O thread's and misses')
+  double stall_seconds = 0;    // acquire() waiting for bytes
+};
+
+struct ExpertStreamOptions {
+  int64_t slots = 0;
+  int top_k = 1;
+  EvictionPolicy policy = EvictionPolicy::kLru;
+  int prefetch_depth = 2;  // loads prefetch() may have in flight (capped at slots - 1)
+  bool direct_io = true;   // O_DIRECT where the file system supports it
+  // Reads `bytes` at `offset` of fd into dst, returning the count or -1 with errno set: pread
+  // by default; tests inject short reads and errors here.
+  std::function<ssize_t(int fd, void* dst, size_t bytes, off_t offset)> pread_fn;
+};
+
+class ExpertStreamer final : public ExpertProvider {
+ public:
+  explicit ExpertStreamer(ExpertStreamOptions options);
+  ~ExpertStreamer() override;
+  ExpertStreamer(const ExpertStreamer&) = delete;
+  ExpertStreamer& operator=(const ExpertStreamer&) = delete;
+
+  const ExpertWeights& acquire(const ExpertWeights& stored) override;
+  void prefetch(std::span<const ExpertWeights* const> next) override;
+
+  const ExpertStreamStats& stats() const { return stats_; }
+  const ExpertCache& cache() const { return cache_; }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  // One line: slots, policy, hit rate, bytes and GB/s read, stall time.
+  std::string summary() const;
+
+ private:
+  struct Span {  // one read: file bytes [begin, end) (4 KiB aligned) to slot offset `at`
+    int file;
+    int64_t begin, end, at;
+  };
+  struct PlaneRef {  // a pointer field of the slot's ExpertWeights copy and its slot offset
+    const void** field;
+    int64_t at;
+  };
+  struct Layout {
+    bool in_place = false;
+    std::vector<Span> spans;
+    int64_t bytes = 0;
+    // Plane offsets in the slot, in the order collect_planes() lists them.
+    std::vector<int64_t> plane_at;
+  };
+  struct File {
+    std::string path;
+    int fd_direct = -1, fd = -1;
+    int64_t size = 0;
+    int64_t mtime_ns = 0;
+  };
+  enum class SlotState { kEmpty, kLoading, kReady, kFailed };
+  struct Slot {
+    uint8_t* buffer = nullptr;
+    int64_t capacity = 0;
+    SlotState state = SlotState::kEmpty;
+    std::exception_ptr error;
+    ExpertWeights weights;  // views into buffer
+    int64_t key = -1;
+  };
+  struct Job {
+    int32_t slot;
+    const Layout* layout;
+  };
+
+  static int64_t key_of(int32_t layer, int32_t expert) { return int64_t(layer) << 32 | uint32_t(expert); }
+  const Layout& layout_of(const ExpertWeights& stored);
+  int file_index(const std::string& path, int64_t size);
+  void ensure_capacity(Slot& s, int64_t bytes);
+  // Reads the layout's spans into the slot's buffer (any thread; throws on failure).
+  void read_spans(const Layout& layout, uint8_t* buffer);
+  void read_exact(const File& f, int64_t offset, int64_t bytes, uint8_t* dst);
+  void bind(Slot& s, const ExpertWeights& stored, const Layout& layout);
+  std::vector<int32_t> protected_slots(int32_t also) const;
+  void io_loop();
+
+  ExpertStreamOptions opt_;
+  ExpertCache cache_;
+  std::vector<Slot> slots_;
+  std::map<int64_t, Layout> layouts_;
+  std::vector<File> files_;
+  int64_t slot_bytes_ = 0;
+  int32_t in_use_ = -1;
+  ExpertStreamStats stats_;
+
+  mutable std::mutex mu_;  // guards slot states, errors, the queue and the I/O thread's stats
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  int64_t loading_ = 0;
+  bool stop_ = false;
+  std::thread io_;
+};
+
+}  // namespace turbospark

@@ -1,0 +1,193 @@
+// Expert streaming on the CPU (experts/expert_streamer.h): routed experts read from the
+// checkpoint file into a bounded cache of slots give the same logits as resident experts,
+// bit for bit, for every MoE family and file format, at every slot budget from top-k to
+// 3 x top-k, at several chunk sizes, with cold and warm caches; and disk faults fail cleanly.
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "engine/session.h"
+#include "experts/expert_streamer.h"
+#include "golden/golden.h"
+#include "models/registry.h"
+#include "test_util.h"
+
+namespace turbospark {
+namespace {
+
+using testing::fixture;
+using testing::load_golden;
+
+struct StreamCase {
+  const char* fixture;
+  const char* file;  // inside the fixture folder; "" = the folder itself (safetensors)
+  bool streams;      // false: the family keeps its experts in memory it owns (served in place)
+};
+
+std::string model_path(const StreamCase& c) {
+  return std::string(c.file).empty() ? fixture(c.fixture) : fixture(c.fixture) + "/" + c.file;
+}
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+class ExpertStreaming : public ::testing::TestWithParam<StreamCase> {};
+
+TEST_P(ExpertStreaming, LogitsBitwiseEqualResidentAtEverySlotBudget) {
+  const StreamCase& c = GetParam();
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(model_path(c), *be);
+  const int k = m.model->experts_per_token();
+  ASSERT_GT(k, 0) << c.fixture;
+  const std::vector<int32_t> tokens = load_golden(c.fixture).tokens;
+  // Resident logits at each chunk size (chunking changes the CPU kernels' blocking, so
+  // streamed and resident are compared at the same chunk).
+  const int64_t chunks[] = {0, 1, 3};
+  std::vector<std::vector<float>> resident;
+  for (int64_t chunk : chunks) {
+    Session s(*m.model, *be);
+    resident.push_back(s.feed(tokens, chunk, true));
+  }
+  for (int64_t slots = k; slots <= 3 * k; ++slots) {
+    ExpertStreamOptions o;
+    o.slots = slots;
+    o.top_k = k;
+    ExpertStreamer streamer(o);
+    be->set_expert_provider(&streamer);
+    for (size_t ci = 0; ci < std::size(chunks); ++ci) {
+      const int64_t chunk = chunks[ci];
+      for (const char* cache : {"cold", "warm"}) {  // the second pass starts from what the first left
+        Session s(*m.model, *be);
+        const std::vector<float> got = s.feed(tokens, chunk, true);
+        EXPECT_TRUE(bitwise_equal(got, resident[ci]))
+            << c.fixture << " " << c.file << " slots " << slots << " chunk " << chunk << " " << cache;
+      }
+    }
+    const ExpertStreamStats& st = streamer.stats();
+    EXPECT_GT(st.acquires, 0);
+    if (c.streams) {
+      EXPECT_EQ(st.in_place, 0) << c.fixture;
+      EXPECT_GT(st.bytes_read, 0) << c.fixture;
+      EXPECT_EQ(st.hits + st.misses, st.acquires) << c.fixture;
+      EXPECT_GT(st.misses, 0) << c.fixture;
+    } else {
+      EXPECT_EQ(st.in_place, st.acquires) << c.fixture;
+    }
+    be->set_expert_provider(nullptr);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    MoeFamilies, ExpertStreaming,
+    ::testing::Values(StreamCase{"qwen3_moe_tiny", "", true}, StreamCase{"qwen3_moe_norenorm_tiny", "", true},
+                      StreamCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-bf16.gguf", true},
+                      StreamCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q8_0.gguf", true},
+                      StreamCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q4_0.gguf", true},
+                      StreamCase{"qwen4_exp_tiny", "", true}, StreamCase{"gemma4_moe_tiny", "", true},
+                      StreamCase{"gpt_oss_mxfp4_tiny", "", true}, StreamCase{"gpt_oss_tiny", "", false}),
+    [](const auto& info) {
+      std::string n = std::string(info.param.fixture) + "_" + info.param.file;
+      for (char& ch : n)
+        if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return n;
+    });
+
+// Faults from the disk: each must end the forward with an Error naming the file, and the
+// failed slot must not be reused as if it held the expert.
+std::string expect_stream_error(Backend& be, const Model& model, const std::vector<int32_t>& tokens,
+                                ExpertStreamOptions o) {
+  ExpertStreamer streamer(std::move(o));
+  be.set_expert_provider(&streamer);
+  std::string msg;
+  try {
+    Session s(model, be);
+    s.feed(tokens, 0, true);
+    ADD_FAILURE() << "the forward succeeded";
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  be.set_expert_provider(nullptr);
+  return msg;
+}
+
+TEST(ExpertStreamingFaults, ShortReadEioAndTruncatedFileFailCleanly) {
+  const std::string path = fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-bf16.gguf";
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(path, *be);
+  const std::vector<int32_t> tokens = load_golden("qwen3_moe_gguf_tiny").tokens;
+  const int k = m.model->experts_per_token();
+  for (int64_t slots : {int64_t(k), int64_t(2 * k)}) {  // one bank (reads on the backend's thread) and two (I/O thread)
+    ExpertStreamOptions o;
+    o.slots = slots;
+    o.top_k = k;
+    int calls = 0;
+    // EIO on the third read.
+    o.pread_fn = [&calls](int fd, void* dst, size_t n, off_t off) -> ssize_t {
+      if (++calls == 3) {
+        errno = EIO;
+        return -1;
+      }
+      return ::pread(fd, dst, n, off);
+    };
+    std::string msg = expect_stream_error(*be, *m.model, tokens, o);
+    EXPECT_NE(msg.find("Input/output error"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    // End of file early (a truncated store): every read returns nothing.
+    o.pread_fn = [](int, void*, size_t, off_t) -> ssize_t { return 0; };
+    msg = expect_stream_error(*be, *m.model, tokens, o);
+    EXPECT_NE(msg.find("short read"), std::string::npos) << msg;
+  }
+  // After the faults the same backend and model still run resident, correctly.
+  Session s(*m.model, *be);
+  EXPECT_EQ(s.feed(tokens, 0, true).size(), tokens.size() * size_t(m.model->info().vocab_size));
+}
+
+TEST(ExpertStreamingFaults, FileChangedUnderneathIsRefused) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path() / "ts_stream_changed.gguf";
+  std::filesystem::copy_file(fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-bf16.gguf", tmp,
+                             std::filesystem::copy_options::overwrite_existing);
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(tmp.string(), *be);
+  const std::vector<int32_t> tokens = load_golden("qwen3_moe_gguf_tiny").tokens;
+  ExpertStreamOptions o;
+  o.slots = m.model->experts_per_token();
+  o.top_k = o.slots;
+  ExpertStreamer streamer(o);
+  be->set_expert_provider(&streamer);
+  {
+    Session s(*m.model, *be);
+    s.feed(std::vector<int32_t>{tokens[0]}, 0, true);  // opens the file, loads a few experts
+  }
+  {
+    std::ofstream f(tmp, std::ios::app | std::ios::binary);  // grows the file: size and mtime change
+    f << "appended";
+  }
+  try {
+    Session s(*m.model, *be);
+    s.feed(tokens, 0, true);
+    ADD_FAILURE() << "a changed file was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("changed on disk"), std::string::npos) << e.what();
+  }
+  be->set_expert_provider(nullptr);
+  std::filesystem::remove(tmp);
+}
+
+TEST(ExpertStreamingFaults, FewerSlotsThanTopKAreRefusedNamingTheMinimum) {
+  ExpertStreamOptions o;
+  o.slots = 1;
+  o.top_k = 2;
+  try {
+    ExpertStreamer streamer(o);
+    ADD_FAILURE() << "1 slot accepted for top-2";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("2"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace turbospark
