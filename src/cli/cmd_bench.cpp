@@ -24,6 +24,7 @@ void add_bench_command(CLI::App& app) {
     int64_t prompt = 128, decode = 32, ubatch = 0;
     int threads = 0, repeat = 3;
     bool no_membw = false, profile = false;
+    ExpertCacheFlags experts;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand("bench", "Measure load, prefill and decode speed and decode bandwidth");
@@ -39,11 +40,12 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--no-membw", o->no_membw, "Skip measuring DRAM bandwidth");
   cmd->add_flag("--profile", o->profile, "Time each block (attention, GDN, QSA indexer, PLE, MoE, ...) in one extra run");
+  add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     using Clock = std::chrono::steady_clock;
     if (o->prompt < 1 || o->decode < 1) fail("bench: --prompt and --decode must be >= 1");
     if (o->ubatch < 0) fail("bench: --ubatch must be >= 1 (0 = the backend's), got {}", o->ubatch);
-    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, false);
+    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, false, o->experts);
     const Model& model = *rt.model.model;
     const ModelInfo& info = model.info();
     std::mt19937 rng(7);
@@ -55,6 +57,8 @@ void add_bench_command(CLI::App& app) {
     so.max_prefill_batch = o->ubatch;
     Session session(model, *rt.backend, so);
     std::vector<double> prefill_tps, decode_tps;
+    // Expert streaming: what the decode steps read from disk and how often the cache hit.
+    int64_t decode_read = 0, decode_hits = 0, decode_acquires = 0, decode_tokens = 0;
     for (int r = 0; r < std::max(1, o->repeat); ++r) {
       session.reset();
       auto t0 = Clock::now();
@@ -64,9 +68,17 @@ void add_bench_command(CLI::App& app) {
       auto t1 = Clock::now();
       // Greedy decode as `run` does it: only the chosen id leaves the backend each step.
       int32_t next[1] = {argmax(logits.data(), info.vocab_size)};
+      const ExpertStreamStats before = rt.experts ? rt.experts->stats() : ExpertStreamStats{};
       for (int64_t i = 0; i < o->decode; ++i) next[0] = session.feed_greedy(next);
       double td = std::chrono::duration<double>(Clock::now() - t1).count();
       decode_tps.push_back(double(o->decode) / td);
+      if (rt.experts) {
+        const ExpertStreamStats& after = rt.experts->stats();
+        decode_read += after.bytes_read - before.bytes_read;
+        decode_hits += after.hits - before.hits;
+        decode_acquires += (after.acquires - after.in_place) - (before.acquires - before.in_place);
+        decode_tokens += o->decode;
+      }
     }
     auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());
@@ -112,6 +124,12 @@ void add_bench_command(CLI::App& app) {
     fmt::print("prefill      {:.1f} tok/s  ({} tokens, median of {})\n", pf, o->prompt, prefill_tps.size());
     fmt::print("decode       {:.2f} tok/s  ({} tokens after the prompt, median of {})\n", dc, o->decode, decode_tps.size());
     fmt::print("decode bw    {:.2f} GB/s of weights\n", gbs);
+    if (rt.experts && decode_tokens > 0) {
+      fmt::print("experts      {:.2f} MiB read from disk per decode token, {:.1f}% cache hits while decoding\n",
+                 double(decode_read) / double(decode_tokens) / (1 << 20),
+                 decode_acquires > 0 ? 100.0 * double(decode_hits) / double(decode_acquires) : 0.0);
+      fmt::print("{}\n", rt.experts->summary());
+    }
     if (o->profile) {
       auto table = [&](const char* title, const std::map<std::string, double>& blocks, double tokens) {
         double total = 0;

@@ -68,6 +68,7 @@ void add_chat_command(CLI::App& app) {
     int threads = 0;
     bool quiet = false;
     SamplingParams sampling;
+    ExpertCacheFlags experts;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -85,11 +86,12 @@ void add_chat_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
       ->capture_default_str();
   cmd->add_flag("--quiet,-q", o->quiet, "No load progress or per-reply timing on stderr");
+  add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     const std::string path = o->model.empty() ? default_model_path() : o->model;
     if (o->max_tokens < 0) fail("--max-tokens must be >= 0, got {}", o->max_tokens);
     Sampler::validate(o->sampling);
-    LoadedRuntime rt = load_runtime(path, o->device, o->threads, o->quiet);
+    LoadedRuntime rt = load_runtime(path, o->device, o->threads, o->quiet, o->experts);
     if (!rt.tokenizer) fail("{}: no tokenizer (tokenizer.json or GGUF vocabulary); chat needs one", path);
     if (!rt.chat_template) fail("{}: no chat template; use `run --raw` or `generate` for a plain continuation", path);
     const Model& model = *rt.model.model;

@@ -18,6 +18,7 @@ struct GenOpts {
   int threads = 0;
   bool raw = false, quiet = false, verbose_prompt = false;
   SamplingParams sampling;
+  ExpertCacheFlags experts;
 };
 
 void add_sampling_options(CLI::App* cmd, GenOpts& o) {
@@ -33,6 +34,7 @@ void add_sampling_options(CLI::App* cmd, GenOpts& o) {
       ->capture_default_str();
   cmd->add_option("--image", o.image, "Image input (refused: vision towers are not supported yet)");
   cmd->add_flag("--verbose-prompt", o.verbose_prompt, "Print the prompt as the model sees it (after the chat template)");
+  add_expert_cache_options(cmd, o.experts);
 }
 
 void run_generation(const GenOpts& o, const std::string& model_path, bool chat_format) {
@@ -42,7 +44,7 @@ void run_generation(const GenOpts& o, const std::string& model_path, bool chat_f
   // Checked before the (possibly long) load: the sampler checks its own flags again.
   if (o.max_tokens < 0) fail("--max-tokens must be >= 0, got {}", o.max_tokens);
   Sampler::validate(o.sampling);
-  LoadedRuntime rt = load_runtime(model_path, o.device, o.threads, o.quiet);
+  LoadedRuntime rt = load_runtime(model_path, o.device, o.threads, o.quiet, o.experts);
   const Model& model = *rt.model.model;
   std::vector<int32_t> prompt;
   if (!o.tokens.empty()) {
@@ -85,6 +87,7 @@ void run_generation(const GenOpts& o, const std::string& model_path, bool chat_f
     fmt::print(stderr, "prompt {} tokens in {:.2f}s ({:.1f} tok/s), generated {} tokens ({:.1f} tok/s)\n",
                stats.prompt_tokens, stats.prefill_seconds, double(stats.prompt_tokens) / stats.prefill_seconds,
                stats.generated_tokens, decode_tps);
+    print_expert_cache_summary(rt);
   }
 }
 

@@ -19,6 +19,7 @@ void add_logits_command(CLI::App& app) {
     std::string model, tokens, out, router_out, trace_out, device = "auto";
     int64_t chunk = 0;
     int threads = 0;
+    ExpertCacheFlags experts;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand("logits", "Write next-token logits for every prefix of a token list (float32 [T, vocab] .npy)");
@@ -32,10 +33,11 @@ void add_logits_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
+  add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     if (o->chunk < 0) fail("logits: --chunk must be >= 0 (0 = the largest micro-batch), got {}", o->chunk);
     std::vector<int32_t> tokens = parse_token_list(o->tokens);
-    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true);
+    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true, o->experts);
     const Model& model = *rt.model.model;
     if (!o->router_out.empty() && model.n_experts() == 0) {
       fail("--router-out: {} has no routed experts", model.info().architecture);

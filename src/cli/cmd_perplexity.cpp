@@ -57,6 +57,7 @@ void add_perplexity_command(CLI::App& app) {
     std::string model, file, kld_out, device = "auto";
     int64_t ctx = 512, chunks = -1;
     int threads = 0;
+    ExpertCacheFlags experts;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -71,12 +72,13 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
       ->capture_default_str();
   cmd->add_option("--threads,-t", o->threads, "Worker threads (default: all cores)");
+  add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     std::ifstream in(o->file, std::ios::binary);
     if (!in) fail("{}: cannot open", o->file);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const std::string path = o->model.empty() ? default_model_path() : o->model;
-    LoadedRuntime rt = load_runtime(path, o->device, o->threads, /*quiet=*/false);
+    LoadedRuntime rt = load_runtime(path, o->device, o->threads, /*quiet=*/false, o->experts);
     if (!rt.tokenizer) fail("{}: no tokenizer (tokenizer.json or GGUF vocabulary) to tokenize the text", path);
     const Tokenizer& tok = *rt.tokenizer;
     const Model& model = *rt.model.model;

@@ -1,8 +1,11 @@
 #include "cli/common.h"
 
+#include <CLI/CLI.hpp>
+
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -86,7 +89,86 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int threads) {
   fail("--device {}: unknown device (cpu, cuda or auto)", device);
 }
 
-LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet) {
+void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& f) {
+  cmd->add_option("--expert-cache-slots", f.slots,
+                  "MoE: stream routed experts from disk through N cache slots (>= top-k; 0 = off; default: only "
+                  "when the weights exceed memory, sized from what is left)");
+  cmd->add_option("--expert-cache-gb", f.gb, "MoE: stream routed experts through a cache of this many GiB");
+  cmd->add_option("--expert-cache-policy", f.policy, "Expert cache eviction: lru, lfu or freq-lru")->capture_default_str();
+  cmd->add_option("--expert-prefetch", f.prefetch, "Expert loads kept in flight ahead of compute")->capture_default_str();
+}
+
+// Turns expert streaming on when asked (or when the weights exceed memory on the CPU), with
+// the slot count and why printed on stderr. Refusals name the flag.
+// The checks that need no model: before the (possibly long) load.
+static void validate_expert_cache_flags(const ExpertCacheFlags& f) {
+  if (f.slots < -1) fail("--expert-cache-slots must be >= 0 (0 = off), got {}", f.slots);
+  if (!(f.gb >= 0) || !std::isfinite(f.gb)) fail("--expert-cache-gb must be a finite size >= 0, got {}", f.gb);
+  if (f.prefetch < 0 || f.prefetch > 64) fail("--expert-prefetch must be in [0, 64], got {}", f.prefetch);
+  if (f.slots > 0 && f.gb > 0) fail("--expert-cache-slots and --expert-cache-gb: give one of them");
+  try {
+    parse_eviction_policy(f.policy);
+  } catch (const Error& e) {
+    fail("--expert-cache-policy: {}", e.what());
+  }
+}
+
+static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags& f, bool quiet) {
+  const EvictionPolicy policy = parse_eviction_policy(f.policy);
+  const Model& model = *rt.model.model;
+  const ModelInfo& info = model.info();
+  const bool asked = f.slots > 0 || f.gb > 0;
+  const int k = model.experts_per_token();
+  if (asked && k == 0) {
+    fail("{}: {} is a dense model (no routed experts to stream)", f.slots > 0 ? "--expert-cache-slots" : "--expert-cache-gb",
+         info.architecture);
+  }
+  if (f.slots == 0 || k == 0 || info.expert_bytes <= 0) return;
+  int64_t slots = f.slots;
+  std::string why;
+  if (f.gb > 0) {
+    slots = int64_t(f.gb * double(int64_t(1) << 30) / double(info.expert_bytes));
+    why = fmt::format("--expert-cache-gb {}", f.gb);
+    if (slots < k) fail("--expert-cache-gb {}: holds {} experts of {:.2f} MiB, fewer than the {} a token uses", f.gb, slots,
+                        double(info.expert_bytes) / (1 << 20), k);
+  } else if (f.slots < 0) {
+    // Not asked: stream only when the weights do not fit, on the CPU (the CUDA tier is not built yet).
+    if (rt.backend->name() != "cpu") return;
+    const int64_t avail = available_memory_bytes();
+    if (avail <= 0 || info.weight_bytes <= avail * 9 / 10) return;
+    const int64_t resident = info.weight_bytes - info.routed_weight_bytes;
+    const int64_t budget = avail * 8 / 10 - resident;
+    slots = std::max<int64_t>(budget / info.expert_bytes, 2 * k);
+    why = fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, experts "
+                      "streamed into 80% of what is left",
+                      double(info.weight_bytes) / (1 << 30), double(avail) / (1 << 30), double(resident) / (1 << 30));
+  } else {
+    why = "--expert-cache-slots";
+  }
+  const int64_t n_routed = info.routed_weight_bytes / info.expert_bytes;
+  slots = std::min(slots, std::max<int64_t>(n_routed, k));
+  ExpertStreamOptions o;
+  o.slots = slots;
+  o.top_k = k;
+  o.policy = policy;
+  o.prefetch_depth = f.prefetch;
+  rt.experts = std::make_unique<ExpertStreamer>(o);
+  rt.backend->set_expert_provider(rt.experts.get());  // refused by name where the backend has no tier
+  if (!quiet) {
+    fmt::print(stderr, "expert streaming: {} slots x {:.2f} MiB = {:.2f} GiB for {} routed experts ({:.2f} GiB), {} "
+               "({})\n",
+               slots, double(info.expert_bytes) / (1 << 20), double(slots * info.expert_bytes) / (1 << 30), n_routed,
+               double(info.routed_weight_bytes) / (1 << 30), eviction_policy_name(policy), why);
+  }
+}
+
+void print_expert_cache_summary(const LoadedRuntime& rt) {
+  if (rt.experts) fmt::print(stderr, "{}\n", rt.experts->summary());
+}
+
+LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet,
+                           const ExpertCacheFlags& experts) {
+  validate_expert_cache_flags(experts);
   auto t0 = std::chrono::steady_clock::now();
   LoadedRuntime rt;
   rt.backend = make_backend(device, threads);
@@ -101,7 +183,10 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
     rt.backend = make_cpu_backend(threads);
     rt.model = load_model(path, *rt.backend);
   }
-  if (rt.backend->name() == "cpu") prefault_weights(*rt.model.checkpoint, quiet);
+  configure_expert_streaming(rt, experts, quiet);
+  // Streamed experts are read from disk, never through the mapping: paging them in would
+  // spend the memory the cache is there to bound.
+  if (rt.backend->name() == "cpu" && !rt.experts) prefault_weights(*rt.model.checkpoint, quiet);
   const ModelInfo& info = rt.model.model->info();
   rt.stop_ids = info.eos_ids;
   fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();

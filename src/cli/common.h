@@ -8,16 +8,32 @@
 #include <string>
 #include <vector>
 
+#include "experts/expert_streamer.h"
 #include "formats/chat_template.h"
 #include "formats/tokenizer.h"
 #include "models/registry.h"
 #include "ops/backend.h"
 
+namespace CLI {
+class App;
+}
+
 namespace turbospark::cli {
+
+// --expert-cache-slots / --expert-cache-gb / --expert-cache-policy (expert streaming).
+struct ExpertCacheFlags {
+  int64_t slots = -1;  // -1: not given (streaming only when the weights exceed memory); 0: off
+  double gb = 0;       // a budget in GiB instead of a slot count
+  std::string policy = "lru";
+  int prefetch = 2;    // loads in flight ahead of compute
+};
+void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& flags);
 
 struct LoadedRuntime {
   std::unique_ptr<Backend> backend;  // first: outlives the model whose weights live on it
   LoadedModel model;
+  // Expert streaming, when on: routed experts come through it instead of the mapping.
+  std::unique_ptr<ExpertStreamer> experts;
   std::optional<Tokenizer> tokenizer;  // tokenizer.json beside the model, or the GGUF vocabulary
   std::optional<ChatTemplate> chat_template;  // tokenizer_config.json / chat_template.jinja / GGUF
   std::vector<int32_t> stop_ids;       // eos ids from config, generation_config and tokenizer
@@ -29,7 +45,10 @@ struct LoadedRuntime {
 std::unique_ptr<Backend> make_backend(const std::string& device, int threads);
 
 // Loads the model in `path` on `device` (see make_backend).
-LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet);
+LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet,
+                           const ExpertCacheFlags& experts = {});
+// After a run: the expert cache's line (hit rate, bytes, GB/s, stalls) on stderr, when on.
+void print_expert_cache_summary(const LoadedRuntime& rt);
 
 // Prompt ids for a conversation: the chat template rendered with a generation prompt (when
 // the model has one and `raw` is false), else the text itself; BOS as the vocabulary says,

@@ -164,6 +164,8 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
       }
       const int64_t expert_bytes = 3 * L.moe.experts[0].gate.view.bytes();
       layer_bytes += L.moe.router.view.bytes() + E * expert_bytes;
+      info_.expert_bytes = expert_bytes;
+      info_.routed_weight_bytes += E * expert_bytes;
       layer_active += L.moe.router.view.bytes() + hp_.top_k * expert_bytes;
     }
     bytes += layer_bytes;

@@ -398,6 +398,8 @@ class Gemma4Model final : public Model {
         }
         const int64_t expert_bytes = 3 * m.experts[0].gate.view.bytes();
         layer_bytes += m.router.view.bytes() + E * expert_bytes;
+        info_.expert_bytes = expert_bytes;
+        info_.routed_weight_bytes += E * expert_bytes;
         layer_active += m.router.view.bytes() + hp_.top_k * expert_bytes;
       }
       if (P > 0) {

@@ -327,6 +327,8 @@ GptOssModel::GptOssModel(ModelInfo info, GptOssHparams hp, const Checkpoint& ck,
     const int64_t expert_bytes = expert_bytes_;
     layer_bytes += moe.router.view.bytes();
     bytes += layer_bytes + E * expert_bytes;
+    info_.expert_bytes = expert_bytes;
+    info_.routed_weight_bytes += E * expert_bytes;
     active += layer_bytes + hp_.top_k * expert_bytes;
   }
   info_.vocab_size = hp_.vocab;

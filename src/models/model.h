@@ -30,6 +30,8 @@ struct ModelInfo {
   int64_t n_params = 0;
   int64_t weight_bytes = 0;          // every weight the model reads
   int64_t active_weight_bytes = 0;   // bytes one decode token reads (top-k experts only)
+  int64_t expert_bytes = 0;          // one routed expert's weights (0: dense)
+  int64_t routed_weight_bytes = 0;   // every routed expert of every layer
 };
 
 // KV geometry per layer (n_kv_heads, head_dim); 0 heads for a layer without a KV cache.

@@ -318,6 +318,8 @@ class Qwen4Exp final : public Model {
       const int64_t shared_bytes = 3 * L.shared.gate.view.bytes() + L.moe.router.view.bytes();
       dense(shared_bytes + L.attn_hc.down.view.bytes() * 2 + L.attn_hc.inject.view.bytes() * 2);
       bytes += hp_.n_experts * expert_bytes;
+      info_.expert_bytes = expert_bytes;
+      info_.routed_weight_bytes += hp_.n_experts * expert_bytes;
       active += hp_.top_k * expert_bytes;
       if (L.spec.ple_index >= 0) load_ple(ld, p + "ple.", i, L);
       layers_.push_back(std::move(L));

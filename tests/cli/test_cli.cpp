@@ -234,6 +234,34 @@ TEST(BadInput, NumericFlagsOutOfRangeRefusedByName) {
                         "--group-size -8 is not supported");
 }
 
+// Expert streaming from the CLI: the same logits bit for bit as resident experts, with the
+// cache's line on stderr; refusals name the flag (dense model, too few slots, bad values).
+TEST(Cli, ExpertCacheSlotsGiveResidentLogitsAndRefuseBadValues) {
+  TempDir tmp;
+  const std::string moe = fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-q4_0.gguf";
+  const std::string ids = tokens_csv(golden_tokens("qwen3_moe_gguf_tiny"));
+  ASSERT_EQ(run_cli("logits -m " + moe + " --tokens " + ids + " --out " + tmp.str() + "/a.npy").exit_code, 0);
+  for (const char* flags : {"--expert-cache-slots 2", "--expert-cache-slots 5 --expert-cache-policy freq-lru",
+                            "--expert-cache-gb 0.001 --expert-prefetch 0"}) {
+    auto r = run_cli("logits -m " + moe + " --tokens " + ids + " --out " + tmp.str() + "/b.npy " + flags);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.out;
+    EXPECT_EQ(read_file(tmp.path / "a.npy"), read_file(tmp.path / "b.npy")) << flags;
+  }
+  auto g = run_cli("generate -m " + moe + " --tokens " + ids + " -n 4 --format ids --temperature 0 --expert-cache-slots 3");
+  ASSERT_EQ(g.exit_code, 0) << g.out;
+  EXPECT_NE(g.out.find("expert streaming: 3 slots"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("expert cache: 3 slots"), std::string::npos) << g.out;
+  const std::string lg = "logits --tokens 1,2 --out " + tmp.str() + "/c.npy -m ";
+  expect_one_line_error(run_cli(lg + fixture("qwen3_tiny") + " --expert-cache-slots 2"),
+                        "--expert-cache-slots: Qwen3ForCausalLM is a dense model");
+  expect_one_line_error(run_cli(lg + moe + " --expert-cache-slots 1"), "use at least 2");
+  expect_one_line_error(run_cli(lg + moe + " --expert-cache-gb 0.0000001"), "fewer than the 2 a token uses");
+  expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-slots -2"), "--expert-cache-slots must be >= 0");
+  expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-gb nan"), "--expert-cache-gb must be");
+  expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-policy mru"), "--expert-cache-policy");
+  expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-slots 2 --expert-cache-gb 1"), "give one of them");
+}
+
 }  // namespace
 }  // namespace turbospark
 
