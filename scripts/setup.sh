@@ -44,7 +44,7 @@ sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 need_pkgs=()
 command -v python3 >/dev/null || need_pkgs+=(python3 python3-pip)
-for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev; do
+for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" = "install ok installed" ] || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -95,7 +95,7 @@ if [ "$cuda" -eq 1 ]; then
   # The GPU machines' image lacks fmt and pcre2: the binaries travel with these copies
   # (tests/device/run.sh puts build-cuda/lib on the library path).
   mkdir -p build-cuda/lib
-  for lib in libfmt.so.9 libpcre2-8.so.0; do
+  for lib in libfmt.so.9 libpcre2-8.so.0 liburing.so.2; do
     # awk reads to the end: an early exit would kill ldconfig with SIGPIPE, and pipefail
     # makes that setup's exit status (141) whenever the cache outgrows the pipe's buffer.
     path=$(ldconfig -p | awk -v l="$lib" '$1 == l && !found {print $NF; found = 1}')

@@ -16,6 +16,10 @@
 #include "core/quant.h"
 #include "core/quant_grouped.h"
 
+#if TURBOSPARK_HAVE_URING
+#include <liburing.h>
+#endif
+
 namespace turbospark {
 namespace {
 
@@ -61,6 +65,7 @@ int64_t mtime_ns(const struct stat& st) { return int64_t(st.st_mtim.tv_sec) * 10
 
 ExpertStreamer::ExpertStreamer(ExpertStreamOptions options)
     : opt_(std::move(options)), cache_(opt_.slots, opt_.top_k, opt_.policy) {
+  pread_fn_set_ = bool(opt_.pread_fn);
   if (!opt_.pread_fn) opt_.pread_fn = [](int fd, void* dst, size_t n, off_t off) { return ::pread(fd, dst, n, off); };
   opt_.prefetch_depth = int(std::clamp<int64_t>(opt_.prefetch_depth, 0, opt_.slots - 1));
   slots_.resize(size_t(opt_.slots));
@@ -166,33 +171,7 @@ void ExpertStreamer::ensure_capacity(Slot& s, int64_t bytes) {
   s.capacity = align_up(bytes);
 }
 
-void ExpertStreamer::read_exact(const File& f, int64_t offset, int64_t bytes, uint8_t* dst) {
-  // The aligned range may run past the end of the file: only bytes up to the end must arrive.
-  const int64_t need = std::min(bytes, f.size - offset);
-  TS_CHECK(need > 0, "expert streaming: {}: offset {} is past the end ({} bytes): the file changed", f.path, offset,
-           f.size);
-  const int fd = f.fd_direct >= 0 ? f.fd_direct : f.fd;
-  int64_t done = 0;
-  while (done < need) {
-    const ssize_t got = opt_.pread_fn(fd, dst + done, size_t(bytes - done), off_t(offset + done));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      fail("expert streaming: read of {} bytes at offset {} of {} failed: {}", bytes - done, offset + done, f.path,
-           std::strerror(errno));
-    }
-    if (got == 0) {
-      fail("expert streaming: short read at offset {} of {} ({} of {} bytes): the file is truncated or changed",
-           offset + done, f.path, done, need);
-    }
-    done += got;
-    // O_DIRECT needs aligned continuation: a short aligned read retries from the aligned point.
-    if (f.fd_direct >= 0 && done % kAlign != 0 && done < need) {
-      done = done / kAlign * kAlign;
-    }
-  }
-}
-
-void ExpertStreamer::read_spans(const Layout& layout, uint8_t* buffer) {
+void ExpertStreamer::plan_reads(const Layout& layout, uint8_t* buffer, std::vector<Read>& out) {
   for (const Span& s : layout.spans) {
     File f;
     {
@@ -202,8 +181,104 @@ void ExpertStreamer::read_spans(const Layout& layout, uint8_t* buffer) {
     struct stat st {};
     TS_CHECK(::fstat(f.fd, &st) == 0 && int64_t(st.st_size) == f.size && mtime_ns(st) == f.mtime_ns,
              "expert streaming: {} changed on disk while the model was loaded (size or modification time)", f.path);
-    read_exact(f, s.begin, s.end - s.begin, buffer + s.at);
+    Read r;
+    r.direct = f.fd_direct >= 0;
+    r.fd = r.direct ? f.fd_direct : f.fd;
+    r.path = f.path;
+    r.file_size = f.size;
+    r.dst = buffer + s.at;
+    r.offset = s.begin;
+    r.bytes = s.end - s.begin;
+    // The aligned range may run past the end of the file: only bytes up to the end must arrive.
+    r.need = std::min(r.bytes, f.size - s.begin);
+    TS_CHECK(r.need > 0, "expert streaming: {}: offset {} is past the end ({} bytes): the file changed", f.path,
+             s.begin, f.size);
+    out.push_back(std::move(r));
   }
+}
+
+namespace {
+
+// One completion's effect on a read: bytes arrived, an error, or end of file too early.
+// O_DIRECT continues only from an aligned point, so a partial count is cut back to one.
+void take_result(int64_t got, int64_t at, int64_t& done, int64_t need, bool direct, const std::string& path,
+                 std::string& error) {
+  if (got < 0) {
+    error = fmt::format("expert streaming: read of {} bytes at offset {} of {} failed: {}", need - done, at, path,
+                        std::strerror(int(-got)));
+  } else if (got == 0) {
+    error = fmt::format("expert streaming: short read at offset {} of {} ({} of {} bytes): the file is truncated or "
+                        "changed",
+                        at, path, done, need);
+  } else {
+    done += got;
+    if (direct && done < need && done % kAlign != 0) done = done / kAlign * kAlign;
+  }
+}
+
+#if TURBOSPARK_HAVE_URING
+// One ring per thread that reads (the backend's thread on a miss, the I/O thread for
+// prefetches): a ring takes submissions from one thread at a time.
+struct Ring {
+  io_uring ring{};
+  bool ok = false;
+  Ring() { ok = io_uring_queue_init(64, &ring, 0) == 0; }
+  ~Ring() {
+    if (ok) io_uring_queue_exit(&ring);
+  }
+};
+Ring* thread_ring() {
+  thread_local Ring r;
+  return r.ok ? &r : nullptr;
+}
+#endif
+
+}  // namespace
+
+void ExpertStreamer::submit_pread(Read& r) {
+  while (r.error.empty() && r.done < r.need) {
+    const ssize_t got = opt_.pread_fn(r.fd, r.dst + r.done, size_t(r.bytes - r.done), off_t(r.offset + r.done));
+    if (got < 0 && errno == EINTR) continue;
+    int64_t res = got < 0 ? -int64_t(errno) : int64_t(got);
+    if (opt_.result_fn) res = opt_.result_fn(res);
+    take_result(res, r.offset + r.done, r.done, r.need, r.direct, r.path, r.error);
+  }
+}
+
+void ExpertStreamer::run_reads(std::vector<Read>& reads) {
+#if TURBOSPARK_HAVE_URING
+  Ring* ring = opt_.io_uring && !pread_fn_set_ ? thread_ring() : nullptr;
+  if (ring) {
+    // Every unfinished read in flight at once; completions matched by index.
+    for (;;) {
+      int submitted = 0;
+      for (size_t i = 0; i < reads.size(); ++i) {
+        Read& r = reads[i];
+        if (!r.error.empty() || r.done >= r.need) continue;
+        io_uring_sqe* sqe = io_uring_get_sqe(&ring->ring);
+        if (!sqe) break;  // ring full: the rest go in the next round
+        io_uring_prep_read(sqe, r.fd, r.dst + r.done, unsigned(r.bytes - r.done), uint64_t(r.offset + r.done));
+        io_uring_sqe_set_data64(sqe, uint64_t(i));
+        ++submitted;
+      }
+      if (submitted == 0) return;
+      const int rc = io_uring_submit_and_wait(&ring->ring, unsigned(submitted));
+      if (rc < 0) fail("expert streaming: io_uring submit failed: {}", std::strerror(-rc));
+      for (int n = 0; n < submitted; ++n) {
+        io_uring_cqe* cqe = nullptr;
+        const int wr = io_uring_wait_cqe(&ring->ring, &cqe);
+        if (wr < 0) fail("expert streaming: io_uring wait failed: {}", std::strerror(-wr));
+        Read& r = reads[size_t(io_uring_cqe_get_data64(cqe))];
+        int64_t got = cqe->res;
+        io_uring_cqe_seen(&ring->ring, cqe);
+        if (got == -EINTR || got == -EAGAIN) continue;  // resubmitted next round
+        if (opt_.result_fn) got = opt_.result_fn(got);
+        take_result(got, r.offset + r.done, r.done, r.need, r.direct, r.path, r.error);
+      }
+    }
+  }
+#endif
+  for (Read& r : reads) submit_pread(r);
 }
 
 void ExpertStreamer::bind(Slot& s, const ExpertWeights& stored, const Layout& layout) {
@@ -246,7 +321,11 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
     const auto t0 = Clock::now();
     try {
       ensure_capacity(s, layout.bytes);
-      read_spans(layout, s.buffer);
+      std::vector<Read> reads;
+      plan_reads(layout, s.buffer, reads);
+      run_reads(reads);
+      for (const Read& r : reads)
+        if (!r.error.empty()) fail("{}", r.error);
     } catch (...) {
       cache_.invalidate(slot);
       lock.lock();
@@ -319,28 +398,54 @@ void ExpertStreamer::io_loop() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (stop_) return;
-    const Job job = queue_.front();
-    queue_.pop_front();
-    Slot& s = slots_[size_t(job.slot)];
-    uint8_t* buffer = s.buffer;
+    // Every queued load at once: all their spans go in flight together.
+    std::vector<Job> jobs(queue_.begin(), queue_.end());
+    queue_.clear();
+    std::vector<uint8_t*> buffers;
+    for (const Job& j : jobs) buffers.push_back(slots_[size_t(j.slot)].buffer);
     lock.unlock();
     const auto t0 = Clock::now();
-    std::exception_ptr err;
+    std::vector<Read> reads;
+    std::vector<size_t> first(jobs.size() + 1, 0);
+    std::vector<std::exception_ptr> errors(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      try {
+        plan_reads(*jobs[i].layout, buffers[i], reads);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+      first[i + 1] = reads.size();
+    }
     try {
-      read_spans(*job.layout, buffer);
+      run_reads(reads);
     } catch (...) {
-      err = std::current_exception();
+      for (auto& e : errors)
+        if (!e) e = std::current_exception();
     }
     const double dt = seconds_since(t0);
     lock.lock();
     stats_.read_seconds += dt;
-    if (!err) stats_.bytes_read += job.layout->bytes;
-    s.state = err ? SlotState::kFailed : SlotState::kReady;
-    s.error = err;
-    --loading_;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      for (size_t r = first[i]; r < first[i + 1] && !errors[i]; ++r) {
+        if (!reads[r].error.empty()) errors[i] = std::make_exception_ptr(Error(reads[r].error));
+      }
+      Slot& s = slots_[size_t(jobs[i].slot)];
+      if (!errors[i]) stats_.bytes_read += jobs[i].layout->bytes;
+      s.state = errors[i] ? SlotState::kFailed : SlotState::kReady;
+      s.error = errors[i];
+      --loading_;
+    }
     lock.unlock();
     cv_.notify_all();
   }
+}
+
+bool ExpertStreamer::uses_io_uring() const {
+#if TURBOSPARK_HAVE_URING
+  return opt_.io_uring && !pread_fn_set_ && thread_ring() != nullptr;
+#else
+  return false;
+#endif
 }
 
 std::string ExpertStreamer::summary() const {
@@ -349,9 +454,10 @@ std::string ExpertStreamer::summary() const {
   const int64_t streamed = st.acquires - st.in_place;
   const double hit = streamed > 0 ? 100.0 * double(st.hits) / double(streamed) : 0.0;
   return fmt::format(
-      "expert cache: {} slots of {:.2f} MiB ({}), {} acquires, {:.1f}% hits ({} misses, {} prefetched), "
+      "expert cache: {} slots of {:.2f} MiB ({}, {}), {} acquires, {:.1f}% hits ({} misses, {} prefetched), "
       "{:.2f} GiB read at {:.2f} GB/s, {:.3f} s stalled",
-      cache_.slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_.policy()), st.acquires, hit,
+      cache_.slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_.policy()),
+      uses_io_uring() ? "io_uring" : "pread", st.acquires, hit,
       st.misses, st.prefetched, double(st.bytes_read) / (1 << 30),
       st.read_seconds > 0 ? double(st.bytes_read) / 1e9 / st.read_seconds : 0.0, st.stall_seconds);
 }

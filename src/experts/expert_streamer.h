@@ -16,6 +16,10 @@
 // expert's compute; slots being loaded and the slot in use are protected from eviction, and no
 // more than slots - 1 loads are in flight, so a miss always finds a slot.
 //
+// Reads: io_uring (liburing) with every span of the loads at hand in flight at once (a miss's
+// spans; all queued prefetches' spans), one ring per reading thread; pread where liburing is
+// not built in or the kernel refuses a ring (some container sandboxes).
+//
 // Failures: a short read, an I/O error or a file whose size or modification time changed since
 // it was opened throws an Error naming the file, offset and cause; the slot is emptied, never
 // left holding wrong bytes.
@@ -57,9 +61,12 @@ struct ExpertStreamOptions {
   EvictionPolicy policy = EvictionPolicy::kLru;
   int prefetch_depth = 2;  // loads prefetch() may have in flight (capped at slots - 1)
   bool direct_io = true;   // O_DIRECT where the file system supports it
-  // Reads `bytes` at `offset` of fd into dst, returning the count or -1 with errno set: pread
-  // by default; tests inject short reads and errors here.
+  bool io_uring = true;    // io_uring with every span of the loads at hand in flight; else pread
+  // Test hooks for injected faults. pread_fn replaces the read primitive (and selects the
+  // pread path): the count read, or -1 with errno set. result_fn sees each io_uring completion
+  // (the byte count or -errno) and returns what the streamer should take it for.
   std::function<ssize_t(int fd, void* dst, size_t bytes, off_t offset)> pread_fn;
+  std::function<int64_t(int64_t result)> result_fn;
 };
 
 class ExpertStreamer final : public ExpertProvider {
@@ -75,6 +82,8 @@ class ExpertStreamer final : public ExpertProvider {
   const ExpertStreamStats& stats() const { return stats_; }
   const ExpertCache& cache() const { return cache_; }
   int64_t slot_bytes() const { return slot_bytes_; }
+  // Whether reads go through io_uring (built with liburing and the kernel allows it) or pread.
+  bool uses_io_uring() const;
   // One line: slots, policy, hit rate, bytes and GB/s read, stall time.
   std::string summary() const;
 
@@ -118,14 +127,27 @@ class ExpertStreamer final : public ExpertProvider {
   const Layout& layout_of(const ExpertWeights& stored);
   int file_index(const std::string& path, int64_t size);
   void ensure_capacity(Slot& s, int64_t bytes);
-  // Reads the layout's spans into the slot's buffer (any thread; throws on failure).
-  void read_spans(const Layout& layout, uint8_t* buffer);
-  void read_exact(const File& f, int64_t offset, int64_t bytes, uint8_t* dst);
+  // One span's read: the part still to come, and the first failure.
+  struct Read {
+    int fd = -1;
+    bool direct = false;
+    std::string path;
+    int64_t file_size = 0, mtime_ns = 0;
+    uint8_t* dst = nullptr;
+    int64_t offset = 0, bytes = 0, need = 0, done = 0;
+    std::string error;  // empty while fine
+  };
+  // The reads of a layout's spans into buffer (checks the files have not changed).
+  void plan_reads(const Layout& layout, uint8_t* buffer, std::vector<Read>& out);
+  // Runs reads until each is complete or failed (any thread; io_uring or pread).
+  void run_reads(std::vector<Read>& reads);
+  void submit_pread(Read& r);
   void bind(Slot& s, const ExpertWeights& stored, const Layout& layout);
   std::vector<int32_t> protected_slots(int32_t also) const;
   void io_loop();
 
   ExpertStreamOptions opt_;
+  bool pread_fn_set_ = false;  // a test's read primitive: the pread path
   ExpertCache cache_;
   std::vector<Slot> slots_;
   std::map<int64_t, Layout> layouts_;

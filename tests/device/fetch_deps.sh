@@ -8,5 +8,5 @@ cd "$(dirname "$0")/../.."
 mkdir -p .devdeps
 cd .devdeps
 apt-get download libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libpcre2-dev libpcre2-8-0 \
-  libgtest-dev >/dev/null
+  libgtest-dev liburing-dev liburing2 >/dev/null
 ls -1 *.deb

@@ -140,6 +140,17 @@ TEST(ExpertStreamingFaults, ShortReadEioAndTruncatedFileFailCleanly) {
     o.pread_fn = [](int, void*, size_t, off_t) -> ssize_t { return 0; };
     msg = expect_stream_error(*be, *m.model, tokens, o);
     EXPECT_NE(msg.find("short read"), std::string::npos) << msg;
+    // The same faults as io_uring completions (the default path where liburing is built in).
+    ExpertStreamOptions u;
+    u.slots = slots;
+    u.top_k = k;
+    int completions = 0;
+    u.result_fn = [&completions](int64_t res) -> int64_t { return ++completions == 3 ? -EIO : res; };
+    msg = expect_stream_error(*be, *m.model, tokens, u);
+    EXPECT_NE(msg.find("Input/output error"), std::string::npos) << msg;
+    u.result_fn = [](int64_t) -> int64_t { return 0; };
+    msg = expect_stream_error(*be, *m.model, tokens, u);
+    EXPECT_NE(msg.find("short read"), std::string::npos) << msg;
   }
   // After the faults the same backend and model still run resident, correctly.
   Session s(*m.model, *be);
