@@ -58,7 +58,7 @@ void add_bench_command(CLI::App& app) {
     Session session(model, *rt.backend, so);
     std::vector<double> prefill_tps, decode_tps;
     // Expert streaming: what the decode steps read from disk and how often the cache hit.
-    int64_t decode_read = 0, decode_hits = 0, decode_acquires = 0, decode_tokens = 0;
+    int64_t decode_read = 0, decode_loads = 0, decode_acquires = 0, decode_tokens = 0;
     for (int r = 0; r < std::max(1, o->repeat); ++r) {
       session.reset();
       auto t0 = Clock::now();
@@ -75,7 +75,7 @@ void add_bench_command(CLI::App& app) {
       if (rt.experts) {
         const ExpertStreamStats& after = rt.experts->stats();
         decode_read += after.bytes_read - before.bytes_read;
-        decode_hits += after.hits - before.hits;
+        decode_loads += after.loads() - before.loads();
         decode_acquires += (after.acquires - after.in_place) - (before.acquires - before.in_place);
         decode_tokens += o->decode;
       }
@@ -127,7 +127,7 @@ void add_bench_command(CLI::App& app) {
     if (rt.experts && decode_tokens > 0) {
       fmt::print("experts      {:.2f} MiB read from disk per decode token, {:.1f}% cache hits while decoding\n",
                  double(decode_read) / double(decode_tokens) / (1 << 20),
-                 decode_acquires > 0 ? 100.0 * double(decode_hits) / double(decode_acquires) : 0.0);
+                 decode_acquires > 0 ? 100.0 * (1.0 - double(decode_loads) / double(decode_acquires)) : 0.0);
       fmt::print("{}\n", rt.experts->summary());
     }
     if (o->profile) {

@@ -291,9 +291,17 @@ void ExpertStreamer::bind(Slot& s, const ExpertWeights& stored, const Layout& la
 std::vector<int32_t> ExpertStreamer::protected_slots(int32_t also) const {
   std::vector<int32_t> p;
   for (size_t i = 0; i < slots_.size(); ++i)
-    if (slots_[i].state == SlotState::kLoading || int32_t(i) == in_use_ || int32_t(i) == also) p.push_back(int32_t(i));
+    if (slots_[i].state == SlotState::kLoading || slots_[i].awaiting || int32_t(i) == in_use_ || int32_t(i) == also)
+      p.push_back(int32_t(i));
   return p;
 }
+
+int64_t ExpertStreamer::awaiting_count() const {
+  int64_t n = 0;
+  for (const Slot& s : slots_) n += s.awaiting;
+  return n;
+}
+
 
 const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
   ++stats_.acquires;
@@ -331,6 +339,7 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
       lock.lock();
       s.state = SlotState::kEmpty;
       s.key = -1;
+      for (Slot& o : slots_) o.awaiting = false;
       throw;
     }
     const double dt = seconds_since(t0);
@@ -342,6 +351,7 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
     stats_.bytes_read += layout.bytes;
   } else {
     ++stats_.hits;
+    s.awaiting = false;
     if (s.state == SlotState::kLoading) {
       const auto t0 = Clock::now();
       cv_.wait(lock, [&] { return s.state != SlotState::kLoading; });
@@ -352,6 +362,7 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
       s.state = SlotState::kEmpty;
       s.key = -1;
       s.error = nullptr;
+      for (Slot& o : slots_) o.awaiting = false;
       lock.unlock();
       cache_.invalidate(slot);
       std::rethrow_exception(err);
@@ -365,7 +376,9 @@ void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
   int issued = 0;
   for (const ExpertWeights* w : next) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (loading_ >= opt_.prefetch_depth || issued >= opt_.prefetch_depth) return;
+    // Prefetched-but-unused slots are protected: at most depth (<= slots - 1) of them, so a
+    // miss still finds a slot.
+    if (awaiting_count() >= opt_.prefetch_depth) break;
     lock.unlock();
     const Layout& layout = layout_of(*w);
     if (layout.in_place) continue;
@@ -382,15 +395,15 @@ void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
     bind(s, *w, layout);
     lock.lock();
     s.state = SlotState::kLoading;
+    s.awaiting = true;
     s.key = key_of(layer, expert);
     s.error = nullptr;
     ++loading_;
     ++stats_.prefetched;
     ++issued;
     queue_.push_back({slot, &layout});
-    lock.unlock();
-    cv_.notify_all();
   }
+  if (issued > 0) cv_.notify_all();  // once: the I/O thread takes the whole batch
 }
 
 void ExpertStreamer::io_loop() {
@@ -451,15 +464,13 @@ bool ExpertStreamer::uses_io_uring() const {
 std::string ExpertStreamer::summary() const {
   std::lock_guard<std::mutex> lock(mu_);
   const ExpertStreamStats& st = stats_;
-  const int64_t streamed = st.acquires - st.in_place;
-  const double hit = streamed > 0 ? 100.0 * double(st.hits) / double(streamed) : 0.0;
+  const double hit = 100.0 * st.hit_rate();
   return fmt::format(
-      "expert cache: {} slots of {:.2f} MiB ({}, {}), {} acquires, {:.1f}% hits ({} misses, {} prefetched), "
+      "expert cache: {} slots of {:.2f} MiB ({}, {}), {} acquires, {:.1f}% hits ({} loads: {} waited for, {} prefetched), "
       "{:.2f} GiB read at {:.2f} GB/s, {:.3f} s stalled",
       cache_.slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_.policy()),
-      uses_io_uring() ? "io_uring" : "pread", st.acquires, hit,
-      st.misses, st.prefetched, double(st.bytes_read) / (1 << 30),
-      st.read_seconds > 0 ? double(st.bytes_read) / 1e9 / st.read_seconds : 0.0, st.stall_seconds);
+      uses_io_uring() ? "io_uring" : "pread", st.acquires, hit, st.loads(), st.misses, st.prefetched,
+      double(st.bytes_read) / (1 << 30), st.read_seconds > 0 ? double(st.bytes_read) / 1e9 / st.read_seconds : 0.0, st.stall_seconds);
 }
 
 }  // namespace turbospark

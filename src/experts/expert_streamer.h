@@ -27,6 +27,7 @@
 
 #include <sys/types.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -46,13 +47,19 @@ namespace turbospark {
 
 struct ExpertStreamStats {
   int64_t acquires = 0;        // experts the backend asked for
-  int64_t hits = 0;            // already in a slot (or its prefetch done or under way)
+  int64_t hits = 0;            // in a slot or on its way there (includes prefetched ones)
   int64_t misses = 0;          // loaded while the backend waited
   int64_t prefetched = 0;      // loads started by prefetch()
   int64_t in_place = 0;        // acquires served from memory the checkpoint owns
   int64_t bytes_read = 0;      // from disk, including 4 KiB alignment
   double read_seconds = 0;     // inside read calls (the I/O thread's and misses')
   double stall_seconds = 0;    // acquire() waiting for bytes
+  // Loads per streamed acquire: the cache's miss rate whether the load was a prefetch or not.
+  int64_t loads() const { return misses + prefetched; }
+  double hit_rate() const {
+    const int64_t streamed = acquires - in_place;
+    return streamed > 0 ? std::max(0.0, 1.0 - double(loads()) / double(streamed)) : 0.0;
+  }
 };
 
 struct ExpertStreamOptions {
@@ -114,6 +121,7 @@ class ExpertStreamer final : public ExpertProvider {
     uint8_t* buffer = nullptr;
     int64_t capacity = 0;
     SlotState state = SlotState::kEmpty;
+    bool awaiting = false;  // prefetched for the micro-batch at hand, not yet acquired: kept
     std::exception_ptr error;
     ExpertWeights weights;  // views into buffer
     int64_t key = -1;
@@ -144,6 +152,7 @@ class ExpertStreamer final : public ExpertProvider {
   void submit_pread(Read& r);
   void bind(Slot& s, const ExpertWeights& stored, const Layout& layout);
   std::vector<int32_t> protected_slots(int32_t also) const;
+  int64_t awaiting_count() const;
   void io_loop();
 
   ExpertStreamOptions opt_;

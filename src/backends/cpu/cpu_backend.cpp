@@ -209,6 +209,7 @@ class CpuBackend final : public Backend {
     if (provider_) {
       for (int64_t e = 0; e < n_experts; ++e)
         if (!by_expert[size_t(e)].empty()) used.push_back(&experts[size_t(e)]);
+      provider_->prefetch(used);  // the first ones' reads all in flight before any is waited for
     }
     size_t next_used = 0;
     for (int64_t e = 0; e < n_experts; ++e) {
