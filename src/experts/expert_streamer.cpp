@@ -288,12 +288,18 @@ void ExpertStreamer::bind(Slot& s, const ExpertWeights& stored, const Layout& la
     if (layout.plane_at[i] >= 0) *planes[i].field = s.buffer + layout.plane_at[i];
 }
 
-std::vector<int32_t> ExpertStreamer::protected_slots(int32_t also) const {
-  std::vector<int32_t> p;
-  for (size_t i = 0; i < slots_.size(); ++i)
-    if (slots_[i].state == SlotState::kLoading || slots_[i].awaiting || int32_t(i) == in_use_ || int32_t(i) == also)
-      p.push_back(int32_t(i));
-  return p;
+int32_t ExpertStreamer::place(int32_t layer, int32_t expert, bool* load) {
+  std::vector<int32_t> protect;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < slots_.size(); ++i)
+      if (slots_[i].state == SlotState::kLoading || slots_[i].awaiting || int32_t(i) == in_use_)
+        protect.push_back(int32_t(i));
+  }
+  const int32_t e[1] = {expert};
+  const ExpertCache::Plan plan = cache_.plan(layer, e, protect);
+  *load = plan.load[0] != 0;
+  return plan.slot[0];
 }
 
 int64_t ExpertStreamer::awaiting_count() const {
@@ -312,15 +318,11 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
   }
   const int32_t layer = stored.gate.layer, expert = stored.gate.expert;
   in_use_ = -1;  // the backend is done with the previous expert
-  std::unique_lock<std::mutex> lock(mu_);
-  const std::vector<int32_t> protect = protected_slots(-1);
-  lock.unlock();
-  const int32_t e[1] = {expert};
-  const ExpertCache::Plan plan = cache_.plan(layer, e, protect);
-  const int32_t slot = plan.slot[0];
+  bool load = false;
+  const int32_t slot = place(layer, expert, &load);
   Slot& s = slots_[size_t(slot)];
-  lock.lock();
-  if (plan.load[0]) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (load) {
     // A miss: read it here while the backend waits.
     ++stats_.misses;
     s.state = SlotState::kLoading;
@@ -384,12 +386,8 @@ void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
     if (layout.in_place) continue;
     const int32_t layer = w->gate.layer, expert = w->gate.expert;
     if (cache_.slot_of(layer, expert)) continue;  // resident or under way: nothing to do
-    lock.lock();
-    const std::vector<int32_t> protect = protected_slots(-1);
-    lock.unlock();
-    const int32_t e[1] = {expert};
-    const ExpertCache::Plan plan = cache_.plan(layer, e, protect);
-    const int32_t slot = plan.slot[0];
+    bool load = false;
+    const int32_t slot = place(layer, expert, &load);
     Slot& s = slots_[size_t(slot)];
     ensure_capacity(s, layout.bytes);
     bind(s, *w, layout);

@@ -151,7 +151,9 @@ class ExpertStreamer final : public ExpertProvider {
   void run_reads(std::vector<Read>& reads);
   void submit_pread(Read& r);
   void bind(Slot& s, const ExpertWeights& stored, const Layout& layout);
-  std::vector<int32_t> protected_slots(int32_t also) const;
+  // The slot for (layer, expert) by the cache's policy, never one being loaded, awaiting its
+  // acquire or in use; *load when its bytes must be read there.
+  int32_t place(int32_t layer, int32_t expert, bool* load);
   int64_t awaiting_count() const;
   void io_loop();
 
