@@ -6,7 +6,9 @@ The CUDA benches need a Qwen3-30B-A3B-shape GGUF in Q4_0 or Q4_K. Converting a b
 would need 61 GB of safetensors first (the device machine's disk is 64 GB), so this writes the
 quantized blocks directly: random 4-bit codes with small, finite block scales (weights of about
 fan-in standard deviation, so activations stay bounded through 48 layers), f32 norms and router.
-Random routing is near uniform, which benchmarks should say beside their numbers.
+Random routing is near uniform (codes are drawn symmetric about zero, see random_blocks; files
+written before 2026-12-03 routed every token to nearly the same experts), which benchmarks
+should say beside their numbers.
 
 Expert and attention blocks of one shape are generated once and written for every layer (each
 layer still gets its own tensors and file offsets, so no layer reads another's bytes); routers
@@ -48,10 +50,18 @@ def random_blocks(gguf, qtype, rows, cols, rng, extra=()):
     data = rng.integers(0, 256, size=(nblk, nbytes), dtype=np.uint8)
     std = 1.0 / np.sqrt(cols)
     q = gguf.GGMLQuantizationType
-    if qtype == q.Q4_0:  # f16 d, then 16 bytes of codes in [0, 16) - 8: std(code) ~ 4.6
-        data[:, 0:2] = np.full((nblk, 1), std / 4.6, dtype=np.float16).view(np.uint8)
-    elif qtype == q.Q8_0:  # f16 d, 32 int8 codes: std ~ 74
-        data[:, 0:2] = np.full((nblk, 1), std / 74.0, dtype=np.float16).view(np.uint8)
+    # Codes are drawn symmetric about the format's zero: uniform bytes give Q4_0 weights a mean of
+    # -d/2 (codes 0..15 minus 8) and Q8_0 one of -d/2 too, and that shared offset, summed over a
+    # row, grows into a hidden-state direction common to every token that the routers then
+    # follow: every token chose (nearly) the same experts (seen with `logits --router-out`).
+    if qtype == q.Q4_0:  # f16 d, then 16 bytes of codes in [1, 16) - 8: std(code) ~ 4.3
+        lo = rng.integers(1, 16, size=(nblk, 16), dtype=np.uint8)
+        hi = rng.integers(1, 16, size=(nblk, 16), dtype=np.uint8)
+        data[:, 2:18] = lo | (hi << 4)
+        data[:, 0:2] = np.full((nblk, 1), std / 4.3, dtype=np.float16).view(np.uint8)
+    elif qtype == q.Q8_0:  # f16 d, 32 int8 codes in [-127, 127]: std ~ 73
+        data[:, 2:34] = rng.integers(-127, 128, size=(nblk, 32), dtype=np.int16).astype(np.int8).view(np.uint8)
+        data[:, 0:2] = np.full((nblk, 1), std / 73.0, dtype=np.float16).view(np.uint8)
     elif qtype == q.Q4_K:  # f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of codes
         # value = d * sc * code - dmin * m with sc, m in [0, 64), code in [0, 16): centre it by
         # giving mins about half the scale's reach.

@@ -23,7 +23,7 @@ void add_bench_command(CLI::App& app) {
     std::string model, device = "auto";
     int64_t prompt = 128, decode = 32, ubatch = 0;
     int threads = 0, repeat = 3;
-    bool no_membw = false, profile = false;
+    bool no_membw = false, profile = false, random_decode = false;
     ExpertCacheFlags experts;
   };
   auto o = std::make_shared<Opts>();
@@ -40,6 +40,9 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--no-membw", o->no_membw, "Skip measuring DRAM bandwidth");
   cmd->add_flag("--profile", o->profile, "Time each block (attention, GDN, QSA indexer, PLE, MoE, ...) in one extra run");
+  cmd->add_flag("--random-decode", o->random_decode,
+                "Feed a random token at each decode step (as llama-bench's tg does) instead of the greedy one: "
+                "routing no longer repeats with the random weights' repetitive output");
   add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     using Clock = std::chrono::steady_clock;
@@ -69,7 +72,10 @@ void add_bench_command(CLI::App& app) {
       // Greedy decode as `run` does it: only the chosen id leaves the backend each step.
       int32_t next[1] = {argmax(logits.data(), info.vocab_size)};
       const ExpertStreamStats before = rt.experts ? rt.experts->stats() : ExpertStreamStats{};
-      for (int64_t i = 0; i < o->decode; ++i) next[0] = session.feed_greedy(next);
+      for (int64_t i = 0; i < o->decode; ++i) {
+        next[0] = session.feed_greedy(next);
+        if (o->random_decode) next[0] = pick(rng);
+      }
       double td = std::chrono::duration<double>(Clock::now() - t1).count();
       decode_tps.push_back(double(o->decode) / td);
       if (rt.experts) {
