@@ -3,7 +3,8 @@
 #
 # Writes a random-weight Qwen3-30B-A3B-shape GGUF with tools/make_random_gguf.py (llama.cpp's
 # gguf-py writes it), then benchmarks it with llama.cpp's `llama-bench -ngl 99 -fa 1` and with
-# `turbospark bench --device cuda` at each prompt length. Random routing is near uniform.
+# `turbospark bench --device cuda` at each prompt length. Random routing spreads over the experts
+# (codes symmetric about zero; less at depth, where layers share one set of weights).
 #
 #   LLAMA_BENCH=/tmp/llama-bench GGUF_PY=.peer/gguf-py TS=build-cuda/turbospark \
 #     bench/cuda_vs_llama_cpp.sh OUTDIR
