@@ -182,8 +182,10 @@ void ExpertStreamer::plan_reads(const Layout& layout, uint8_t* buffer, std::vect
     TS_CHECK(::fstat(f.fd, &st) == 0 && int64_t(st.st_size) == f.size && mtime_ns(st) == f.mtime_ns,
              "expert streaming: {} changed on disk while the model was loaded (size or modification time)", f.path);
     Read r;
-    r.direct = f.fd_direct >= 0;
+    r.file = s.file;
+    r.direct = f.fd_direct >= 0 && !f.direct_refused;
     r.fd = r.direct ? f.fd_direct : f.fd;
+    r.fd_buffered = f.fd;
     r.path = f.path;
     r.file_size = f.size;
     r.dst = buffer + s.at;
@@ -235,12 +237,23 @@ Ring* thread_ring() {
 
 }  // namespace
 
+void ExpertStreamer::refuse_direct(Read& r) {
+  r.direct = false;
+  r.fd = r.fd_buffered;
+  std::lock_guard<std::mutex> lock(mu_);
+  files_[size_t(r.file)].direct_refused = true;
+}
+
 void ExpertStreamer::submit_pread(Read& r) {
   while (r.error.empty() && r.done < r.need) {
     const ssize_t got = opt_.pread_fn(r.fd, r.dst + r.done, size_t(r.bytes - r.done), off_t(r.offset + r.done));
     if (got < 0 && errno == EINTR) continue;
     int64_t res = got < 0 ? -int64_t(errno) : int64_t(got);
     if (opt_.result_fn) res = opt_.result_fn(res);
+    if (res == -EINVAL && r.direct) {  // O_DIRECT opened but refused here
+      refuse_direct(r);
+      continue;
+    }
     take_result(res, r.offset + r.done, r.done, r.need, r.direct, r.path, r.error);
   }
 }
@@ -273,6 +286,10 @@ void ExpertStreamer::run_reads(std::vector<Read>& reads) {
         io_uring_cqe_seen(&ring->ring, cqe);
         if (got == -EINTR || got == -EAGAIN) continue;  // resubmitted next round
         if (opt_.result_fn) got = opt_.result_fn(got);
+        if (got == -EINVAL && r.direct) {  // O_DIRECT refused by the file system
+          refuse_direct(r);
+          continue;
+        }
         take_result(got, r.offset + r.done, r.done, r.need, r.direct, r.path, r.error);
       }
     }

@@ -113,6 +113,7 @@ class ExpertStreamer final : public ExpertProvider {
   struct File {
     std::string path;
     int fd_direct = -1, fd = -1;
+    bool direct_refused = false;  // the file system refused an O_DIRECT read: buffered from then on
     int64_t size = 0;
     int64_t mtime_ns = 0;
   };
@@ -137,7 +138,9 @@ class ExpertStreamer final : public ExpertProvider {
   void ensure_capacity(Slot& s, int64_t bytes);
   // One span's read: the part still to come, and the first failure.
   struct Read {
+    int file = -1;
     int fd = -1;
+    int fd_buffered = -1;  // where an O_DIRECT read the file system refuses (EINVAL) retries
     bool direct = false;
     std::string path;
     int64_t file_size = 0, mtime_ns = 0;
@@ -150,6 +153,8 @@ class ExpertStreamer final : public ExpertProvider {
   // Runs reads until each is complete or failed (any thread; io_uring or pread).
   void run_reads(std::vector<Read>& reads);
   void submit_pread(Read& r);
+  // An O_DIRECT read came back EINVAL: this read and every later one of its file go buffered.
+  void refuse_direct(Read& r);
   void bind(Slot& s, const ExpertWeights& stored, const Layout& layout);
   // The slot for (layer, expert) by the cache's policy, never one being loaded, awaiting its
   // acquire or in use; *load when its bytes must be read there.

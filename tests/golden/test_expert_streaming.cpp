@@ -4,6 +4,9 @@
 // 3 x top-k, at several chunk sizes, with cold and warm caches; and disk faults fail cleanly.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -164,6 +167,38 @@ TEST(ExpertStreamingFaults, ShortReadEioAndTruncatedFileFailCleanly) {
   // After the faults the same backend and model still run resident, correctly.
   Session s(*m.model, *be);
   EXPECT_EQ(s.feed(tokens, 0, true).size(), tokens.size() * size_t(m.model->info().vocab_size));
+}
+
+// A file system that opens O_DIRECT but refuses the read (EINVAL) gets buffered reads instead,
+// with the same logits.
+TEST(ExpertStreamingFaults, DirectReadRefusedFallsBackToBufferedReads) {
+  const std::string path = fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-bf16.gguf";
+  const int probe = ::open(path.c_str(), O_RDONLY | O_DIRECT);
+  if (probe < 0) GTEST_SKIP() << "no O_DIRECT on this file system: the buffered path is the only one";
+  ::close(probe);
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(path, *be);
+  const std::vector<int32_t> tokens = load_golden("qwen3_moe_gguf_tiny").tokens;
+  std::vector<float> want;
+  {
+    Session s(*m.model, *be);
+    want = s.feed(tokens, 0, true);
+  }
+  for (bool uring : {true, false}) {
+    ExpertStreamOptions o;
+    o.slots = 2 * m.model->experts_per_token();
+    o.top_k = m.model->experts_per_token();
+    o.io_uring = uring;
+    int refused = 0;
+    // The first read refused: it and every later read of the file go buffered.
+    o.result_fn = [&refused](int64_t res) -> int64_t { return refused++ < 1 ? -EINVAL : res; };
+    ExpertStreamer streamer(o);
+    be->set_expert_provider(&streamer);
+    Session s(*m.model, *be);
+    EXPECT_TRUE(bitwise_equal(s.feed(tokens, 0, true), want)) << "io_uring " << uring;
+    EXPECT_GE(refused, 2);
+    be->set_expert_provider(nullptr);
+  }
 }
 
 TEST(ExpertStreamingFaults, FileChangedUnderneathIsRefused) {
