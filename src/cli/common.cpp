@@ -46,8 +46,10 @@ static int64_t available_memory_bytes() {
 
 // Pages the weights in up front when they fit in memory (as llama.cpp's mmap prefetch does),
 // so decode timings do not include a page fault per 4 KiB; shows progress for big models.
-static void prefault_weights(const Checkpoint& ckpt, bool quiet) {
-  const int64_t total = ckpt.total_bytes();
+static void prefault_weights(const Checkpoint& ckpt, bool quiet, const Checkpoint::SkipRanges& skip = {}) {
+  int64_t total = ckpt.total_bytes();
+  for (const auto& [path, ranges] : skip)
+    for (const auto& [b, e] : ranges) total -= e - b;  // overlaps are rare and only shrink the estimate
   if (total > available_memory_bytes() * 9 / 10) {
     if (!quiet) fmt::print(stderr, "weights ({:.1f} GiB) exceed available memory: paging them in on demand\n", double(total) / (1 << 30));
     return;
@@ -184,9 +186,17 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
     rt.model = load_model(path, *rt.backend);
   }
   configure_expert_streaming(rt, experts, quiet);
-  // Streamed experts are read from disk, never through the mapping: paging them in would
-  // spend the memory the cache is there to bound.
-  if (rt.backend->name() == "cpu" && !rt.experts) prefault_weights(*rt.model.checkpoint, quiet);
+  // Streamed experts are read from disk, never through the mapping: only the resident part
+  // is paged in (the experts' bytes would spend the memory the cache is there to bound).
+  if (rt.backend->name() == "cpu") {
+    Checkpoint::SkipRanges skip;
+    if (rt.experts) {
+      rt.model.model->for_each_routed_expert([&](const ExpertWeights& e) {
+        for (const auto& r : rt.experts->file_ranges(e)) skip[r.path].emplace_back(r.begin, r.end);
+      });
+    }
+    prefault_weights(*rt.model.checkpoint, quiet, skip);
+  }
   const ModelInfo& info = rt.model.model->info();
   rt.stop_ids = info.eos_ids;
   fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();

@@ -468,6 +468,13 @@ void ExpertStreamer::io_loop() {
   }
 }
 
+std::vector<ExpertStreamer::FileRange> ExpertStreamer::file_ranges(const ExpertWeights& stored) {
+  const Layout& L = layout_of(stored);
+  std::vector<FileRange> out;
+  for (const Span& s : L.spans) out.push_back({files_[size_t(s.file)].path, s.begin, s.end});
+  return out;
+}
+
 bool ExpertStreamer::uses_io_uring() const {
 #if TURBOSPARK_HAVE_URING
   return opt_.io_uring && !pread_fn_set_ && thread_ring() != nullptr;

@@ -89,6 +89,12 @@ class ExpertStreamer final : public ExpertProvider {
   const ExpertStreamStats& stats() const { return stats_; }
   const ExpertCache& cache() const { return cache_; }
   int64_t slot_bytes() const { return slot_bytes_; }
+  // The file byte ranges [begin, end) the expert is read from (empty when served in place).
+  struct FileRange {
+    std::string path;
+    int64_t begin, end;
+  };
+  std::vector<FileRange> file_ranges(const ExpertWeights& stored);
   // Whether reads go through io_uring (built with liburing and the kernel allows it) or pread.
   bool uses_io_uring() const;
   // One line: slots, policy, hit rate, bytes and GB/s read, stall time.

@@ -360,20 +360,49 @@ Checkpoint::Checkpoint(const std::string& path) {
   quant_ = read_quant_config(dir_);
 }
 
+std::vector<const MappedFile*> Checkpoint::mapped_files() const {
+  std::vector<const MappedFile*> out;
+  if (gguf_) out.push_back(&gguf_->file());  // GGUF files were left out of prefault before
+  for (const auto& f : files_) out.push_back(&f->file());
+  return out;
+}
+
 int64_t Checkpoint::total_bytes() const {
   int64_t total = 0;
-  for (const auto& f : files_) total += int64_t(f->file().size());
+  for (const MappedFile* f : mapped_files()) total += int64_t(f->size());
   return total;
 }
 
-void Checkpoint::prefault(const std::function<void(int64_t, int64_t)>& progress) const {
+std::vector<std::pair<int64_t, int64_t>> complement_ranges(int64_t size, std::vector<std::pair<int64_t, int64_t>> skip) {
+  std::sort(skip.begin(), skip.end());
+  std::vector<std::pair<int64_t, int64_t>> keep;
+  int64_t at = 0;
+  for (const auto& [b, e] : skip) {
+    const int64_t lo = std::clamp<int64_t>(b, 0, size), hi = std::clamp<int64_t>(e, 0, size);
+    if (lo > at) keep.emplace_back(at, lo);
+    at = std::max(at, hi);
+  }
+  if (at < size) keep.emplace_back(at, size);
+  return keep;
+}
+
+void Checkpoint::prefault(const std::function<void(int64_t, int64_t)>& progress, const SkipRanges& skip) const {
   const int64_t total = total_bytes();
   int64_t before = 0;
-  for (const auto& f : files_) {
-    f->file().prefault(0, f->file().size(), [&](size_t done) {
-      if (progress) progress(before + int64_t(done), total);
-    });
-    before += int64_t(f->file().size());
+  for (const MappedFile* f : mapped_files()) {
+    const auto it = skip.find(f->path());
+    const std::vector<std::pair<int64_t, int64_t>> keep =
+        it == skip.end() ? std::vector<std::pair<int64_t, int64_t>>{{0, int64_t(f->size())}}
+                         : complement_ranges(int64_t(f->size()), it->second);
+    int64_t done_here = 0;
+    for (const auto& [b, e] : keep) {
+      f->prefault(size_t(b), size_t(e - b), [&](size_t done) {
+        if (progress) progress(before + done_here + int64_t(done), total);
+      });
+      done_here += e - b;
+    }
+    before += int64_t(f->size());
+    if (progress) progress(before, total);
   }
 }
 

@@ -92,6 +92,9 @@ struct MatrixUse {
 //                               2 * inter, hidden, StackLayout::kInOut);  // gpt-oss bf16 layout
 //   w.expert = e; w.residency = Residency::kStreamedExpert;
 // and view.rows_slice() for a row range of it (e.g. the up half of a gate-first gate_up).
+// [0, size) minus the union of the [begin, end) ranges in skip, in order (Checkpoint::prefault).
+std::vector<std::pair<int64_t, int64_t>> complement_ranges(int64_t size, std::vector<std::pair<int64_t, int64_t>> skip);
+
 class Checkpoint {
  public:
   // `path` is a directory holding model.safetensors.index.json or *.safetensors, one
@@ -111,8 +114,12 @@ class Checkpoint {
   const TensorInfo& get(const std::string& name) const;
   const std::map<std::string, const TensorInfo*>& all() const { return index_; }
   int64_t total_bytes() const;
-  // Faults every shard's pages in (see MappedFile::prefault), reporting bytes done.
-  void prefault(const std::function<void(int64_t done, int64_t total)>& progress) const;
+  // Faults every shard's pages in (see MappedFile::prefault), reporting bytes done; byte
+  // ranges in `skip` (file path -> [begin, end) pairs, e.g. streamed experts) are left out.
+  using SkipRanges = std::map<std::string, std::vector<std::pair<int64_t, int64_t>>>;
+  void prefault(const std::function<void(int64_t done, int64_t total)>& progress, const SkipRanges& skip = {}) const;
+  // The mapped files behind the tensors: the shards, or the one GGUF file.
+  std::vector<const MappedFile*> mapped_files() const;
 
   // A matrix weight [rows, cols] of a float dtype (BF16, F16, F32); a wrong dtype or shape
   // is refused naming the tensor, the expected and the found value.

@@ -429,6 +429,10 @@ class Gemma4Model final : public Model {
   const ModelInfo& info() const override { return info_; }
   int64_t n_experts() const override { return hp_.moe ? hp_.n_experts : 0; }
   int experts_per_token() const override { return hp_.moe ? hp_.top_k : 0; }
+  void for_each_routed_expert(const std::function<void(const ExpertWeights&)>& fn) const override {
+    for (const Layer& L : layers_)
+      for (const ExpertWeights& e : L.moe.experts) fn(e);
+  }
 
   // Shared layers own no cache: 0 KV heads, so the engine allocates nothing for them.
   std::vector<KvLayerSpec> kv_spec() const override {

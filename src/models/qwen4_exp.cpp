@@ -339,6 +339,10 @@ class Qwen4Exp final : public Model {
   const ModelInfo& info() const override { return info_; }
   int64_t n_experts() const override { return hp_.n_experts; }
   int experts_per_token() const override { return hp_.n_experts > 0 ? hp_.top_k : 0; }
+  void for_each_routed_expert(const std::function<void(const ExpertWeights&)>& fn) const override {
+    for (const Layer& L : layers_)
+      for (const ExpertWeights& e : L.moe.experts) fn(e);
+  }
 
   std::vector<KvLayerSpec> kv_spec() const override {
     std::vector<KvLayerSpec> spec(size_t(hp_.n_layers));

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "core/dtype.h"
@@ -146,6 +147,31 @@ TEST(Safetensors, FusedExpertStacksMatchPerExpertLayout) {
   std::vector<float> logits = s.feed(tokens, 0, true);
   NpyArray ref = read_npy_f32(src + "/logits.npy");
   EXPECT_LT(testing::max_rel_error(logits.data(), ref.data.data(), ref.data.size()), 2e-4);
+}
+
+// What Checkpoint::prefault pages in when byte ranges are skipped (streamed experts).
+TEST(Checkpoint, ComplementRangesLeavesOutTheSkippedBytes) {
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(complement_ranges(100, {}), (R{{0, 100}}));
+  EXPECT_EQ(complement_ranges(100, {{10, 20}, {50, 60}}), (R{{0, 10}, {20, 50}, {60, 100}}));
+  EXPECT_EQ(complement_ranges(100, {{50, 60}, {10, 20}, {15, 55}}), (R{{0, 10}, {60, 100}}));  // unsorted, overlapping
+  EXPECT_EQ(complement_ranges(100, {{0, 30}, {90, 200}}), (R{{30, 90}}));                    // ends, past the size
+  EXPECT_EQ(complement_ranges(100, {{0, 100}}), R{});
+}
+
+// GGUF files are one mapped file of the checkpoint: counted and paged in like shards (they
+// were left out of both, so the first tokens of a GGUF model paid its page faults).
+TEST(Checkpoint, GgufFileIsMappedCountedAndPrefaulted) {
+  const std::string path = testing::fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-bf16.gguf";
+  Checkpoint ck(path);
+  ASSERT_EQ(ck.mapped_files().size(), 1u);
+  EXPECT_EQ(ck.total_bytes(), int64_t(std::filesystem::file_size(path)));
+  int64_t last = 0;
+  ck.prefault([&](int64_t done, int64_t total) {
+    EXPECT_EQ(total, ck.total_bytes());
+    last = done;
+  }, {{path, {{0, 4096}}}});
+  EXPECT_EQ(last, ck.total_bytes());
 }
 
 }  // namespace
