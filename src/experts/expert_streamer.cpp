@@ -325,7 +325,6 @@ int64_t ExpertStreamer::awaiting_count() const {
   return n;
 }
 
-
 const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
   ++stats_.acquires;
   const Layout& layout = layout_of(stored);
