@@ -319,10 +319,9 @@ int32_t ExpertStreamer::place(int32_t layer, int32_t expert, bool* load) {
   return plan.slot[0];
 }
 
-int64_t ExpertStreamer::awaiting_count() const {
-  int64_t n = 0;
-  for (const Slot& s : slots_) n += s.awaiting;
-  return n;
+void ExpertStreamer::clear_awaiting() {
+  for (Slot& o : slots_) o.awaiting = false;
+  awaiting_ = 0;
 }
 
 const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
@@ -357,7 +356,7 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
       lock.lock();
       s.state = SlotState::kEmpty;
       s.key = -1;
-      for (Slot& o : slots_) o.awaiting = false;
+      clear_awaiting();
       throw;
     }
     const double dt = seconds_since(t0);
@@ -369,7 +368,10 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
     stats_.bytes_read += layout.bytes;
   } else {
     ++stats_.hits;
-    s.awaiting = false;
+    if (s.awaiting) {
+      s.awaiting = false;
+      --awaiting_;
+    }
     if (s.state == SlotState::kLoading) {
       const auto t0 = Clock::now();
       cv_.wait(lock, [&] { return s.state != SlotState::kLoading; });
@@ -380,7 +382,7 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
       s.state = SlotState::kEmpty;
       s.key = -1;
       s.error = nullptr;
-      for (Slot& o : slots_) o.awaiting = false;
+      clear_awaiting();
       lock.unlock();
       cache_.invalidate(slot);
       std::rethrow_exception(err);
@@ -396,7 +398,7 @@ void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
     std::unique_lock<std::mutex> lock(mu_);
     // Prefetched-but-unused slots are protected: at most depth (<= slots - 1) of them, so a
     // miss still finds a slot.
-    if (awaiting_count() >= opt_.prefetch_depth) break;
+    if (awaiting_ >= opt_.prefetch_depth) break;
     lock.unlock();
     const Layout& layout = layout_of(*w);
     if (layout.in_place) continue;
@@ -410,9 +412,9 @@ void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
     lock.lock();
     s.state = SlotState::kLoading;
     s.awaiting = true;
+    ++awaiting_;
     s.key = key_of(layer, expert);
     s.error = nullptr;
-    ++loading_;
     ++stats_.prefetched;
     ++issued;
     queue_.push_back({slot, &layout});
@@ -460,7 +462,6 @@ void ExpertStreamer::io_loop() {
       if (!errors[i]) stats_.bytes_read += jobs[i].layout->bytes;
       s.state = errors[i] ? SlotState::kFailed : SlotState::kReady;
       s.error = errors[i];
-      --loading_;
     }
     lock.unlock();
     cv_.notify_all();

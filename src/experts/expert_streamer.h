@@ -165,7 +165,7 @@ class ExpertStreamer final : public ExpertProvider {
   // The slot for (layer, expert) by the cache's policy, never one being loaded, awaiting its
   // acquire or in use; *load when its bytes must be read there.
   int32_t place(int32_t layer, int32_t expert, bool* load);
-  int64_t awaiting_count() const;
+  void clear_awaiting();  // under mu_: after a failure, what was prefetched may never be acquired
   void io_loop();
 
   ExpertStreamOptions opt_;
@@ -181,7 +181,7 @@ class ExpertStreamer final : public ExpertProvider {
   mutable std::mutex mu_;  // guards slot states, errors, the queue and the I/O thread's stats
   std::condition_variable cv_;
   std::deque<Job> queue_;
-  int64_t loading_ = 0;
+  int64_t awaiting_ = 0;  // slots with awaiting set
   bool stop_ = false;
   std::thread io_;
 };
