@@ -83,6 +83,13 @@ __device__ __forceinline__ float apply_glu(const MoeParams& p, float g, float u)
 
 __device__ __forceinline__ bool valid_expert(int32_t e, const MoeParams& p) { return e >= 0 && e < p.n_experts; }
 
+// h for inter row i from its gate and up dot products: the biases, then the GLU.
+__device__ __forceinline__ float biased_glu(const MoeExpertDesc& d, const MoeParams& p, int64_t i, float g, float u) {
+  if (d.gate_bias) g += d.gate_bias[i];
+  if (d.up_bias) u += d.up_bias[i];
+  return apply_glu(p, g, u);
+}
+
 // ---- decode ------------------------------------------------------------------------------------
 
 constexpr int kDecodeThreads = 256;  // 8 warps = 8 output rows per block
@@ -125,11 +132,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   g = warp_sum(g);
   u = warp_sum(u);
-  if (lane == 0) {
-    if (d.gate_bias) g += d.gate_bias[i];
-    if (d.up_bias) u += d.up_bias[i];
-    h[pair * ldh + i] = apply_glu(p, g, u);
-  }
+  if (lane == 0) h[pair * ldh + i] = biased_glu(d, p, i, g, u);
 }
 
 // The k experts' partial dots are weighted and summed per lane, and the warp reduces once.
@@ -215,9 +218,7 @@ __global__ void __launch_bounds__(kGateUpBlockThreads)
 #pragma unroll
     for (int r = 1; r < kBlockRowsPerWarp; ++r)
       if (lane == r) gi = g[r], ui = u[r];
-    if (d.gate_bias) gi += d.gate_bias[i];
-    if (d.up_bias) ui += d.up_bias[i];
-    h[pair * ldh + i] = apply_glu(p, gi, ui);
+    h[pair * ldh + i] = biased_glu(d, p, i, gi, ui);
   }
 }
 
