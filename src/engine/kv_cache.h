@@ -33,9 +33,10 @@ class KvCache {
 
  private:
   struct LayerPools {
-    std::shared_ptr<float> k, v;  // [n_blocks, block_size, n_kv_heads, head_dim] f32, or null
+    std::shared_ptr<void> k, v;  // [n_blocks, block_size, n_kv_heads, head_dim] of type_, or null
   };
   std::vector<KvLayerSpec> spec_;
+  KvType type_;  // the backend's (Backend::kv_type)
   int64_t max_tokens_;
   int block_size_;
   int64_t n_blocks_;

@@ -121,25 +121,35 @@ inline WeightView fused_gate_up(const ExpertWeights& e) {
   return v;
 }
 
+// Element type of a KV cache's pools (Backend::kv_type): f32 on the CPU, bf16 on CUDA (half
+// the bytes a decode step and a prefill tile read; the attention math stays f32).
+enum class KvType : uint8_t { kF32, kBf16 };
+
+inline int kv_type_bytes(KvType t) { return t == KvType::kBf16 ? 2 : 4; }
+
 // One layer's paged KV cache as the backend sees it (see engine/kv_cache.h). Position p of
 // sequence s lives in physical block block_table[s * max_blocks + p / block_size], row
 // p % block_size. Pools and tables are backend memory. Rows of a micro-batch may belong to
 // different sequences (row_seq); null row_seq means every row is sequence 0.
 struct KvLayerView {
-  float* k = nullptr;  // [n_blocks, block_size, n_kv_heads, head_dim] f32
-  float* v = nullptr;  // same
+  void* k = nullptr;  // [n_blocks, block_size, n_kv_heads, head_dim] of `type`
+  void* v = nullptr;  // same
   const int32_t* block_table = nullptr;  // [n_seqs, max_blocks] logical -> physical block
   int max_blocks = 0;                    // row stride of block_table
   const int32_t* row_seq = nullptr;      // [rows] sequence of each micro-batch row, or null
   int block_size = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
+  KvType type = KvType::kF32;
 
   int64_t block_floats() const { return int64_t(block_size) * n_kv_heads * head_dim; }
   int seq_of(int64_t row) const { return row_seq ? row_seq[row] : 0; }
-  // Host-side addressing for backends whose memory is host memory (the CPU backend).
-  float* k_at(int seq, int64_t pos) const { return k + slot(seq, pos); }
-  float* v_at(int seq, int64_t pos) const { return v + slot(seq, pos); }
+  // Host-side addressing for backends whose memory is host memory and whose pools are f32
+  // (the CPU backend, which checks `type` once per op: f32_pools()).
+  float* k_f32() const { return static_cast<float*>(k); }
+  float* v_f32() const { return static_cast<float*>(v); }
+  float* k_at(int seq, int64_t pos) const { return k_f32() + slot(seq, pos); }
+  float* v_at(int seq, int64_t pos) const { return v_f32() + slot(seq, pos); }
 
  private:
   int64_t slot(int seq, int64_t pos) const {
@@ -204,6 +214,9 @@ class Backend {
   // micro-batch reads every weight it touches once, so a GPU wants micro-batches large enough
   // that a routed expert sees tens of rows; the CPU's caches want small ones.
   virtual int64_t preferred_prefill_batch() const { return kDefaultPrefillBatch; }
+  // Element type of the KV pools this backend's attention reads and writes (KvCache
+  // allocates them so).
+  virtual KvType kv_type() const { return KvType::kF32; }
 
   // Scratch activations of n_floats f32 (zeroed).
   std::shared_ptr<float> alloc(int64_t n_floats) {

@@ -4,8 +4,8 @@
 // family the backend does not run yet).
 //
 // Tolerance: weights are the same bf16 (or GGUF) bytes on both backends and activations f32;
-// decode-sized micro-batches (<= 8 rows) run the f32-accumulating GEMV and match the CPU to
-// float rounding, but prefill micro-batches go through cuBLASLt on bf16-rounded activations
+// decode-sized micro-batches (<= 8 rows) run the f32-accumulating GEMV and differ from the CPU
+// by the KV cache's bf16 rounding only (kCudaDecodeLogitTol), but prefill micro-batches go through cuBLASLt on bf16-rounded activations
 // (8 significant bits: ~4e-3 relative per product), so logits are held to 3e-2 of the logit
 // scale, and greedy ids to the CPU backend's (the goldens' greedy continuations on random
 // fixtures have near-ties a bf16 GEMM may flip, so ids are compared where the CPU's own
@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -73,12 +74,18 @@ TEST_P(CudaGolden, LogitsMatchTransformersAtEveryChunkSize) {
   }
 }
 
-// Decode-sized micro-batches take the GEMV path: f32 accumulation, so CUDA meets the CPU
-// suite's own tolerance there.
-TEST_P(CudaGolden, TokenByTokenMatchesTransformersToCpuTolerance) {
+// Decode-sized micro-batches take the GEMV path with f32 activations and accumulation; what
+// remains is the KV cache's bf16 (K and V rounded to 8 significant bits, 2^-9 relative, as
+// they are stored), which moves the tiny fixtures' logits by ~1e-3 of their scale: held to
+// kCudaDecodeLogitTol, 3x tighter than the prefill path's bf16 GEMMs (kCudaLogitTol).
+constexpr double kCudaDecodeLogitTol = 1e-2;
+
+TEST_P(CudaGolden, TokenByTokenMatchesTransformersToDecodeTolerance) {
   Session s(model(), *cuda_);
   std::vector<float> logits = s.feed(golden_.tokens, /*chunk=*/1, /*all_logits=*/true);
-  EXPECT_LT(max_rel_error(logits.data(), golden_.logits.data.data(), logits.size()), 2e-4) << GetParam();
+  const double err = max_rel_error(logits.data(), golden_.logits.data.data(), logits.size());
+  EXPECT_LT(err, kCudaDecodeLogitTol) << GetParam();
+  std::printf("[ measured ] %s token-by-token logit error %.3g (bf16 KV)\n", GetParam().c_str(), err);
 }
 
 TEST_P(CudaGolden, CachedDecodeEqualsFullRecompute) {

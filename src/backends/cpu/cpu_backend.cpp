@@ -22,6 +22,7 @@ namespace {
 // the view's block table pointing at that sequence's row: the kernels see one sequence.
 template <typename Fn>
 void for_each_sequence_run(const KvLayerView& kv, int64_t rows, Fn&& fn) {
+  TS_CHECK(kv.type == KvType::kF32, "CPU attention: KV pools must be f32");
   int64_t t0 = 0;
   while (t0 < rows) {
     const int seq = kv.seq_of(t0);
@@ -80,6 +81,7 @@ class CpuBackend final : public Backend {
   }
 
   void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions) override {
+    TS_CHECK(kv.type == KvType::kF32, "CPU kv_write: KV pools must be f32");
     const int64_t width = int64_t(kv.n_kv_heads) * kv.head_dim;
     for (int64_t t = 0; t < k.rows; ++t) {
       std::memcpy(kv.k_at(kv.seq_of(t), positions[t]), k.row(t), size_t(width) * 4);

@@ -400,8 +400,8 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
   for (int64_t b0 = first; b0 <= last; b0 += kPosBlock) {
     const int np = int(std::min<int64_t>(kPosBlock, last - b0 + 1));
     for (int j = 0; j < np; ++j) {
-      sc.k_base[size_t(j)] = row_of(b0 + j, a.kv.k);
-      sc.v_base[size_t(j)] = row_of(b0 + j, a.kv.v);
+      sc.k_base[size_t(j)] = row_of(b0 + j, a.kv.k_f32());
+      sc.v_base[size_t(j)] = row_of(b0 + j, a.kv.v_f32());
     }
 #if TS_CPU_AVX2
     // One head's walk over positions is strided (head_dim floats out of every
@@ -409,8 +409,8 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
     // the unit is memory bound (decode: few queries per K/V vector) the next block's whole
     // rows - which the unit reads in full - are fetched explicitly.
     for (int64_t p = b0 + kPosBlock; gq <= 4 && p < std::min(last + 1, b0 + 2 * kPosBlock); ++p) {
-      const char* kp = reinterpret_cast<const char*>(row_of(p, a.kv.k));
-      const char* vp = reinterpret_cast<const char*>(row_of(p, a.kv.v));
+      const char* kp = reinterpret_cast<const char*>(row_of(p, a.kv.k_f32()));
+      const char* vp = reinterpret_cast<const char*>(row_of(p, a.kv.v_f32()));
       for (int64_t c = 0; c < row_stride * 4; c += 64) {
         _mm_prefetch(kp + c, _MM_HINT_T1);
         _mm_prefetch(vp + c, _MM_HINT_T1);

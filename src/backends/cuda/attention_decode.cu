@@ -10,8 +10,8 @@
 // s = (q . k) * scale; softmax in f32; sinks[h], when given, is an extra logit whose
 // probability is dropped (it only enlarges the denominator).
 //
-// Bound: HBM bandwidth on K and V: context * n_kv_heads * head_dim * 8 bytes per row (GQA
-// groups share the read). The split factor comes from the host knowing only the shapes
+// Bound: HBM bandwidth on K and V: context * n_kv_heads * head_dim * 4 bytes per row (bf16
+// pools; GQA groups share the read). The split factor comes from the host knowing only the shapes
 // (positions live on the device, and a CUDA graph replays a fixed launch): enough splits
 // that rows * kv_heads * head_chunks * splits fills ~2 waves of SMs; each split's length is
 // computed on the device from the row's actual span, at least kMinSplitKeys keys, so short
@@ -48,12 +48,12 @@ __device__ __forceinline__ float4 f4_axpby(float4 x, float a, float4 y, float b)
 // exp(m - m_new) for a running max that may still be -inf (no key seen yet).
 __device__ __forceinline__ float rescale(float m, float m_new) { return m == m_new ? 1.f : expf(m - m_new); }
 
-// Layout: a key is read by kLanes lanes, each holding kChunks float4 of head_dim (lane sl
-// holds chunks sl, sl + kLanes, ...): 128-bit loads, one contiguous head_dim * 4 bytes per
-// key (>= 128 B). head_dim 32/64: 4/2 keys per warp at once; 128: one key per warp, one
+// Layout: a key is read by kLanes lanes, each holding kChunks 4-element chunks of head_dim
+// (lane sl holds chunks sl, sl + kLanes, ...): 8-byte loads of 4 bf16, one contiguous
+// head_dim * 2 bytes per key (>= 64 B). head_dim 32/64: 4/2 keys per warp at once; 128: one key per warp, one
 // float4 per lane; 256: two float4 per lane. Each lane keeps q and the V accumulators of its
 // chunks for kGroupTile query heads in registers; the head_dim < kHdMax tail is masked.
-// kUnroll keys per lane group per step keep 2 * kUnroll * kChunks 16-byte loads in flight.
+// kUnroll keys per lane group per step keep 2 * kUnroll * kChunks 8-byte loads in flight.
 template <int kHdMax, int kGroupTile>
 __global__ void __launch_bounds__(kDecodeThreads)
     attention_decode_kernel(const float* __restrict__ q, int64_t q_stride, const int64_t* __restrict__ positions,
@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t p = base + int64_t(u) * kGroups + lg;
       valid[u] = p < end;
-      const float* kp = nullptr;
-      const float* vp = nullptr;
+      const uint16_t* kp = nullptr;
+      const uint16_t* vp = nullptr;
       if (valid[u]) {
         const int64_t off = pool_offset(kv, table, p, kv_head);
         kp = kv.k + off;
@@ -131,10 +131,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         const int ch = sl + c * kLanes;
-        // 16-byte aligned: pools are, and every offset is a multiple of head_dim % 4 == 0 floats.
+        // 8-byte aligned: pools are, and every offset is a multiple of head_dim % 4 == 0 elements.
         const bool ld = valid[u] && ch < hd4;
-        kk[u][c] = ld ? __ldg(reinterpret_cast<const float4*>(kp) + ch) : f4_zero();
-        vv[u][c] = ld ? __ldg(reinterpret_cast<const float4*>(vp) + ch) : f4_zero();
+        kk[u][c] = ld ? load_bf16x4(kp + 4 * ch) : f4_zero();
+        vv[u][c] = ld ? load_bf16x4(vp + 4 * ch) : f4_zero();
       }
     }
 #pragma unroll
@@ -331,6 +331,7 @@ void check_attention_shapes(const char* op, const Mat& q, const KvLayerView& kv,
            kv.head_dim);
   TS_CHECK(kv.head_dim % 4 == 0 && kv.head_dim <= 256, "{}: head_dim {} (the CUDA kernels take multiples of 4 up to 256)",
            op, kv.head_dim);
+  check_bf16_pools(op, kv);
   TS_CHECK(aligned16(kv.k) && aligned16(kv.v), "{}: KV pools not 16-byte aligned", op);
   TS_CHECK(kv.block_size > 0 && kv.max_blocks > 0, "{}: block_size {}, max_blocks {}", op, kv.block_size,
            kv.max_blocks);

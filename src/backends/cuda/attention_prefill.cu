@@ -110,16 +110,16 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     for (long long k0 = kmin; k0 <= kmax; k0 += kTileK) {
-      // K and V tiles: kTileK keys x head_dim, 128-bit loads (pools 16-byte aligned, head_dim
-      // % 4 == 0); keys past kmax and dims past head_dim are zero.
+      // K and V tiles: kTileK keys x head_dim, 8-byte loads of 4 bf16 (pools 16-byte aligned,
+      // head_dim % 4 == 0); keys past kmax and dims past head_dim are zero.
       for (int i = tid; i < kTileK * (kHdMax / 4); i += kThreads) {
         const int n = i / (kHdMax / 4), d4 = i % (kHdMax / 4);
         const long long p = k0 + n;
         float4 kk = make_float4(0.f, 0.f, 0.f, 0.f), vv = kk;
         if (p <= kmax && d4 < hd4) {
           const int64_t off = pool_offset(kv, table, p, kv_head) + 4 * d4;
-          kk = __ldg(reinterpret_cast<const float4*>(kv.k + off));
-          vv = __ldg(reinterpret_cast<const float4*>(kv.v + off));
+          kk = load_bf16x4(kv.k + off);
+          vv = load_bf16x4(kv.v + off);
         }
         *reinterpret_cast<float4*>(&s_k[n * kLd + 4 * d4]) = kk;
         *reinterpret_cast<float4*>(&s_v[n * kHdMax + 4 * d4]) = vv;

@@ -4,8 +4,8 @@
 // mma.sync.m16n8k16 with f32 accumulation. See attention_prefill.cu for the tile layout and
 // backends/cpu/kernels_ref.cpp for the math.
 //
-// Precision: Q, K, V (f32 in the cache) and the probabilities P are rounded to bf16 (8
-// significant bits) as they enter the products; scores, the online softmax, the row sums and
+// Precision: Q and the probabilities P are rounded to bf16 (8 significant bits) as they
+// enter the products (K and V are bf16 in the cache already); scores, the online softmax, the row sums and
 // O stay f32. With bf16-exact inputs only P's rounding remains (relative 2^-9 per key, random
 // in sign, so the output error shrinks with the number of keys a row sees; the row sums add
 // the rounded P, so each output is an exact weighted mean of V); on general inputs
@@ -13,19 +13,18 @@
 // for callers that want the CPU's rounding (tests); attention() takes this one for prefill.
 //
 // Layout: 8 warps, warp w owns query vectors 16w..16w+15 (the A rows of its mma tiles); keys
-// in tiles of 64. K and V rows arrive by cp.async into one of two f32 stages (the next tile's
-// copies fly while this one is converted and multiplied), are converted once into bf16 tiles
+// in tiles of 64. K and V rows arrive by cp.async straight from the bf16 pools into one of
+// two stages of bf16 tiles (the next tile's copies fly while this one is multiplied), rows
 // of head_dim padded to kHd + 8 (the +16 bytes put the 8 rows an mma fragment or ldmatrix
 // reads in distinct banks). Q's A fragments live in registers for the whole pass; S's
 // accumulators become P's A fragments in registers (an m16n8 C fragment pair has the m16k16
 // A layout); V's B fragments come from ldmatrix.trans (V is stored key-major, the product
 // wants it dim-major).
 //
-// Bound: occupancy and the per-tile conversion. 228 registers a thread (Q fragments, S and O
-// accumulators for head_dim 128) and 205 KB of shared memory leave one block (8 warps) per
-// SM; ncu put the tensor pipe at ~10% active (4-warp version). The KV bytes are f32 (twice a
-// bf16 pool's) and are converted once per block and tile: a bf16 KV pool would let cp.async
-// fill the bf16 tiles directly and free the f32 stages.
+// Bound: occupancy. 228 registers a thread (Q fragments, S and O accumulators for head_dim
+// 128) leave one block (8 warps) per SM, with 104 KB of shared memory (head_dim 128; 205 KB
+// while the pools were f32 and staged for a conversion pass); ncu put the tensor pipe at ~10%
+// active (4-warp version, f32 pools).
 #include <climits>
 
 #include "backends/cuda/common.cuh"
@@ -48,15 +47,13 @@ constexpr int kTileQ = 16 * kWarps;  // query vectors per block
 constexpr int kTileK = 64;           // keys per step
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Shared memory: two f32 stages of K and V rows (cp.async targets), the bf16 K and V tiles the
-// products read, and Q as bf16 (read once into registers).
+// Shared memory: Q as bf16 (read once into registers), then two stages of the bf16 K and V
+// tiles the products read (cp.async targets).
 template <int kHd>
 struct TcSmem {
-  static constexpr int kLd = kHd + 8;      // bf16 per row
-  static constexpr int kLdF = kHd + 4;     // f32 per staged row (16-byte aligned rows)
-  static constexpr size_t kStageFloats = size_t(2) * kTileK * kLdF;  // K and V of one tile
-  static constexpr size_t kBytes = 2 * kStageFloats * sizeof(float) +
-                                   size_t(kTileQ + 2 * kTileK) * kLd * sizeof(__nv_bfloat16);
+  static constexpr int kLd = kHd + 8;  // bf16 per row (16-byte aligned rows)
+  static constexpr int kStage = 2 * kTileK * kLd;  // K and V of one tile, bf16
+  static constexpr size_t kBytes = (size_t(kTileQ) * kLd + 2 * size_t(kStage)) * sizeof(__nv_bfloat16);
 };
 
 
@@ -102,19 +99,16 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kKSteps = kHd / 16;    // depth steps of S = Q K^T
   constexpr int kSTiles = kTileK / 8;  // 8-key column tiles of S
   constexpr int kOTiles = kHd / 8;     // 8-dim column tiles of O
-  constexpr int kLdF = S::kLdF;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto* s_stage = reinterpret_cast<float*>(smem_raw);  // [2][K, V][kTileK][kLdF]
-  auto* s_q = reinterpret_cast<__nv_bfloat16*>(s_stage + 2 * S::kStageFloats);  // [kTileQ][kLd]
-  __nv_bfloat16* s_k = s_q + kTileQ * kLd;                                        // [kTileK][kLd]
-  __nv_bfloat16* s_v = s_k + kTileK * kLd;                                        // [kTileK][kLd]
+  auto* s_q = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kTileQ][kLd]
+  __nv_bfloat16* s_stage = s_q + kTileQ * kLd;             // [2][K, V][kTileK][kLd]
   __shared__ PrefillTileQueries<kTileQ> tq;
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
   const int kv_head = blockIdx.y;
   const int rows_per_tile = kTileQ / group;
   const int64_t row0 = int64_t(blockIdx.x) * rows_per_tile;
-  const int hd = kv.head_dim, hd4 = hd / 4;
+  const int hd = kv.head_dim, hd4 = hd / 4, hd8 = hd / 8;
 
   // Query vectors: m -> (row row0 + m / group, head kv_head * group + m % group).
   tq.init(tid, row0, rows_per_tile, group, rows, positions, window, kv.row_seq);
@@ -171,23 +165,23 @@ __global__ void __launch_bounds__(kThreads)
       w_hi = max(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, off));
     }
 
-    // Stage `tile` (keys kmin + kTileK tile ..) into f32 buffer `buf` with cp.async; keys past
-    // kmax and dims past head_dim are zero-filled (a zero V row keeps masked keys' garbage out
-    // of P V).
+    // Stage `tile` (keys kmin + kTileK tile ..) into buffer `buf` with cp.async, 8 bf16 per
+    // copy (head_dim % 8 == 0: every row offset is 16-byte aligned); keys past kmax and dims
+    // past head_dim are zero-filled (a zero V row keeps masked keys' garbage out of P V).
     auto issue = [&](long long tile, int buf) {
-      float* sk = s_stage + buf * S::kStageFloats;
-      float* sv = sk + kTileK * kLdF;
+      __nv_bfloat16* sk = s_stage + buf * S::kStage;
+      __nv_bfloat16* sv = sk + kTileK * kLd;
       const long long base = kmin + tile * kTileK;
-      for (int i = tid; i < kTileK * (kHd / 4); i += kThreads) {
-        const int n = i / (kHd / 4), d4 = i % (kHd / 4);
+      for (int i = tid; i < kTileK * (kHd / 8); i += kThreads) {
+        const int n = i / (kHd / 8), d8 = i % (kHd / 8);
         const long long p = base + n;
-        const bool ok = p <= kmax && d4 < hd4;
+        const bool ok = p <= kmax && d8 < hd8;
         int64_t off = 0;
         if (ok) {
-          off = pool_offset(kv, table, p, kv_head) + 4 * d4;
+          off = pool_offset(kv, table, p, kv_head) + 8 * d8;
         }
-        cp_async16(sk + n * kLdF + 4 * d4, kv.k + off, ok ? 16 : 0);
-        cp_async16(sv + n * kLdF + 4 * d4, kv.v + off, ok ? 16 : 0);
+        cp_async16(sk + n * kLd + 8 * d8, kv.k + off, ok ? 16 : 0);
+        cp_async16(sv + n * kLd + 8 * d8, kv.v + off, ok ? 16 : 0);
       }
       cp_async_commit();
     };
@@ -201,17 +195,9 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         cp_async_wait<0>();
       }
-      __syncthreads();  // this tile's stage has landed for every thread; the last tile's readers are done
-      {
-        const float* sk = s_stage + (tile & 1) * S::kStageFloats;
-        const float* sv = sk + kTileK * kLdF;
-        for (int i = tid; i < kTileK * (kHd / 4); i += kThreads) {
-          const int n = i / (kHd / 4), d4 = i % (kHd / 4);
-          store_bf16x4(s_k + n * kLd + 4 * d4, *reinterpret_cast<const float4*>(sk + n * kLdF + 4 * d4));
-          store_bf16x4(s_v + n * kLd + 4 * d4, *reinterpret_cast<const float4*>(sv + n * kLdF + 4 * d4));
-        }
-      }
-      __syncthreads();
+      __syncthreads();  // this tile's stage has landed for every thread
+      const __nv_bfloat16* s_k = s_stage + (tile & 1) * S::kStage;
+      const __nv_bfloat16* s_v = s_k + kTileK * kLd;
 
       if (k0 <= w_hi && k0 + kTileK - 1 >= w_lo) {
         // S = Q K^T for this warp's 16 vectors x kTileK keys.
@@ -280,6 +266,7 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
       }
+      __syncthreads();  // every warp is done with this stage before a later issue() refills it
     }
     tq.end_pass(tid);
   }
@@ -316,7 +303,7 @@ __global__ void __launch_bounds__(kThreads)
 template <int kHd>
 void launch_tc(const Mat& q, const int64_t* positions, const PagedKv& kv, int group, float scale, int window,
                const float* sinks, const Mat& out, cudaStream_t stream) {
-  constexpr size_t bytes = TcSmem<kHd>::kBytes;  // head_dim 128: 205 KB, 64: 107 KB
+  constexpr size_t bytes = TcSmem<kHd>::kBytes;  // head_dim 128: 104 KB, 64: 54 KB
   TS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_tc_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(bytes)),
                 "attention_prefill_tc: shared memory {} bytes for head_dim <= {}", bytes, kHd);
@@ -328,12 +315,13 @@ void launch_tc(const Mat& q, const int64_t* positions, const PagedKv& kv, int gr
 
 }  // namespace
 
-bool attention_prefill_tc_supports(int head_dim) { return head_dim <= 128; }
+bool attention_prefill_tc_supports(int head_dim) { return head_dim <= 128 && head_dim % 8 == 0; }
 
 void attention_prefill_tc(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                           int window, const float* sinks, const Mat& out, cudaStream_t stream) {
   check_attention_shapes("attention_prefill_tc", q, kv, n_heads, out);
-  TS_CHECK(attention_prefill_tc_supports(kv.head_dim), "attention_prefill_tc: head_dim {} above 128", kv.head_dim);
+  TS_CHECK(attention_prefill_tc_supports(kv.head_dim),
+           "attention_prefill_tc: head_dim {} (takes multiples of 8 up to 128)", kv.head_dim);
   if (q.rows == 0) return;
   const int group = n_heads / kv.n_kv_heads;
   TS_CHECK(group <= kTileQ, "attention_prefill_tc: GQA group {} above {}", group, kTileQ);

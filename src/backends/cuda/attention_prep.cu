@@ -1,5 +1,5 @@
 // The attention inputs in one launch (Backend::attention_prep): per-head RMSNorm of q and k,
-// RoPE on both, and k and v written to the paged cache, where the separate kernels took five
+// RoPE on both, and k and v written to the paged cache (bf16), where the separate kernels took five
 // launches per layer (two norms, two ropes, the cache write; at decode each is a few
 // microseconds of launch and latency for a few kilobytes: ~20 us per layer on the H200, ncu).
 //
@@ -14,6 +14,7 @@
 // is rows x (2 heads + ...) x head_dim floats).
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
+#include "backends/cuda/paged_kv.cuh"
 
 namespace turbospark::cuda {
 namespace {
@@ -74,9 +75,11 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int64_t block = kv.block_table[int64_t(seq) * kv.max_blocks + pos / kv.block_size];
   const int64_t off = (block * kv.block_size + pos % kv.block_size) * int64_t(kv.n_kv_heads) * hd + int64_t(kvh) * hd;
   const float* vr = v + t * v_stride + int64_t(kvh) * hd;
+  auto* k_pool = static_cast<uint16_t*>(kv.k);
+  auto* v_pool = static_cast<uint16_t*>(kv.v);
   for (int d = threadIdx.x; d < hd; d += kPrepThreads) {
-    kv.k[off + d] = head[d];
-    kv.v[off + d] = vr[d];
+    k_pool[off + d] = f32_to_bf16_bits(head[d]);
+    v_pool[off + d] = f32_to_bf16_bits(vr[d]);
   }
 }
 
@@ -92,6 +95,7 @@ bool attention_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPre
   TS_CHECK(kv.n_kv_heads == p.n_kv_heads && kv.head_dim == p.head_dim && kv.block_size > 0 && kv.max_blocks > 0,
            "attention_prep: cache of {} kv heads x {} (block size {}) for {} x {}", kv.n_kv_heads, kv.head_dim,
            kv.block_size, p.n_kv_heads, p.head_dim);
+  check_bf16_pools("attention_prep", kv);
   // A head in shared memory: up to 48 KB without an opt-in (12288 floats, far past any model).
   if (int64_t(p.head_dim) * 4 > 48 * 1024) return false;
   if (q.rows == 0) return true;

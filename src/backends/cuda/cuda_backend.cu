@@ -111,6 +111,9 @@ class CudaBackend final : public Backend {
   // Measured on the H200 (Q4_0 30B-A3B, bench --ubatch): 2k prompt 10434 (512) vs 13341
   // (2048) tok/s, 8k 6691 vs 8330. The workspace's logits rows cost 2048 x vocab floats.
   int64_t preferred_prefill_batch() const override { return 2048; }
+  // bf16 pools: half the bytes a decode step reads at long context, and the prefill tiles the
+  // tensor cores multiply come straight from them (attention math stays f32).
+  KvType kv_type() const override { return KvType::kBf16; }
 
   // ---- memory ----
   std::shared_ptr<void> alloc_bytes(int64_t n) override {
