@@ -258,6 +258,12 @@ class Backend {
 
   // y = x W^T for W [out, in]; one row of x is a GEMV (decode), many a GEMM (prefill).
   virtual void matmul(const Weight& w, const Mat& x, const Mat& y) = 0;
+  // ys[i] = x ws[i]^T for several weights over the same x (an attention layer's q, k and v):
+  // the same results as one matmul each, which is what it does unless a backend can do better
+  // (CUDA: one GEMV launch at decode).
+  virtual void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys) {
+    for (size_t i = 0; i < ws.size(); ++i) matmul(*ws[i], x, ys[i]);
+  }
   // y[t, :] += bias (length y.cols)
   virtual void add_bias(const Mat& y, const float* bias) = 0;
   virtual void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset = 0.f) = 0;

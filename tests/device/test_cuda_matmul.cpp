@@ -344,6 +344,51 @@ BothMatmuls cpu_and_cuda_matmul(Backend& cpu, cuda::WeightMatmul& mm, const Form
 }
 
 // The CPU backend computes these formats in float (MXFP4 in its exact mode): agree with it.
+// matmul_shared_input (an attention layer's q, k and v in one GEMV launch): every output is
+// bit-identical to its own matmul, for every format, decode row counts, ragged output sizes
+// (blocks of the three jobs differ in number and split-K), strided outputs, and a mix of
+// formats that cannot share a launch (each then runs alone).
+TEST(CudaMatmul, SharedInputEqualsSeparateMatmulsBitForBit) {
+  cuda::WeightMatmul mm;
+  uint32_t seed = 7000;
+  const std::vector<Format> formats = all_formats();
+  for (size_t fi = 0; fi < formats.size(); ++fi) {
+    const Format& f = formats[fi];
+    const int64_t in = f.is_float() ? 203 : f.granule() * 3;
+    for (int64_t rows : {int64_t(1), int64_t(3), int64_t(8)}) {
+      const int64_t outs[3] = {129, 7, 1000};
+      // The last case's third weight is of the next format: no shared launch possible.
+      const Format& f3 = rows == 8 ? formats[(fi + 1) % formats.size()] : f;
+      if (in % f3.granule() != 0) continue;
+      std::vector<HostWeight> hws;
+      std::vector<DevWeight> dws;
+      hws.reserve(3);
+      dws.reserve(3);
+      for (int i = 0; i < 3; ++i) {
+        hws.push_back(make_weight(i == 2 ? f3 : f, outs[i], in, seed++));
+        dws.push_back(upload(hws.back(), (i == 2 ? f3 : f).planes));
+      }
+      const std::vector<float> x = random_floats(size_t(rows * in), seed++);
+      DevMat dx(rows, in, in + 4);
+      dx.upload(x);
+      std::vector<DevMat> fused, alone;
+      for (int i = 0; i < 3; ++i) {
+        fused.emplace_back(rows, outs[i], outs[i] + 3);
+        alone.emplace_back(rows, outs[i], outs[i]);
+        fused.back().buf.poison();
+        alone.back().buf.poison();
+      }
+      const WeightView* ws[3] = {&dws[0].view, &dws[1].view, &dws[2].view};
+      const Mat ys[3] = {fused[0].mat, fused[1].mat, fused[2].mat};
+      mm.matmul_shared_input(ws, dx.mat, ys, nullptr);
+      for (int i = 0; i < 3; ++i) mm.matmul(dws[i].view, dx.mat, alone[i].mat, nullptr);
+      for (int i = 0; i < 3; ++i)
+        EXPECT_EQ(fused[i].download(), alone[i].download())
+            << f.name() << " + " << f3.name() << " rows " << rows << " job " << i;
+    }
+  }
+}
+
 TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {
   cpu::mxfp4_set_int8_activations(false);
   auto cpu = make_cpu_backend(2);

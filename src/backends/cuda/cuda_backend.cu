@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -310,6 +311,12 @@ class CudaBackend final : public Backend {
 
   // ---- ops ----
   void matmul(const Weight& w, const Mat& x, const Mat& y) override { matmul_->matmul(w.view, x, y, stream_); }
+  void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys) override {
+    TS_CHECK(ws.size() <= 8, "matmul_shared_input: {} weights (at most 8)", ws.size());
+    std::array<const WeightView*, 8> views{};
+    for (size_t i = 0; i < ws.size(); ++i) views[i] = &ws[i]->view;
+    matmul_->matmul_shared_input(std::span<const WeightView* const>(views.data(), ws.size()), x, ys, stream_);
+  }
   void add_bias(const Mat& y, const float* bias) override { cuda::add_bias(y, bias, stream_); }
   void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset) override {
     cuda::rmsnorm(x, weight, eps, y, weight_offset, stream_);

@@ -276,4 +276,22 @@ void WeightMatmul::matmul(const WeightView& w, const Mat& x, const Mat& y, cudaS
   }
 }
 
+void WeightMatmul::matmul_shared_input(std::span<const WeightView* const> ws, const Mat& x, std::span<const Mat> ys,
+                                       cudaStream_t stream) {
+  TS_CHECK(ws.size() == ys.size(), "matmul_shared_input: {} weights, {} outputs", ws.size(), ys.size());
+  if (x.rows >= 1 && x.rows <= kGemvMaxRows && ws.size() > 1) {
+    bool shapes = true;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      check_weight(*ws[i], "matmul");
+      shapes = shapes && x.cols == ws[i]->cols && ys[i].cols == ws[i]->rows && ys[i].rows == x.rows;
+    }
+    if (shapes) {
+      int64_t stride = 0;
+      const float* xa = aligned_rows(x, &stride, stream);
+      if (launch_gemv_shared_input(ws, xa, stride, ys, num_sms_, stream)) return;
+    }
+  }
+  for (size_t i = 0; i < ws.size(); ++i) matmul(*ws[i], x, ys[i], stream);
+}
+
 }  // namespace turbospark::cuda

@@ -78,30 +78,63 @@ struct GemvPlace {
   int64_t o0;
   WeightRow wr[kOut];
 
-  __device__ __forceinline__ GemvPlace(const DeviceWeight& w, int warps_per_group) {
+  __device__ __forceinline__ GemvPlace(const DeviceWeight& w, int warps_per_group, int block) {
     group_threads = warps_per_group * kWarp;
     const int groups_per_block = kGemvThreads / group_threads;
     group = threadIdx.x / group_threads;
     t = threadIdx.x % group_threads;
-    o0 = (int64_t(blockIdx.x) * groups_per_block + group) * kOut;
+    o0 = (int64_t(block) * groups_per_block + group) * kOut;
 #pragma unroll
     for (int j = 0; j < kOut; ++j) wr[j] = weight_row(w, o0 + j < w.rows ? o0 + j : w.rows - 1);
   }
 };
 
+// Up to kMaxGemvJobs weights of one format over the same activations in one launch (q, k and
+// v of an attention layer: one launch instead of three, each a few microseconds of ramp and
+// drain at decode): blocks [block_end[j - 1], block_end[j]) compute job j exactly as a launch
+// of its own would (same groups, split-K and sums), so the outputs are bit-identical.
+constexpr int kMaxGemvJobs = 3;
+struct GemvJobs {
+  DeviceWeight w[kMaxGemvJobs];
+  float* y[kMaxGemvJobs];
+  int64_t y_stride[kMaxGemvJobs];
+  int warps_per_group[kMaxGemvJobs];
+  int block_end[kMaxGemvJobs];  // cumulative block counts
+  int n;
+};
+
 // kQ8: the dp4a variant (q8.cuh): the block first quantizes its activation rows to int8 in
-// shared memory, then reads them as codes and the weights as integer codes.
+// shared memory, then reads them as codes and the weights as integer codes (one job only).
 template <class F, int kMaxRows, int kOut, bool kQ8>
 __global__ void __launch_bounds__(kGemvThreads)
-    gemv_kernel(DeviceWeight w, const float* __restrict__ x, int64_t x_stride, int n_rows, float* __restrict__ y,
-                int64_t y_stride, int warps_per_group) {
+    gemv_kernel(GemvJobs jobs, const float* __restrict__ x, int64_t x_stride, int n_rows) {
   pdl_begin();
+  // This block's job, by static indices (a dynamic index into the parameter arrays would copy
+  // them to local memory).
+  int job = 0;
+#pragma unroll
+  for (int i = 0; i + 1 < kMaxGemvJobs; ++i) job += i + 1 < jobs.n && int(blockIdx.x) >= jobs.block_end[i];
+  DeviceWeight w = jobs.w[0];
+  float* __restrict__ y = jobs.y[0];
+  int64_t y_stride = jobs.y_stride[0];
+  int warps_per_group = jobs.warps_per_group[0];
+  int block = int(blockIdx.x);
+#pragma unroll
+  for (int i = 1; i < kMaxGemvJobs; ++i) {
+    if (job == i) {
+      w = jobs.w[i];
+      y = jobs.y[i];
+      y_stride = jobs.y_stride[i];
+      warps_per_group = jobs.warps_per_group[i];
+      block = int(blockIdx.x) - jobs.block_end[i - 1];
+    }
+  }
   [[maybe_unused]] SmemQ8 xq{};
   if constexpr (kQ8) {
     extern __shared__ int4 q8_smem[];
     xq = quantize_q8_rows(x, x_stride, n_rows, w.cols, q8_smem);
   }
-  const GemvPlace<kOut> at(w, warps_per_group);
+  const GemvPlace<kOut> at(w, warps_per_group, block);
   const int t = at.t, group_threads = at.group_threads;
   const int64_t o0 = at.o0;
   const WeightRow* wr = at.wr;
@@ -201,27 +234,55 @@ bool use_q8(bool has_q8, int64_t rows, int64_t out_rows, int64_t cols, int num_s
          gemv_warps_per_group(out_rows, cols, gemv_out_per_group(rows), num_sms) == 1;
 }
 
-template <class F, int kMaxRows, int kOut>
-void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
-              cudaStream_t stream) {
+// One job's launch geometry.
+template <class F, int kOut>
+void add_gemv_job(GemvJobs& jobs, const WeightView& w, const Mat& y, int num_sms) {
   const int64_t groups = (w.rows + kOut - 1) / kOut;
   const int warps_per_group = gemv_warps_per_group(w.rows, w.cols, kOut, num_sms, kBlock32<F>);
   const int groups_per_block = kGemvThreads / (warps_per_group * kWarp);
   const int64_t blocks = (groups + groups_per_block - 1) / groups_per_block;
+  const int prev = jobs.n ? jobs.block_end[jobs.n - 1] : 0;
+  TS_CHECK(jobs.n < kMaxGemvJobs && prev + blocks < (int64_t(1) << 31), "gemv: {} jobs, {} blocks", jobs.n + 1,
+           prev + blocks);
+  jobs.w[jobs.n] = device_weight(w);
+  jobs.y[jobs.n] = y.data;
+  jobs.y_stride[jobs.n] = y.stride;
+  jobs.warps_per_group[jobs.n] = warps_per_group;
+  jobs.block_end[jobs.n] = int(prev + blocks);
+  ++jobs.n;
+}
+
+template <class F, int kMaxRows, int kOut>
+void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
+              cudaStream_t stream) {
+  GemvJobs jobs{};
+  add_gemv_job<F, kOut>(jobs, w, y, num_sms);
+  const int64_t blocks = jobs.block_end[0];
+  const int warps_per_group = jobs.warps_per_group[0];
   const bool q8 = use_q8(kHasQ8<F>, y.rows, w.rows, w.cols, num_sms);
   if constexpr (kHasQ8<F>) {
     if (q8) {
       launch(gemv_kernel<F, kMaxRows, kOut, true>, dim3(unsigned(blocks)), kGemvThreads,
-             size_t(q8_smem_bytes(y.rows, w.cols)), stream, device_weight(w), x, x_stride, int(y.rows), y.data,
-             y.stride, warps_per_group);
+             size_t(q8_smem_bytes(y.rows, w.cols)), stream, jobs, x, x_stride, int(y.rows));
     }
   }
   if (!q8) {
-    launch(gemv_kernel<F, kMaxRows, kOut, false>, dim3(unsigned(blocks)), kGemvThreads, 0, stream, device_weight(w), x,
-           x_stride, int(y.rows), y.data, y.stride, warps_per_group);
+    launch(gemv_kernel<F, kMaxRows, kOut, false>, dim3(unsigned(blocks)), kGemvThreads, 0, stream, jobs, x, x_stride,
+           int(y.rows));
   }
   TS_CUDA_LAUNCH_CHECK("gemv {}{} [{}, {}] x {} rows ({} blocks, {} warps/group)", dtype_name(w.dtype),
                        q8 ? " (int8 activations)" : "", w.rows, w.cols, y.rows, blocks, warps_per_group);
+}
+
+template <class F, int kMaxRows, int kOut>
+void run_gemv_jobs(std::span<const WeightView* const> ws, const float* x, int64_t x_stride, std::span<const Mat> ys,
+                   int num_sms, cudaStream_t stream) {
+  GemvJobs jobs{};
+  for (size_t i = 0; i < ws.size(); ++i) add_gemv_job<F, kOut>(jobs, *ws[i], ys[i], num_sms);
+  launch(gemv_kernel<F, kMaxRows, kOut, false>, dim3(unsigned(jobs.block_end[jobs.n - 1])), kGemvThreads, 0, stream,
+         jobs, x, x_stride, int(ys[0].rows));
+  TS_CUDA_LAUNCH_CHECK("gemv {} x {} jobs [{}, {}] ... x {} rows ({} blocks)", dtype_name(ws[0]->dtype), jobs.n,
+                       ws[0]->rows, ws[0]->cols, ys[0].rows, jobs.block_end[jobs.n - 1]);
 }
 
 }  // namespace
@@ -234,6 +295,36 @@ bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms) {
   static_assert(kHasQ8<FmtQ4_0> && kHasQ8<FmtQ4_1> && kHasQ8<FmtQ5_0> && kHasQ8<FmtQ5_1> && kHasQ8<FmtQ8_0> &&
                 !kHasQ8<FmtQK45<false>> && !kHasQ8<FmtQ6_K> && !kHasQ8<FmtMXFP4> && !kHasQ8<FmtQ4_0Planes>);
   return rows >= 1 && rows <= kGemvMaxRows && use_q8(has_q8, rows, out_rows, cols, num_sms);
+}
+
+bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float* x, int64_t x_stride,
+                              std::span<const Mat> ys, int num_sms, cudaStream_t stream) {
+  if (ws.empty() || ws.size() > size_t(kMaxGemvJobs) || ws.size() != ys.size()) return false;
+  const int64_t rows = ys[0].rows;
+  if (rows < 1 || rows > kGemvMaxRows) return false;
+  TS_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_stride % 4 == 0 && x_stride >= ws[0]->cols,
+           "gemv: activation rows must be 16-byte aligned (x {}, stride {} floats for {} cols)",
+           static_cast<const void*>(x), x_stride, ws[0]->cols);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const WeightView& w = *ws[i];
+    TS_CHECK(ys[i].cols == w.rows && ys[i].rows == rows && w.cols == ws[0]->cols,
+             "gemv: job {}: {} weight [{}, {}] with output [{}, {}]", i, dtype_name(w.dtype), w.rows, w.cols,
+             ys[i].rows, ys[i].cols);
+    // One format for all (ggml Q4_0 and its planes are two), none on the int8 path, none empty.
+    if (w.dtype != ws[0]->dtype || is_q4_0_planes(w) != is_q4_0_planes(*ws[0]) || w.rows == 0 ||
+        gemv_int8_activations(w, rows, num_sms))
+      return false;
+  }
+  bool done = false;
+  dispatch_weight_format(*ws[0], "gemv", [&](auto fmt) {
+    using F = decltype(fmt);
+    for (const WeightView* w : ws)
+      if (!aligned_for<F>(*w)) return;  // float formats: the first view's load width must suit every view
+    if (rows == 1) run_gemv_jobs<F, 1, 4>(ws, x, x_stride, ys, num_sms, stream);
+    else run_gemv_jobs<F, kGemvMaxRows, 2>(ws, x, x_stride, ys, num_sms, stream);
+    done = true;
+  });
+  return done;
 }
 
 void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -67,6 +68,12 @@ class DeviceScratch {
 // 16-byte aligned (x % 16 == 0, x_stride % 4 == 0) with w.cols floats each.
 void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
                  cudaStream_t stream);
+// gemv.cu: the GEMVs of several weights (at most 3) over the same x in one launch, each output
+// bit-identical to its own launch_gemv. Returns false, launching nothing, where they cannot
+// share one (formats or load widths differ, a weight takes the int8 path, rows outside
+// 1..kGemvMaxRows): the caller then launches them one by one.
+bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float* x, int64_t x_stride,
+                              std::span<const Mat> ys, int num_sms, cudaStream_t stream);
 // Whether a GEMV of a [out_rows, cols] weight of this format over `rows` activation rows
 // quantizes the activations to int8 per 32 (q8.cuh's dp4a path: ggml-layout Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, for
 // matrices with rows enough to skip split-K, while the codes fit a block's shared memory);
@@ -101,6 +108,10 @@ class WeightMatmul {
   // y = x W^T, W [out, in] as stored, x [rows, in] f32, y [rows, out] f32 (strided rows).
   // GEMV for rows <= kGemvMaxRows, else bf16 cuBLASLt GEMM (TF32 for F32 weights).
   void matmul(const WeightView& w, const Mat& x, const Mat& y, cudaStream_t stream);
+  // ys[i] = x ws[i]^T for every i: one GEMV launch where launch_gemv_shared_input can, else
+  // one matmul each.
+  void matmul_shared_input(std::span<const WeightView* const> ws, const Mat& x, std::span<const Mat> ys,
+                           cudaStream_t stream);
   // out[t, :] = scale * dequantized row ids[t] of table, t < n (ids int32, device memory).
   void embedding(const WeightView& table, const int32_t* ids, int64_t n, float scale, const Mat& out,
                  cudaStream_t stream);

@@ -136,11 +136,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
 }
 
 // The k experts' partial dots are weighted and summed per lane, and the warp reduces once.
+// Experts are taken kDownExpertsInFlight at a time with their unit loads interleaved in one
+// loop: a loop over experts one by one made each a chain of dependent loads (id, descriptor,
+// weights), ~1 us apiece, 21 us for the Q4_0 30B-A3B layer's 7 MB (ncu). Same per-lane
+// arithmetic and order as one expert after another, so bit-identical to it.
+constexpr int kDownExpertsInFlight = 4;
+
 template <class F>
 __global__ void __launch_bounds__(kDecodeThreads)
     moe_down_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
                          int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
                          float* __restrict__ out, int64_t out_stride) {
+  constexpr int kE = kDownExpertsInFlight;
   pdl_begin();
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
@@ -148,17 +155,47 @@ __global__ void __launch_bounds__(kDecodeThreads)
   if (o >= p.hidden) return;
   float acc = 0.f;
   bool bad = false;
-  for (int j = 0; j < p.k; ++j) {
-    const int64_t pair = t * p.k + j;
-    const int32_t e = idx[pair];
-    if (!valid_expert(e, p)) {
-      bad = true;
-      continue;
+  const int64_t n_units = p.inter / kUnit;
+  for (int j0 = 0; j0 < p.k; j0 += kE) {
+    bool live[kE];
+    WeightRow wr[kE];
+    const float* hr[kE];
+    const MoeExpertDesc* dp[kE];
+#pragma unroll
+    for (int jj = 0; jj < kE; ++jj) {
+      const int64_t pair = t * p.k + j0 + jj;
+      const int32_t e = j0 + jj < p.k ? idx[pair] : 0;
+      live[jj] = j0 + jj < p.k && valid_expert(e, p);
+      bad |= j0 + jj < p.k && !live[jj];
+      // Absent or invalid: read expert 0's row and this row's h (valid memory), drop the sum.
+      dp[jj] = &experts[live[jj] ? e : 0];
+      wr[jj] = weight_row(dp[jj]->down, o);
+      hr[jj] = h + (live[jj] ? pair : t * p.k) * ldh;
     }
-    const MoeExpertDesc& d = experts[e];
-    float y = partial_dot<F>(weight_row(d.down, o), p.inter, h + pair * ldh, lane, kWarp);
-    if (lane == 0 && d.down_bias) y += d.down_bias[o];
-    acc = fmaf(weight[pair], y, acc);
+    float y[kE] = {};
+#pragma unroll 2
+    for (int64_t u = lane; u < n_units; u += kWarp) {
+#pragma unroll
+      for (int jj = 0; jj < kE; ++jj) {
+        float wv[kUnit], xv[kUnit];
+        F::unit(wr[jj], u, wv);
+        load_x8(hr[jj] + u * kUnit, xv);
+#pragma unroll
+        for (int i = 0; i < kUnit; ++i) y[jj] = fmaf(wv[i], xv[i], y[jj]);
+      }
+    }
+    if constexpr (F::kTail) {
+#pragma unroll
+      for (int jj = 0; jj < kE; ++jj)
+        for (int64_t i = n_units * kUnit + lane; i < p.inter; i += kWarp)
+          y[jj] = fmaf(F::elem(wr[jj], i), __ldg(hr[jj] + i), y[jj]);
+    }
+#pragma unroll
+    for (int jj = 0; jj < kE; ++jj) {
+      if (!live[jj]) continue;
+      if (lane == 0 && dp[jj]->down_bias) y[jj] += dp[jj]->down_bias[o];
+      acc = fmaf(weight[t * p.k + j0 + jj], y[jj], acc);
+    }
   }
   acc = warp_sum(acc);
   if (lane == 0) out[t * out_stride + o] = bad ? nan_f32() : acc;

@@ -12,9 +12,13 @@ void attention_block(Backend& be, const AttentionParams& p, const AttentionWeigh
   const int64_t rows = x.rows;
   Mat q = s.q.rows_slice(0, rows), k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows);
   Mat attn = s.attn.rows_slice(0, rows);
-  project(be, w.q, w.q_bias, x, q);
-  project(be, w.k, w.k_bias, x, k);
-  project(be, w.v, w.v_bias, x, v);
+  // q, k and v read the same x: one call (one GEMV launch at decode on CUDA), then the biases.
+  const Weight* qkv_w[3] = {&w.q, &w.k, &w.v};
+  const Mat qkv_y[3] = {q, k, v};
+  be.matmul_shared_input(qkv_w, x, qkv_y);
+  if (!w.q_bias.empty()) be.add_bias(q, w.q_bias.data());
+  if (!w.k_bias.empty()) be.add_bias(k, w.k_bias.data());
+  if (!w.v_bias.empty()) be.add_bias(v, w.v_bias.data());
   AttentionPrep prep;
   prep.n_heads = p.n_heads;
   prep.n_kv_heads = p.n_kv_heads;
