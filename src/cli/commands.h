@@ -12,5 +12,6 @@ void add_bench_command(CLI::App& app);
 void add_perplexity_command(CLI::App& app);
 void add_chat_command(CLI::App& app);
 void add_convert_command(CLI::App& app);
+void add_serve_command(CLI::App& app);
 
 }  // namespace turbospark::cli

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "turbospark 0.1.0");
   turbospark::cli::add_run_command(app);
   turbospark::cli::add_chat_command(app);
+  turbospark::cli::add_serve_command(app);
   turbospark::cli::add_generate_command(app);
   turbospark::cli::add_logits_command(app);
   turbospark::cli::add_inspect_command(app);

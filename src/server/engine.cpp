@@ -1,0 +1,368 @@
+#include "server/engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <optional>
+
+#include "core/error.h"
+#include "engine/session.h"
+#include "formats/tokenizer.h"
+
+namespace turbospark::server {
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+ServeEvent RequestHandle::next() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !events_.empty() || finished_; });
+  if (events_.empty()) return last_;
+  ServeEvent e = std::move(events_.front());
+  events_.pop_front();
+  return e;
+}
+
+void RequestHandle::push(ServeEvent e) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    if (e.done()) {
+      finished_ = true;
+      last_ = e;
+      last_.text.clear();
+    }
+    events_.push_back(std::move(e));
+  }
+  cv_.notify_all();
+}
+
+void Histogram::observe(double v) {
+  size_t i = 0;
+  while (i < bounds.size() && v > bounds[i]) ++i;
+  counts[i]++;
+  sum += v;
+  n++;
+}
+
+size_t stop_prefix_hold(const std::string& text, const std::vector<std::string>& stops) {
+  size_t hold = 0;
+  for (const std::string& s : stops) {
+    const size_t max_len = std::min(text.size(), s.size() - 1);
+    for (size_t len = max_len; len > hold; --len) {
+      if (text.compare(text.size() - len, len, s, 0, len) == 0) {
+        hold = len;
+        break;
+      }
+    }
+  }
+  return hold;
+}
+
+struct ServeEngine::Slot {
+  Slot(const Model& model, Backend& backend, int64_t ctx) : session(model, backend, options(ctx)) {}
+  static SessionOptions options(int64_t ctx) {
+    SessionOptions so;
+    so.max_context = ctx;
+    return so;
+  }
+
+  Session session;
+  std::vector<int32_t> history;  // tokens the session holds, in order
+  // Written by the worker, read by metrics() from other threads.
+  std::atomic<bool> busy{false};
+  std::atomic<int64_t> position{0};
+  Pending p;
+  std::optional<Sampler> sampler;
+  std::optional<Tokenizer::StreamDecoder> decoder;
+  size_t prompt_fed = 0;      // prompt tokens in the session (reused + fed)
+  int64_t completion = 0;     // tokens generated (the stop token not counted)
+  int32_t last_token = -1;    // sampled, not yet fed
+  std::string held;           // text held back while it may begin a stop string
+  double first_token_at = 0, last_token_at = 0;
+};
+
+ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx) : rt_(rt), ctx_(ctx) {
+  TS_CHECK(parallel >= 1 && parallel <= 256, "--parallel must be in 1..256, got {}", parallel);
+  TS_CHECK(rt_.tokenizer.has_value(), "serve needs a model with a tokenizer (tokenizer.json or a GGUF vocabulary)");
+  for (int i = 0; i < parallel; ++i) slots_.push_back(std::make_unique<Slot>(*rt_.model.model, *rt_.backend, ctx_));
+  metrics_.kv_tokens_total = int64_t(parallel) * ctx_;
+  worker_ = std::thread([this] { run(); });
+}
+
+ServeEngine::~ServeEngine() { shutdown(); }
+
+void ServeEngine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+std::shared_ptr<RequestHandle> ServeEngine::submit(ServeRequest request) {
+  if (request.prompt.empty()) fail("the prompt is empty");
+  if (int64_t(request.prompt.size()) >= ctx_) {
+    fail("the prompt is {} tokens, more than the context of {} allows (the server's --ctx)", request.prompt.size(),
+         ctx_);
+  }
+  Sampler::validate(request.sampling);
+  auto handle = std::make_shared<RequestHandle>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) fail("the server is shutting down");
+    queue_.push_back(Pending{std::move(request), handle, now_seconds()});
+    metrics_.requests++;
+  }
+  cv_.notify_all();
+  return handle;
+}
+
+void ServeEngine::admit(Pending p) {
+  // The free slot whose history is the longest proper prefix of this prompt; else any free one.
+  Slot* best = nullptr;
+  size_t best_keep = 0;
+  for (auto& s : slots_) {
+    if (s->busy) continue;
+    const std::vector<int32_t>& h = s->history;
+    const std::vector<int32_t>& prompt = p.request.prompt;
+    const bool prefix = h.size() < prompt.size() && std::equal(h.begin(), h.end(), prompt.begin());
+    const size_t keep = prefix ? h.size() : 0;
+    if (!best || keep > best_keep) best = s.get(), best_keep = keep;
+  }
+  Slot& s = *best;
+  if (best_keep == 0 && !s.history.empty()) {
+    s.session.reset();
+    s.history.clear();
+  }
+  s.busy.store(true);
+  s.prompt_fed = best_keep;
+  s.completion = 0;
+  s.last_token = -1;
+  s.held.clear();
+  s.first_token_at = s.last_token_at = 0;
+  s.sampler.emplace(p.request.sampling);
+  s.decoder.emplace(*rt_.tokenizer, /*skip_special=*/true);
+  metrics_.prompt_tokens += p.request.prompt.size();
+  metrics_.prompt_tokens_cached += best_keep;
+  s.p = std::move(p);
+}
+
+void ServeEngine::finish(Slot& s, Finish why, std::string error, std::string stop_string) {
+  ServeEvent e;
+  e.finish = why;
+  e.error = std::move(error);
+  e.stop_string = std::move(stop_string);
+  e.prompt_tokens = int64_t(s.p.request.prompt.size());
+  e.completion_tokens = s.completion;
+  if (why == Finish::kError) {
+    // A forward that threw may have left the sequence part-written: start it over next time.
+    s.session.reset();
+    s.history.clear();
+  }
+  if (s.completion > 1 && s.last_token_at > s.first_token_at) {
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_.tpot.observe((s.last_token_at - s.first_token_at) / double(s.completion - 1));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_.requests_finished++;
+    if (why == Finish::kCancelled) metrics_.requests_cancelled++;
+    if (why == Finish::kError) metrics_.requests_failed++;
+  }
+  s.p.handle->push(std::move(e));
+  s.p = Pending{};
+  s.position.store(s.session.position());
+  s.busy.store(false);
+}
+
+bool ServeEngine::step(Slot& s) {
+  const ServeRequest& req = s.p.request;
+  RequestHandle& h = *s.p.handle;
+  if (h.cancelled()) {
+    finish(s, Finish::kCancelled);
+    return false;
+  }
+  const int64_t vocab = rt_.model.model->info().vocab_size;
+  int32_t token = -1;
+  if (s.prompt_fed < req.prompt.size()) {
+    const size_t n = std::min<size_t>(kPrefillChunk, req.prompt.size() - s.prompt_fed);
+    const std::span<const int32_t> chunk(req.prompt.data() + s.prompt_fed, n);
+    const bool last = s.prompt_fed + n == req.prompt.size();
+    if (last && s.sampler->greedy()) {
+      token = s.session.feed_greedy(chunk);
+    } else {
+      const std::vector<float> logits = s.session.feed(chunk);
+      if (last) token = s.sampler->sample(logits.data(), vocab);
+    }
+    s.history.insert(s.history.end(), chunk.begin(), chunk.end());
+    s.position.store(s.session.position());
+    s.prompt_fed += n;
+    if (!last) return true;
+    s.first_token_at = now_seconds();
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_.ttft.observe(s.first_token_at - s.p.submitted);
+  } else {
+    if (s.session.position() + 1 >= s.session.max_context()) {
+      finish(s, Finish::kLength);
+      return false;
+    }
+    const std::span<const int32_t> one(&s.last_token, 1);
+    if (s.sampler->greedy()) {
+      token = s.session.feed_greedy(one);
+    } else {
+      const std::vector<float> logits = s.session.feed(one);
+      token = s.sampler->sample(logits.data(), vocab);
+    }
+    s.history.push_back(s.last_token);
+    s.position.store(s.session.position());
+    s.last_token_at = now_seconds();
+  }
+
+  // The sampled token: a stop id ends the reply; else its text, less what may begin a stop string.
+  ServeEvent e;
+  const bool is_stop = std::find(rt_.stop_ids.begin(), rt_.stop_ids.end(), token) != rt_.stop_ids.end();
+  if (!is_stop) {
+    s.held += s.decoder->push(token);
+    s.completion++;
+    s.last_token = token;
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_.generated_tokens++;
+  }
+  const bool at_limit = !is_stop && s.completion >= req.max_tokens;
+  if (is_stop || at_limit) s.held += s.decoder->flush();
+  size_t cut = std::string::npos, which = 0;
+  for (size_t i = 0; i < req.stop.size(); ++i) {
+    const size_t at = s.held.find(req.stop[i]);
+    if (at != std::string::npos && at < cut) cut = at, which = i;
+  }
+  if (cut != std::string::npos) {
+    e.text = s.held.substr(0, cut);
+    s.held.clear();
+    if (!e.text.empty()) h.push(std::move(e));
+    finish(s, Finish::kStopString, {}, req.stop[which]);
+    return false;
+  }
+  if (is_stop || at_limit) {
+    e.text = std::move(s.held);
+    s.held.clear();
+    if (!e.text.empty()) h.push(std::move(e));
+    finish(s, is_stop ? Finish::kStop : Finish::kLength);
+    return false;
+  }
+  const size_t hold = stop_prefix_hold(s.held, req.stop);
+  if (s.held.size() > hold) {
+    e.text = s.held.substr(0, s.held.size() - hold);
+    s.held.erase(0, s.held.size() - hold);
+    h.push(std::move(e));
+  }
+  return true;
+}
+
+void ServeEngine::run() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      for (;;) {
+        if (stopping_) break;
+        while (!queue_.empty() &&
+               std::any_of(slots_.begin(), slots_.end(), [](const auto& s) { return !s->busy.load(); })) {
+          Pending p = std::move(queue_.front());
+          queue_.pop_front();
+          if (p.handle->cancelled()) {
+            ServeEvent e;
+            e.finish = Finish::kCancelled;
+            e.prompt_tokens = int64_t(p.request.prompt.size());
+            p.handle->push(std::move(e));
+            metrics_.requests_finished++;
+            metrics_.requests_cancelled++;
+            continue;
+          }
+          admit(std::move(p));
+        }
+        if (std::any_of(slots_.begin(), slots_.end(), [](const auto& s) { return s->busy.load(); })) break;
+        cv_.wait(lock);
+      }
+      if (stopping_) break;
+    }
+    for (auto& s : slots_) {
+      if (!s->busy) continue;
+      try {
+        step(*s);
+      } catch (const std::exception& ex) {
+        finish(*s, Finish::kError, ex.what());
+      }
+    }
+  }
+  // Shutting down: everything still here is cancelled.
+  for (auto& s : slots_)
+    if (s->busy) finish(*s, Finish::kCancelled);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Pending& p : queue_) {
+    ServeEvent e;
+    e.finish = Finish::kCancelled;
+    p.handle->push(std::move(e));
+  }
+  queue_.clear();
+}
+
+ServeMetrics ServeEngine::metrics() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ServeMetrics m = metrics_;
+  m.queued = int64_t(queue_.size());
+  m.running = 0;
+  m.kv_tokens_used = 0;
+  // The worker's atomics: a snapshot may be one step stale.
+  for (const auto& s : slots_) {
+    if (!s->busy.load()) continue;
+    m.running++;
+    m.kv_tokens_used += s->position.load();
+  }
+  return m;
+}
+
+std::string ServeEngine::prometheus() {
+  const ServeMetrics m = metrics();
+  std::string out;
+  auto counter = [&](const char* name, const char* help, double v, const char* type = "counter") {
+    out += fmt::format("# HELP turbospark_{} {}\n# TYPE turbospark_{} {}\nturbospark_{} {}\n", name, help, name, type,
+                       name, v);
+  };
+  auto histogram = [&](const char* name, const char* help, const Histogram& h) {
+    out += fmt::format("# HELP turbospark_{} {}\n# TYPE turbospark_{} histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (size_t i = 0; i < h.bounds.size(); ++i) {
+      cum += h.counts[i];
+      out += fmt::format("turbospark_{}_bucket{{le=\"{}\"}} {}\n", name, h.bounds[i], cum);
+    }
+    cum += h.counts.back();
+    out += fmt::format("turbospark_{}_bucket{{le=\"+Inf\"}} {}\nturbospark_{}_sum {}\nturbospark_{}_count {}\n", name,
+                       cum, name, h.sum, name, h.n);
+  };
+  counter("requests_total", "Requests received.", double(m.requests));
+  counter("requests_finished_total", "Requests finished (any reason).", double(m.requests_finished));
+  counter("requests_cancelled_total", "Requests cancelled (client gone or shutdown).", double(m.requests_cancelled));
+  counter("requests_failed_total", "Requests that failed in the engine.", double(m.requests_failed));
+  counter("prompt_tokens_total", "Prompt tokens of admitted requests.", double(m.prompt_tokens));
+  counter("prompt_tokens_cached_total", "Prompt tokens reused from a slot's previous sequence.",
+          double(m.prompt_tokens_cached));
+  counter("generation_tokens_total", "Tokens generated.", double(m.generated_tokens));
+  counter("requests_queued", "Requests waiting for a slot.", double(m.queued), "gauge");
+  counter("requests_running", "Requests in a slot.", double(m.running), "gauge");
+  counter("kv_cache_tokens_used", "KV cache positions held by running requests.", double(m.kv_tokens_used), "gauge");
+  counter("kv_cache_tokens_total", "KV cache positions over all slots.", double(m.kv_tokens_total), "gauge");
+  const double hit = m.prompt_tokens ? double(m.prompt_tokens_cached) / double(m.prompt_tokens) : 0.0;
+  counter("prefix_cache_hit_rate", "Share of prompt tokens reused from a slot's previous sequence.", hit, "gauge");
+  histogram("time_to_first_token_seconds", "Time from request to its first token.", m.ttft);
+  histogram("time_per_output_token_seconds", "Mean time between a request's tokens after the first.", m.tpot);
+  return out;
+}
+
+}  // namespace turbospark::server

@@ -1,0 +1,138 @@
+// The serving engine behind `turbospark serve`: requests queue for one of N sequence slots
+// (each a Session with its own KV cache), and one worker thread advances every running
+// request one step at a time in turn: a prefill chunk of at most kPrefillChunk prompt tokens,
+// or one decode token. So a long prompt never stalls the replies already streaming, and a
+// slot whose previous conversation is a prefix of the new prompt prefills only the new part.
+//
+// Not yet: the rows of several sequences in one forward (continuous batching proper: the
+// backend interface takes per-row positions and block tables for it, the model forward does
+// not yet); until then N slots interleave, they do not batch.
+//
+// Thread safety: submit(), cancel() and metrics are for any thread; a RequestHandle is read by
+// the one thread that submitted it.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli/common.h"
+#include "engine/sampler.h"
+
+namespace turbospark::server {
+
+constexpr int64_t kPrefillChunk = 256;
+
+struct ServeRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int64_t max_tokens = 256;
+  std::vector<std::string> stop;  // stop strings: generation ends before the first of them
+};
+
+enum class Finish { kNone, kStop, kLength, kStopString, kCancelled, kError };
+
+// One step's output for a request: text (possibly empty), and on the last event the reason
+// and the counts.
+struct ServeEvent {
+  std::string text;
+  Finish finish = Finish::kNone;
+  std::string stop_string;  // the one matched (kStopString)
+  std::string error;        // kError
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  bool done() const { return finish != Finish::kNone; }
+};
+
+class RequestHandle {
+ public:
+  // The next event, waiting for it. After the event with done(), returns it again.
+  ServeEvent next();
+  // Asks the worker to stop this request (a client that went away); its slot is freed at the
+  // worker's next step.
+  void cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  friend class ServeEngine;
+  void push(ServeEvent e);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<ServeEvent> events_;
+  ServeEvent last_;
+  bool finished_ = false;
+  std::atomic<bool> cancelled_{false};
+};
+
+// Prometheus-style counters and histograms (seconds).
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<uint64_t> counts;  // per bucket (cumulative at export), plus +Inf
+  double sum = 0;
+  uint64_t n = 0;
+  explicit Histogram(std::vector<double> b) : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void observe(double v);
+};
+
+struct ServeMetrics {
+  uint64_t requests = 0, requests_finished = 0, requests_cancelled = 0, requests_failed = 0;
+  uint64_t prompt_tokens = 0, prompt_tokens_cached = 0, generated_tokens = 0;
+  int64_t queued = 0, running = 0;
+  int64_t kv_tokens_used = 0, kv_tokens_total = 0;
+  Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
+  Histogram tpot{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
+};
+
+class ServeEngine {
+ public:
+  // rt outlives the engine. parallel slots of ctx tokens each.
+  ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx);
+  ~ServeEngine();
+  ServeEngine(const ServeEngine&) = delete;
+  ServeEngine& operator=(const ServeEngine&) = delete;
+
+  std::shared_ptr<RequestHandle> submit(ServeRequest request);
+  // Cancels queued and running requests and stops the worker (each gets a kCancelled event).
+  void shutdown();
+
+  int64_t context() const { return ctx_; }
+  int parallel() const { return int(slots_.size()); }
+  ServeMetrics metrics();  // a snapshot
+  std::string prometheus();
+
+ private:
+  struct Slot;
+  struct Pending {
+    ServeRequest request;
+    std::shared_ptr<RequestHandle> handle;
+    double submitted = 0;
+  };
+  void run();
+  void admit(Pending p);
+  // One step of a running slot; false when its request finished (the slot is then free).
+  bool step(Slot& s);
+  void finish(Slot& s, Finish why, std::string error = {}, std::string stop_string = {});
+
+  cli::LoadedRuntime& rt_;
+  int64_t ctx_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> queue_;
+  bool stopping_ = false;
+  ServeMetrics metrics_;  // guarded by mu_
+  std::thread worker_;
+};
+
+// The longest suffix of `text` that is a proper prefix of one of `stops`: what must be held
+// back from the client until the next piece shows whether a stop string begins there.
+size_t stop_prefix_hold(const std::string& text, const std::vector<std::string>& stops);
+
+}  // namespace turbospark::server

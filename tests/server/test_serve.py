@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""`turbospark serve` end to end, driven by the official openai and anthropic clients (PyPI).
+
+Run by ctest (label cli); by hand:
+    TS_BIN=build/turbospark TS_DEFAULT_GGUF=~/.local/share/turbospark/default-model.gguf \
+        python3 tests/server/test_serve.py -v
+
+The reference for every reply is the CLI on the same model: `turbospark run --temperature 0`
+gives the greedy answer and `--verbose-prompt` the prompt's token count, so the server must
+reproduce the engine (template, tokens, stop ids), not merely answer something.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+
+BIN = os.environ.get("TS_BIN", "build/turbospark")
+MODEL = os.environ.get("TS_DEFAULT_GGUF", "")
+QUESTION = "What is the capital of France?"
+MAX = 12
+
+
+def start_server(*extra):
+    proc = subprocess.Popen(
+        [BIN, "serve", "--model", MODEL, "--port", "0", "--parallel", "2", "--ctx", "1024", "--threads", "2", *extra],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    port = None
+    lines = []
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on http://[^:]+:(\d+)", line)
+        if m:
+            port = int(m.group(1))
+            break
+    if port is None:
+        proc.kill()
+        raise RuntimeError("server did not start:\n" + "".join(lines))
+    # Keep draining stderr so the server never blocks on a full pipe.
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def cli(*args):
+    r = subprocess.run([BIN, *args], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{args}: {r.stderr}")
+    return r
+
+
+def http(method, url, body=None, headers=None, raw=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@unittest.skipUnless(MODEL and os.path.exists(MODEL), "TS_DEFAULT_GGUF not set")
+class Serve(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        run = cli("run", "--model", MODEL, "--temperature", "0", "--max-tokens", str(MAX), "--threads", "2",
+                  "--verbose-prompt", QUESTION)
+        cls.greedy = run.stdout.rstrip("\n")
+        cls.prompt_tokens = int(re.search(r"prompt \((\d+) tokens\)", run.stderr).group(1))
+        cls.proc, cls.base = start_server()
+        cls.model_id = json.loads(http("GET", cls.base + "/v1/models")[1])["data"][0]["id"]
+        cls.oa = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0)
+        cls.an = anthropic.Anthropic(base_url=cls.base, api_key="unused", max_retries=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.proc.send_signal(signal.SIGTERM)
+        cls.proc.wait(timeout=60)
+
+    def chat(self, **kw):
+        args = dict(model=self.model_id, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+                    max_tokens=MAX)
+        args.update(kw)
+        return self.oa.chat.completions.create(**args)
+
+    def test_chat_greedy_equals_the_cli(self):
+        r = self.chat()
+        self.assertEqual(r.choices[0].message.content, self.greedy)
+        self.assertIn("Paris", r.choices[0].message.content)
+        self.assertEqual(r.usage.prompt_tokens, self.prompt_tokens)
+        self.assertEqual(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens)
+        self.assertIn(r.choices[0].finish_reason, ("stop", "length"))
+        self.assertEqual(r.model, self.model_id)
+
+    def test_chat_stream_equals_non_stream(self):
+        text, finish, usage, first_role = "", None, None, None
+        for chunk in self.chat(stream=True, stream_options={"include_usage": True}):
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                if c.delta.role and first_role is None:
+                    first_role = c.delta.role
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+        self.assertEqual(first_role, "assistant")
+        self.assertEqual(text, self.greedy)
+        self.assertIn(finish, ("stop", "length"))
+        self.assertEqual(usage.prompt_tokens, self.prompt_tokens)
+
+    def test_max_tokens_ends_with_length(self):
+        r = self.chat(max_tokens=3)
+        self.assertEqual(r.choices[0].finish_reason, "length")
+        self.assertEqual(r.usage.completion_tokens, 3)
+        self.assertTrue(self.greedy.startswith(r.choices[0].message.content))
+
+    def test_stop_string_cuts_before_it(self):
+        word = "Paris"
+        self.assertIn(word, self.greedy)
+        r = self.chat(stop=[word])
+        self.assertEqual(r.choices[0].message.content, self.greedy[: self.greedy.index(word)])
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        text = "".join(c.choices[0].delta.content or "" for c in self.chat(stop=word, stream=True) if c.choices)
+        self.assertEqual(text, self.greedy[: self.greedy.index(word)])
+
+    def test_completions_stream_and_not(self):
+        r = self.oa.completions.create(model=self.model_id, prompt="The capital of France is", max_tokens=6,
+                                       temperature=0)
+        s = "".join(c.choices[0].text for c in self.oa.completions.create(
+            model=self.model_id, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True)
+            if c.choices)
+        self.assertEqual(s, r.choices[0].text)
+        self.assertEqual(r.usage.completion_tokens, 6)
+        self.assertEqual(r.choices[0].finish_reason, "length")
+
+    def test_anthropic_messages(self):
+        # temperature through extra_body: recent clients dropped the keyword for some models.
+        greedy = {"extra_body": {"temperature": 0}}
+        m = self.an.messages.create(model=self.model_id, max_tokens=MAX, messages=[{"role": "user", "content": QUESTION}],
+                                    **greedy)
+        self.assertEqual(m.content[0].text, self.greedy)
+        self.assertEqual(m.usage.input_tokens, self.prompt_tokens)
+        self.assertIn(m.stop_reason, ("end_turn", "max_tokens"))
+        with self.an.messages.stream(model=self.model_id, max_tokens=MAX,
+                                     messages=[{"role": "user", "content": QUESTION}], **greedy) as st:
+            text = "".join(st.text_stream)
+            final = st.get_final_message()
+        self.assertEqual(text, self.greedy)
+        self.assertEqual(final.stop_reason, m.stop_reason)
+        s = self.an.messages.create(model=self.model_id, max_tokens=MAX, stop_sequences=["Paris"],
+                                    messages=[{"role": "user", "content": QUESTION}], **greedy)
+        self.assertEqual(s.stop_reason, "stop_sequence")
+        self.assertEqual(s.stop_sequence, "Paris")
+
+    def test_concurrent_requests_give_the_same_greedy_replies(self):
+        results = [None] * 6
+        def one(i):
+            results[i] = "".join(c.choices[0].delta.content or "" for c in self.chat(stream=True) if c.choices)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(results, [self.greedy] * len(results))
+
+    def test_bad_input_is_a_400_naming_the_field(self):
+        url = self.base + "/v1/chat/completions"
+        msgs = [{"role": "user", "content": "hi"}]
+        cases = [
+            ({"messages": msgs, "temperature": "hot"}, "temperature"),
+            ({"messages": msgs, "temperature": -1}, "temperature"),
+            ({"messages": msgs, "top_p": 2}, "top_p"),
+            ({"messages": msgs, "max_tokens": 0}, "max_tokens"),
+            ({"messages": msgs, "max_tokens": 1.5}, "max_tokens"),
+            ({"messages": msgs, "n": 2}, "n"),
+            ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+            ({"messages": msgs, "logprobs": True}, "logprobs"),
+            ({"messages": msgs, "stop": [1]}, "stop"),
+            ({}, "messages"),
+            ({"messages": "hi"}, "messages"),
+            ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+            ({"messages": [{"role": "user"}]}, "messages[0].content"),
+            ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages"),
+        ]
+        for body, param in cases:
+            status, text = http("POST", url, body)
+            self.assertEqual(status, 400, (body, text))
+            err = json.loads(text)["error"]
+            self.assertEqual(err["param"], param, text)
+            self.assertEqual(err["type"], "invalid_request_error")
+        for raw in (b"{not json", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', b"[1, 2]"):
+            status, text = http("POST", url, raw=raw)
+            self.assertEqual(status, 400, text)
+            self.assertIn("error", json.loads(text))
+        status, text = http("POST", url, {"model": "gpt-4o", "messages": msgs})
+        self.assertEqual(status, 404, text)
+        with self.assertRaises(openai.BadRequestError):
+            self.chat(temperature=5)
+        with self.assertRaises(anthropic.BadRequestError):
+            self.an.messages.create(model=self.model_id, max_tokens=0, messages=msgs)
+        status, text = http("POST", self.base + "/v1/messages", {"model": self.model_id, "messages": msgs})
+        self.assertEqual(status, 400, text)
+        self.assertEqual(json.loads(text)["type"], "error")
+        self.assertEqual(http("GET", self.base + "/nope")[0], 404)
+
+    def test_client_gone_mid_stream_frees_its_slot(self):
+        s = socket.create_connection(("127.0.0.1", int(self.base.rsplit(":", 1)[1])))
+        body = json.dumps({"messages": [{"role": "user", "content": "Count from 1 to 500."}], "stream": True,
+                           "max_tokens": 500, "temperature": 0}).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while b"content" not in got:
+            got += s.recv(4096)
+        s.close()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            metrics = http("GET", self.base + "/metrics")[1]
+            if re.search(r"^turbospark_requests_running 0$", metrics, re.M):
+                break
+            time.sleep(0.2)
+        self.assertRegex(metrics, r"(?m)^turbospark_requests_running 0$")
+        self.assertRegex(metrics, r"(?m)^turbospark_requests_cancelled_total [1-9]")
+        self.assertEqual(self.chat(max_tokens=2).usage.completion_tokens, 2)  # still serving
+
+    def test_health_models_metrics(self):
+        self.assertEqual(http("GET", self.base + "/health"), (200, '{"status":"ok"}'))
+        models = self.oa.models.list()
+        self.assertEqual([m.id for m in models.data], [self.model_id])
+        metrics = http("GET", self.base + "/metrics")[1]
+        for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total", "requests_queued",
+                     "kv_cache_tokens_used", "prefix_cache_hit_rate", "time_to_first_token_seconds_bucket",
+                     "time_per_output_token_seconds_count"):
+            self.assertIn("turbospark_" + name, metrics)
+        status, page = http("GET", self.base + "/")
+        self.assertEqual(status, 200)
+        self.assertIn("/v1/chat/completions", page)
+
+
+@unittest.skipUnless(MODEL and os.path.exists(MODEL), "TS_DEFAULT_GGUF not set")
+class ServeWithKey(unittest.TestCase):
+    def test_api_key_is_required_but_for_health(self):
+        proc, base = start_server("--api-key", "s3cret")
+        try:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            self.assertEqual(http("POST", base + "/v1/chat/completions", body)[0], 401)
+            self.assertEqual(http("POST", base + "/v1/chat/completions", body, {"Authorization": "Bearer nope"})[0], 401)
+            self.assertEqual(http("GET", base + "/v1/models")[0], 401)
+            self.assertEqual(http("GET", base + "/health")[0], 200)
+            oa = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
+            self.assertEqual(oa.chat.completions.create(model=oa.models.list().data[0].id, max_tokens=1,
+                                                        messages=body["messages"]).usage.completion_tokens, 1)
+            an = anthropic.Anthropic(base_url=base, api_key="s3cret", max_retries=0)
+            self.assertEqual(an.messages.create(model=oa.models.list().data[0].id, max_tokens=1,
+                                                messages=body["messages"]).usage.output_tokens, 1)
+            with self.assertRaises(anthropic.AuthenticationError):
+                anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                    model="x", max_tokens=1, messages=body["messages"])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            self.assertEqual(proc.wait(timeout=60), 0)
+
+    def test_bad_flags_are_refused_by_name(self):
+        for args, want in ((["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel"),
+                           (["--ctx", "-5"], "--ctx"), (["--max-body-mb", "nan"], "--max-body-mb")):
+            r = subprocess.run([BIN, "serve", "--model", MODEL, *args], capture_output=True, text=True, timeout=120)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn(want, r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
