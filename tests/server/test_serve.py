@@ -31,9 +31,10 @@ QUESTION = "What is the capital of France?"
 MAX = 12
 
 
-def start_server(*extra):
+def start_server(*extra, model=None, parallel=2):
     proc = subprocess.Popen(
-        [BIN, "serve", "--model", MODEL, "--port", "0", "--parallel", "2", "--ctx", "1024", "--threads", "2", *extra],
+        [BIN, "serve", "--model", model or MODEL, "--port", "0", "--parallel", str(parallel), "--ctx", "1024",
+         "--threads", "2", *extra],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     port = None
     lines = []
@@ -51,7 +52,11 @@ def start_server(*extra):
         proc.kill()
         raise RuntimeError("server did not start:\n" + "".join(lines))
     # Keep draining stderr so the server never blocks on a full pipe.
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    def drain():
+        for _ in proc.stderr:
+            pass
+        proc.stderr.close()
+    threading.Thread(target=drain, daemon=True).start()
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -278,6 +283,84 @@ class ServeWithKey(unittest.TestCase):
             r = subprocess.run([BIN, "serve", "--model", MODEL, *args], capture_output=True, text=True, timeout=120)
             self.assertNotEqual(r.returncode, 0)
             self.assertIn(want, r.stderr)
+
+
+SMALL = os.environ.get("TS_GEMMA_GGUF", "")
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+@unittest.skipUnless(SMALL and os.path.exists(SMALL), "TS_GEMMA_GGUF not set")
+class ServeLoad(unittest.TestCase):
+    """200 requests, 32 at a time, a quarter of them dropped mid-stream by their client."""
+
+    def test_load_with_disconnects(self):
+        proc, base = start_server(model=SMALL, parallel=4)
+        port = int(base.rsplit(":", 1)[1])
+        try:
+            self.assertEqual(http("POST", base + "/v1/completions", {"prompt": "warm up", "max_tokens": 2})[0], 200)
+            rss0 = rss_kib(proc.pid)
+            import random
+            from concurrent.futures import ThreadPoolExecutor
+            rng = random.Random(7)
+            plan = [rng.choice(["chat", "stream", "drop", "completion"]) for _ in range(200)]
+
+            def one(i):
+                kind = plan[i]
+                body = {"messages": [{"role": "user", "content": f"Say a word about the number {i}."}],
+                        "max_tokens": 4, "temperature": 0.7, "seed": i}
+                if kind == "drop":
+                    body.update(stream=True, max_tokens=64)
+                    raw = json.dumps(body).encode()
+                    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+                    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+                    got = b""
+                    while b"data:" not in got:
+                        chunk = s.recv(4096)
+                        if not chunk:
+                            break
+                        got += chunk
+                    s.close()
+                    return kind, b"data:" in got
+                if kind == "completion":
+                    status, text = http("POST", base + "/v1/completions",
+                                        {"prompt": f"Number {i} is", "max_tokens": 4, "seed": i})
+                    return kind, status == 200 and json.loads(text)["usage"]["completion_tokens"] >= 1
+                if kind == "stream":
+                    body["stream"] = True
+                    status, text = http("POST", base + "/v1/chat/completions", body)
+                    return kind, status == 200 and text.rstrip().endswith("data: [DONE]")
+                status, text = http("POST", base + "/v1/chat/completions", body)
+                return kind, status == 200 and json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length")
+
+            with ThreadPoolExecutor(32) as pool:
+                results = list(pool.map(one, range(len(plan))))
+            bad = [(i, k) for i, (k, ok) in enumerate(results) if not ok]
+            self.assertEqual(bad, [])
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                metrics = http("GET", base + "/metrics")[1]
+                if re.search(r"(?m)^turbospark_requests_running 0$", metrics) and \
+                        re.search(r"(?m)^turbospark_requests_queued 0$", metrics):
+                    break
+                time.sleep(0.5)
+            for gauge in ("requests_running", "requests_queued", "kv_cache_tokens_used"):
+                self.assertRegex(metrics, rf"(?m)^turbospark_{gauge} 0$")
+            self.assertRegex(metrics, r"(?m)^turbospark_requests_total 201$")
+            self.assertRegex(metrics, r"(?m)^turbospark_requests_finished_total 201$")
+            self.assertRegex(metrics, r"(?m)^turbospark_requests_failed_total 0$")
+            # Resident memory bounded: the slots' KV caches exist from the start; 200 requests
+            # must not add more than a little.
+            self.assertLess(rss_kib(proc.pid) - rss0, 256 * 1024)
+            status, text = http("POST", base + "/v1/completions", {"prompt": "still here", "max_tokens": 2})
+            self.assertEqual(status, 200, text)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            self.assertEqual(proc.wait(timeout=60), 0)
 
 
 if __name__ == "__main__":
