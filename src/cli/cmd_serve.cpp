@@ -103,6 +103,7 @@ struct Server {
     sr.max_tokens = ar.max_tokens < 0 ? room : std::min(ar.max_tokens, room);
     sr.sampling = ar.sampling;
     sr.stop = ar.stop;
+    sr.top_logprobs = ar.top_logprobs;
     return sr;
   }
 
@@ -126,11 +127,12 @@ struct Server {
     return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
   }
 
-  // Waits for the whole reply (non-streaming endpoints).
-  static ServeEvent collect(RequestHandle& h, std::string* text) {
+  // Waits for the whole reply (non-streaming endpoints); the tokens' logprobs when asked.
+  static ServeEvent collect(RequestHandle& h, std::string* text, std::vector<server::TokenLogprob>* logprobs = nullptr) {
     for (;;) {
       ServeEvent e = h.next();
       *text += e.text;
+      if (logprobs) logprobs->insert(logprobs->end(), e.logprobs.begin(), e.logprobs.end());
       if (e.done()) return e;
     }
   }
@@ -147,15 +149,17 @@ struct Server {
       const char* object = chat ? "chat.completion" : "text_completion";
       if (!ar.stream) {
         std::string text;
-        const ServeEvent last = collect(*handle, &text);
+        std::vector<server::TokenLogprob> lps;
+        const ServeEvent last = collect(*handle, &text, &lps);
         if (last.finish == Finish::kError) throw std::runtime_error(last.error);
         json choice = {{"index", 0}, {"finish_reason", server::openai_finish_reason(last.finish)}};
+        const bool with_lp = sr.top_logprobs >= 0;
         if (chat) {
           choice["message"] = {{"role", "assistant"}, {"content", text}};
-          choice["logprobs"] = nullptr;
+          choice["logprobs"] = with_lp ? server::chat_logprobs(lps) : json(nullptr);
         } else {
           choice["text"] = text;
-          choice["logprobs"] = nullptr;
+          choice["logprobs"] = with_lp ? server::completion_logprobs(lps, 0) : json(nullptr);
         }
         const json out = {{"id", id},         {"object", object},      {"created", created},
                           {"model", model_id}, {"choices", {choice}}, {"usage", usage(n_prompt, last.completion_tokens)}};
@@ -163,10 +167,19 @@ struct Server {
         return;
       }
       const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
-      auto chunk = [=, model = model_id](const json& delta_or_text, const char* finish) {
+      const bool with_lp = sr.top_logprobs >= 0;
+      auto text_offset = std::make_shared<int64_t>(0);
+      auto chunk = [=, model = model_id](const json& delta_or_text, const char* finish,
+                                         const std::vector<server::TokenLogprob>& lps = {}) {
         json choice = {{"index", 0}, {"finish_reason", finish ? json(finish) : json(nullptr)}};
+        json lp = nullptr;
+        if (with_lp && !lps.empty()) {
+          lp = chat ? server::chat_logprobs(lps) : server::completion_logprobs(lps, *text_offset);
+          for (const auto& t : lps) *text_offset += int64_t(t.token.size());
+        }
         if (chat) choice["delta"] = delta_or_text;
-        else choice["text"] = delta_or_text, choice["logprobs"] = nullptr;
+        else choice["text"] = delta_or_text;
+        choice["logprobs"] = lp;
         return json{{"id", id}, {"object", chunk_object}, {"created", created}, {"model", model}, {"choices", {choice}}};
       };
       auto started = std::make_shared<bool>(false);
@@ -179,7 +192,8 @@ struct Server {
             if (chat && !*started) out += sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr));
             *started = true;
             const ServeEvent e = handle->next();
-            if (!e.text.empty()) out += sse(chunk(chat ? json{{"content", e.text}} : json(e.text), nullptr));
+            if (!e.text.empty() || !e.logprobs.empty())
+              out += sse(chunk(chat ? json{{"content", e.text}} : json(e.text), nullptr, e.logprobs));
             if (e.done()) {
               if (e.finish == Finish::kError) {
                 out += sse(server::openai_error(e.error, "server_error", ""));

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <random>
@@ -113,10 +114,6 @@ void refuse_unsupported(const json& body) {
     if (body.contains(key) && !body[key].is_null() && !(body[key].is_array() && body[key].empty()))
       throw ApiError(400, key, fmt::format("'{}' is not supported by this server yet", key));
   }
-  if (body.contains("logprobs") && !body["logprobs"].is_null() && body["logprobs"] != false && body["logprobs"] != 0)
-    throw ApiError(400, "logprobs", "'logprobs' is not supported by this server yet");
-  if (body.contains("top_logprobs") && !body["top_logprobs"].is_null())
-    throw ApiError(400, "top_logprobs", "'top_logprobs' is not supported by this server yet");
   if (integer(body, "n", 1, 1 << 20, 1) != 1) throw ApiError(400, "n", "'n' must be 1 (one choice per request)");
   if (body.contains("response_format") && !body["response_format"].is_null()) {
     const json& rf = body["response_format"];
@@ -164,6 +161,11 @@ ApiRequest parse_openai_chat(const json& body, const std::string& served_model) 
   r.max_tokens = integer(body, "max_tokens", 1, int64_t(1) << 31, mt);
   r.stop = stops(body, "stop");
   r.stream = boolean(body, "stream", false);
+  // logprobs: true adds each token's log-probability; top_logprobs (0..20) the n best.
+  const bool logprobs = boolean(body, "logprobs", false);
+  const int64_t top = integer(body, "top_logprobs", 0, 20, -1);
+  if (top >= 0 && !logprobs) bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+  r.top_logprobs = logprobs ? int(std::max<int64_t>(top, 0)) : -1;
   if (body.contains("stream_options") && !body["stream_options"].is_null()) {
     const json& so = body["stream_options"];
     if (!so.is_object()) bad("stream_options", "'stream_options' must be an object");
@@ -191,6 +193,7 @@ ApiRequest parse_openai_completion(const json& body, const std::string& served_m
   if (r.prompt.empty()) bad("prompt", "'prompt' must not be empty");
   sampling(body, &r.sampling, 2.0);
   r.max_tokens = integer(body, "max_tokens", 1, int64_t(1) << 31, 16);  // the API's default
+  r.top_logprobs = int(integer(body, "logprobs", 0, 5, -1));  // the legacy API: an integer, at most 5
   r.stop = stops(body, "stop");
   r.stream = boolean(body, "stream", false);
   if (body.contains("stream_options") && body["stream_options"].is_object())
@@ -237,6 +240,40 @@ json openai_error(const std::string& message, const std::string& type, const std
 
 json anthropic_error(const std::string& message, const std::string& type) {
   return json{{"type", "error"}, {"error", {{"type", type}, {"message", message}}}};
+}
+
+namespace {
+
+json bytes_of(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(int(c));
+  return b;
+}
+
+}  // namespace
+
+json chat_logprobs(const std::vector<TokenLogprob>& tokens) {
+  json content = json::array();
+  for (const TokenLogprob& t : tokens) {
+    json top = json::array();
+    for (const auto& [text, lp] : t.top) top.push_back({{"token", text}, {"logprob", lp}, {"bytes", bytes_of(text)}});
+    content.push_back({{"token", t.token}, {"logprob", t.logprob}, {"bytes", bytes_of(t.token)}, {"top_logprobs", top}});
+  }
+  return json{{"content", content}};
+}
+
+json completion_logprobs(const std::vector<TokenLogprob>& tokens, int64_t text_offset) {
+  json toks = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  for (const TokenLogprob& t : tokens) {
+    toks.push_back(t.token);
+    lps.push_back(t.logprob);
+    json top = json::object();
+    for (const auto& [text, lp] : t.top) top[text] = lp;
+    tops.push_back(top);
+    offsets.push_back(text_offset);
+    text_offset += int64_t(t.token.size());
+  }
+  return json{{"tokens", toks}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
 }
 
 const char* openai_finish_reason(Finish f) {

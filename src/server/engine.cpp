@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <optional>
 
 #include "core/error.h"
@@ -183,6 +184,26 @@ void ServeEngine::finish(Slot& s, Finish why, std::string error, std::string sto
   s.busy.store(false);
 }
 
+TokenLogprob ServeEngine::token_logprob(const std::vector<float>& logits, int32_t token, int top_n) const {
+  // log_softmax in double: log p_i = l_i - max - log(sum exp(l - max)).
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float l : logits) sum += std::exp(double(l) - double(mx));
+  const double log_z = double(mx) + std::log(sum);
+  auto text = [&](int32_t id) { return rt_.tokenizer->decode({id}); };
+  TokenLogprob t;
+  t.token = text(token);
+  t.logprob = float(double(logits[size_t(token)]) - log_z);
+  std::vector<int32_t> order(logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int32_t(i);
+  const size_t n = std::min(order.size(), size_t(top_n));
+  std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
+    return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+  });
+  for (size_t i = 0; i < n; ++i) t.top.emplace_back(text(order[i]), float(double(logits[size_t(order[i])]) - log_z));
+  return t;
+}
+
 bool ServeEngine::step(Slot& s) {
   const ServeRequest& req = s.p.request;
   RequestHandle& h = *s.p.handle;
@@ -191,15 +212,18 @@ bool ServeEngine::step(Slot& s) {
     return false;
   }
   const int64_t vocab = rt_.model.model->info().vocab_size;
+  const bool want_logprobs = req.top_logprobs >= 0;
+  const bool greedy_fast = s.sampler->greedy() && !want_logprobs;  // only the id leaves the backend
+  std::vector<float> logits;
   int32_t token = -1;
   if (s.prompt_fed < req.prompt.size()) {
     const size_t n = std::min<size_t>(kPrefillChunk, req.prompt.size() - s.prompt_fed);
     const std::span<const int32_t> chunk(req.prompt.data() + s.prompt_fed, n);
     const bool last = s.prompt_fed + n == req.prompt.size();
-    if (last && s.sampler->greedy()) {
+    if (last && greedy_fast) {
       token = s.session.feed_greedy(chunk);
     } else {
-      const std::vector<float> logits = s.session.feed(chunk);
+      logits = s.session.feed(chunk);
       if (last) token = s.sampler->sample(logits.data(), vocab);
     }
     s.history.insert(s.history.end(), chunk.begin(), chunk.end());
@@ -215,10 +239,10 @@ bool ServeEngine::step(Slot& s) {
       return false;
     }
     const std::span<const int32_t> one(&s.last_token, 1);
-    if (s.sampler->greedy()) {
+    if (greedy_fast) {
       token = s.session.feed_greedy(one);
     } else {
-      const std::vector<float> logits = s.session.feed(one);
+      logits = s.session.feed(one);
       token = s.sampler->sample(logits.data(), vocab);
     }
     s.history.push_back(s.last_token);
@@ -229,6 +253,7 @@ bool ServeEngine::step(Slot& s) {
   // The sampled token: a stop id ends the reply; else its text, less what may begin a stop string.
   ServeEvent e;
   const bool is_stop = std::find(rt_.stop_ids.begin(), rt_.stop_ids.end(), token) != rt_.stop_ids.end();
+  if (want_logprobs && !is_stop) e.logprobs.push_back(token_logprob(logits, token, req.top_logprobs));
   if (!is_stop) {
     s.held += s.decoder->push(token);
     s.completion++;
@@ -246,14 +271,14 @@ bool ServeEngine::step(Slot& s) {
   if (cut != std::string::npos) {
     e.text = s.held.substr(0, cut);
     s.held.clear();
-    if (!e.text.empty()) h.push(std::move(e));
+    if (!e.text.empty() || !e.logprobs.empty()) h.push(std::move(e));
     finish(s, Finish::kStopString, {}, req.stop[which]);
     return false;
   }
   if (is_stop || at_limit) {
     e.text = std::move(s.held);
     s.held.clear();
-    if (!e.text.empty()) h.push(std::move(e));
+    if (!e.text.empty() || !e.logprobs.empty()) h.push(std::move(e));
     finish(s, is_stop ? Finish::kStop : Finish::kLength);
     return false;
   }
@@ -261,8 +286,8 @@ bool ServeEngine::step(Slot& s) {
   if (s.held.size() > hold) {
     e.text = s.held.substr(0, s.held.size() - hold);
     s.held.erase(0, s.held.size() - hold);
-    h.push(std::move(e));
   }
+  if (!e.text.empty() || !e.logprobs.empty()) h.push(std::move(e));
   return true;
 }
 

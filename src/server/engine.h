@@ -34,6 +34,15 @@ struct ServeRequest {
   SamplingParams sampling;
   int64_t max_tokens = 256;
   std::vector<std::string> stop;  // stop strings: generation ends before the first of them
+  int top_logprobs = -1;          // -1: no log-probabilities; else the chosen token's and the n best
+};
+
+// One generated token's log-probability (natural log of the model's softmax, temperature 1,
+// before any sampling filter) and the most likely alternatives, best first.
+struct TokenLogprob {
+  std::string token;  // its text (decoded alone: may be part of a UTF-8 character)
+  float logprob = 0;
+  std::vector<std::pair<std::string, float>> top;
 };
 
 enum class Finish { kNone, kStop, kLength, kStopString, kCancelled, kError };
@@ -45,6 +54,7 @@ struct ServeEvent {
   Finish finish = Finish::kNone;
   std::string stop_string;  // the one matched (kStopString)
   std::string error;        // kError
+  std::vector<TokenLogprob> logprobs;  // the tokens of this step (top_logprobs >= 0)
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   bool done() const { return finish != Finish::kNone; }
@@ -119,6 +129,7 @@ class ServeEngine {
   // One step of a running slot; false when its request finished (the slot is then free).
   bool step(Slot& s);
   void finish(Slot& s, Finish why, std::string error = {}, std::string stop_string = {});
+  TokenLogprob token_logprob(const std::vector<float>& logits, int32_t token, int top_n) const;
 
   cli::LoadedRuntime& rt_;
   int64_t ctx_;

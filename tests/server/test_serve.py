@@ -10,12 +10,15 @@ gives the greedy answer and `--verbose-prompt` the prompt's token count, so the 
 reproduce the engine (template, tokens, stop ids), not merely answer something.
 """
 import json
+import math
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -67,6 +70,19 @@ def cli(*args):
     return r
 
 
+def read_npy_last_row(path):
+    """The last row of a 2-D little-endian float32 .npy (no numpy needed)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:6] == b"\x93NUMPY", path
+    hlen = struct.unpack("<H", data[8:10])[0]
+    header = data[10:10 + hlen].decode()
+    assert "'<f4'" in header and "False" in header, header
+    rows, cols = map(int, re.search(r"\((\d+), (\d+)\)", header).groups())
+    start = 10 + hlen + (rows - 1) * cols * 4
+    return list(struct.unpack(f"<{cols}f", data[start:start + cols * 4]))
+
+
 def http(method, url, body=None, headers=None, raw=None):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
@@ -85,6 +101,8 @@ class Serve(unittest.TestCase):
                   "--verbose-prompt", QUESTION)
         cls.greedy = run.stdout.rstrip("\n")
         cls.prompt_tokens = int(re.search(r"prompt \((\d+) tokens\)", run.stderr).group(1))
+        cls.prompt_ids = re.search(r"^\[([0-9, ]+)\]$", run.stderr, re.M).group(1).replace(" ", "")
+        cls.tmp = tempfile.mkdtemp()
         cls.proc, cls.base = start_server()
         cls.model_id = json.loads(http("GET", cls.base + "/v1/models")[1])["data"][0]["id"]
         cls.oa = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0)
@@ -140,6 +158,33 @@ class Serve(unittest.TestCase):
         text = "".join(c.choices[0].delta.content or "" for c in self.chat(stop=word, stream=True) if c.choices)
         self.assertEqual(text, self.greedy[: self.greedy.index(word)])
 
+    def test_logprobs_are_the_models_log_softmax(self):
+        r = self.chat(logprobs=True, top_logprobs=3)
+        content = r.choices[0].logprobs.content
+        self.assertEqual(len(content), r.usage.completion_tokens)
+        self.assertEqual("".join(t.token for t in content), r.choices[0].message.content)
+        for t in content:  # greedy: the chosen token is the best, alternatives best first
+            self.assertEqual(len(t.top_logprobs), 3)
+            self.assertAlmostEqual(t.top_logprobs[0].logprob, t.logprob, places=6)
+            lps = [a.logprob for a in t.top_logprobs]
+            self.assertEqual(lps, sorted(lps, reverse=True))
+            self.assertLessEqual(sum(math.exp(x) for x in lps), 1 + 1e-5)
+            self.assertEqual(bytes(t.bytes).decode("utf-8", "replace"), t.token)
+        # The first token's against the logits the CLI writes for the same prompt ids.
+        out = os.path.join(self.tmp, "logits.npy")
+        cli("logits", "--model", MODEL, "--tokens", self.prompt_ids, "--threads", "2", "--out", out)
+        row = read_npy_last_row(out)
+        m = max(row)
+        log_z = m + math.log(sum(math.exp(x - m) for x in row))
+        self.assertAlmostEqual(content[0].logprob, m - log_z, delta=1e-4)
+        streamed = [t for c in self.chat(logprobs=True, stream=True) if c.choices and c.choices[0].logprobs
+                    for t in c.choices[0].logprobs.content]
+        self.assertEqual([t.token for t in streamed], [t.token for t in content])
+        c = self.oa.completions.create(model=self.model_id, prompt="The capital of France is", max_tokens=3,
+                                       temperature=0, logprobs=2)
+        self.assertEqual(len(c.choices[0].logprobs.token_logprobs), 3)
+        self.assertEqual("".join(c.choices[0].logprobs.tokens), c.choices[0].text)
+
     def test_completions_stream_and_not(self):
         r = self.oa.completions.create(model=self.model_id, prompt="The capital of France is", max_tokens=6,
                                        temperature=0)
@@ -191,7 +236,9 @@ class Serve(unittest.TestCase):
             ({"messages": msgs, "max_tokens": 1.5}, "max_tokens"),
             ({"messages": msgs, "n": 2}, "n"),
             ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-            ({"messages": msgs, "logprobs": True}, "logprobs"),
+            ({"messages": msgs, "top_logprobs": 3}, "top_logprobs"),
+            ({"messages": msgs, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+            ({"messages": msgs, "logprobs": "yes"}, "logprobs"),
             ({"messages": msgs, "stop": [1]}, "stop"),
             ({}, "messages"),
             ({"messages": "hi"}, "messages"),
