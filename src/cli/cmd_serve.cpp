@@ -80,6 +80,10 @@ std::string sse_event(const char* event, const json& data) {
   return fmt::format("event: {}\ndata: {}\n\n", event, data.dump());
 }
 
+json usage(int64_t prompt, int64_t completion) {
+  return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+}
+
 struct Server {
   LoadedRuntime& rt;
   server::ServeEngine& engine;
@@ -123,9 +127,6 @@ struct Server {
     }
   }
 
-  json usage(int64_t prompt, int64_t completion) const {
-    return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
-  }
 
   // Waits for the whole reply (non-streaming endpoints); the tokens' logprobs when asked.
   static ServeEvent collect(RequestHandle& h, std::string* text, std::vector<server::TokenLogprob>* logprobs = nullptr) {
