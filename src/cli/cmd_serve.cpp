@@ -80,6 +80,18 @@ std::string sse_event(const char* event, const json& data) {
   return fmt::format("event: {}\ndata: {}\n\n", event, data.dump());
 }
 
+// OpenAI's tool_calls array (stream: with each call's index, as deltas carry it).
+json tool_calls_json(const std::vector<server::ToolCall>& calls, bool stream) {
+  json out = json::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    json c = {{"id", random_id("call_")}, {"type", "function"},
+              {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
+    if (stream) c["index"] = i;
+    out.push_back(c);
+  }
+  return out;
+}
+
 json usage(int64_t prompt, int64_t completion) {
   return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
 }
@@ -93,7 +105,9 @@ struct Server {
   server::ServeRequest engine_request(const ApiRequest& ar, bool chat) {
     server::ServeRequest sr;
     if (chat) {
-      sr.prompt = conversation_tokens(rt, ar.messages, /*raw=*/false);
+      if (!ar.tools.is_null() && !rt.chat_template)
+        throw ApiError(400, "tools", "this model has no chat template, which tools need");
+      sr.prompt = conversation_tokens(rt, ar.messages, /*raw=*/false, ar.tools.is_null() ? nullptr : &ar.tools);
     } else {
       sr.prompt = rt.tokenizer->encode(ar.prompt, /*parse_special=*/true, /*add_special=*/true);
     }
@@ -155,7 +169,18 @@ struct Server {
         if (last.finish == Finish::kError) throw std::runtime_error(last.error);
         json choice = {{"index", 0}, {"finish_reason", server::openai_finish_reason(last.finish)}};
         const bool with_lp = sr.top_logprobs >= 0;
-        if (chat) {
+        if (chat && !ar.tools.is_null()) {
+          server::ToolCallParser parser(server::tool_names(ar.tools));
+          std::vector<server::ToolCall> calls;
+          std::string content = parser.push(text);
+          content += parser.finish(&calls);
+          choice["message"] = {{"role", "assistant"}, {"content", content.empty() && !calls.empty() ? json(nullptr) : json(content)}};
+          if (!calls.empty()) {
+            choice["message"]["tool_calls"] = tool_calls_json(calls, false);
+            choice["finish_reason"] = "tool_calls";
+          }
+          choice["logprobs"] = with_lp ? server::chat_logprobs(lps) : json(nullptr);
+        } else if (chat) {
           choice["message"] = {{"role", "assistant"}, {"content", text}};
           choice["logprobs"] = with_lp ? server::chat_logprobs(lps) : json(nullptr);
         } else {
@@ -185,6 +210,8 @@ struct Server {
       };
       auto started = std::make_shared<bool>(false);
       const bool include_usage = ar.include_usage;
+      // With tools, content passes through a parser that holds back the model's tool calls.
+      auto parser = ar.tools.is_null() ? nullptr : std::make_shared<server::ToolCallParser>(server::tool_names(ar.tools));
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider(
           "text/event-stream",
@@ -193,13 +220,21 @@ struct Server {
             if (chat && !*started) out += sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr));
             *started = true;
             const ServeEvent e = handle->next();
-            if (!e.text.empty() || !e.logprobs.empty())
-              out += sse(chunk(chat ? json{{"content", e.text}} : json(e.text), nullptr, e.logprobs));
+            const std::string text = parser ? parser->push(e.text) : e.text;
+            if (!text.empty() || !e.logprobs.empty())
+              out += sse(chunk(chat ? json{{"content", text}} : json(text), nullptr, e.logprobs));
+            std::vector<server::ToolCall> calls;
+            if (e.done() && parser) {
+              const std::string rest = parser->finish(&calls);
+              if (!rest.empty()) out += sse(chunk(json{{"content", rest}}, nullptr));
+              if (!calls.empty()) out += sse(chunk(json{{"tool_calls", tool_calls_json(calls, true)}}, nullptr));
+            }
             if (e.done()) {
               if (e.finish == Finish::kError) {
                 out += sse(server::openai_error(e.error, "server_error", ""));
               } else {
-                out += sse(chunk(chat ? json::object() : json(""), server::openai_finish_reason(e.finish)));
+                const char* finish = calls.empty() ? server::openai_finish_reason(e.finish) : "tool_calls";
+                out += sse(chunk(chat ? json::object() : json(""), finish));
                 if (include_usage) {
                   out += sse(json{{"id", id}, {"object", chunk_object}, {"created", created}, {"model", model},
                                   {"choices", json::array()}, {"usage", usage(n_prompt, e.completion_tokens)}});
@@ -207,7 +242,8 @@ struct Server {
               }
               out += "data: [DONE]\n\n";
             }
-            if (!sink.write(out.data(), out.size())) {
+            // Never an empty write: in chunked encoding a zero-length chunk ends the response.
+            if (!out.empty() && !sink.write(out.data(), out.size())) {
               handle->cancel();
               return false;
             }
@@ -283,7 +319,8 @@ struct Server {
                 out += sse_event("message_stop", {{"type", "message_stop"}});
               }
             }
-            if (!sink.write(out.data(), out.size())) {
+            // Never an empty write: in chunked encoding a zero-length chunk ends the response.
+            if (!out.empty() && !sink.write(out.data(), out.size())) {
               handle->cancel();
               return false;
             }

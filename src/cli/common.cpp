@@ -261,7 +261,8 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
   return rt;
 }
 
-std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vector<ChatMessage>& messages, bool raw) {
+std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vector<ChatMessage>& messages, bool raw,
+                                         const nlohmann::ordered_json* tools) {
   if (!rt.tokenizer) fail("this model has no tokenizer (no tokenizer.json or GGUF vocabulary): use --tokens");
   const Tokenizer& tok = *rt.tokenizer;
   std::string text;
@@ -273,6 +274,7 @@ std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vec
     extra["bos_token"] = piece(tok.bos_token_id());
     extra["eos_token"] = piece(tok.eos_token_id());
     extra["enable_thinking"] = false;  // a direct answer; thinking models can be asked with --raw
+    if (tools) extra["tools"] = *tools;
     text = apply_chat_template(*rt.chat_template, messages, /*add_generation_prompt=*/true, extra);
   }
   std::vector<int32_t> ids = tok.encode(text, /*parse_special=*/true, /*add_special=*/true);

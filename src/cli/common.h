@@ -53,7 +53,9 @@ void print_expert_cache_summary(const LoadedRuntime& rt);
 // Prompt ids for a conversation: the chat template rendered with a generation prompt (when
 // the model has one and `raw` is false), else the text itself; BOS as the vocabulary says,
 // never twice.
-std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vector<ChatMessage>& messages, bool raw);
+// tools, when given (serve's OpenAI `tools`), are passed to the template as `tools`.
+std::vector<int32_t> conversation_tokens(const LoadedRuntime& rt, const std::vector<ChatMessage>& messages, bool raw,
+                                         const nlohmann::ordered_json* tools = nullptr);
 
 // "5,17,9" -> {5, 17, 9}; throws naming the bad entry.
 std::vector<int32_t> parse_token_list(const std::string& text);

@@ -110,9 +110,9 @@ std::string content_text(const json& c, const std::string& where) {
 }
 
 void refuse_unsupported(const json& body) {
-  for (const char* key : {"tools", "tool_choice", "functions", "function_call"}) {
+  for (const char* key : {"functions", "function_call"}) {
     if (body.contains(key) && !body[key].is_null() && !(body[key].is_array() && body[key].empty()))
-      throw ApiError(400, key, fmt::format("'{}' is not supported by this server yet", key));
+      throw ApiError(400, key, fmt::format("'{}' (the deprecated form) is not supported; use 'tools'", key));
   }
   if (integer(body, "n", 1, 1 << 20, 1) != 1) throw ApiError(400, "n", "'n' must be 1 (one choice per request)");
   if (body.contains("response_format") && !body["response_format"].is_null()) {
@@ -151,10 +151,54 @@ ApiRequest parse_openai_chat(const json& body, const std::string& served_model) 
     if (!m.contains("role") || !m["role"].is_string()) bad(where + ".role", fmt::format("'{}.role' must be a string", where));
     std::string role = m["role"].get<std::string>();
     if (role == "developer") role = "system";
-    if (role != "system" && role != "user" && role != "assistant")
-      bad(where + ".role", fmt::format("'{}.role' must be system, developer, user or assistant, got '{}'", where, role));
-    if (!m.contains("content")) bad(where + ".content", fmt::format("'{}.content' is required", where));
-    r.messages.push_back({role, content_text(m["content"], where + ".content")});
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      bad(where + ".role",
+          fmt::format("'{}.role' must be system, developer, user, assistant or tool, got '{}'", where, role));
+    const bool has_calls = role == "assistant" && m.contains("tool_calls") && !m["tool_calls"].is_null();
+    if (!m.contains("content") && !has_calls) bad(where + ".content", fmt::format("'{}.content' is required", where));
+    ChatMessage cm{role, m.contains("content") ? content_text(m["content"], where + ".content") : std::string()};
+    if (has_calls) {
+      // As templates read them: function.arguments as an object (OpenAI sends a JSON string).
+      const json& calls = m["tool_calls"];
+      if (!calls.is_array()) bad(where + ".tool_calls", fmt::format("'{}.tool_calls' must be an array", where));
+      nlohmann::ordered_json out = nlohmann::ordered_json::array();
+      for (const json& c : calls) {
+        if (!c.is_object() || !c.contains("function") || !c["function"].is_object() ||
+            !c["function"].contains("name") || !c["function"]["name"].is_string())
+          bad(where + ".tool_calls", fmt::format("each of '{}.tool_calls' needs function.name", where));
+        nlohmann::ordered_json fn = {{"name", c["function"]["name"]}};
+        const json args = c["function"].value("arguments", json("{}"));
+        if (args.is_string()) {
+          const json parsed = json::parse(args.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+          fn["arguments"] = parsed.is_discarded() ? nlohmann::ordered_json(args) : nlohmann::ordered_json(parsed);
+        } else {
+          fn["arguments"] = args;
+        }
+        out.push_back({{"id", c.value("id", "")}, {"type", "function"}, {"function", fn}});
+      }
+      cm.fields["tool_calls"] = out;
+    }
+    if (role == "tool" && m.contains("tool_call_id") && m["tool_call_id"].is_string())
+      cm.fields["tool_call_id"] = m["tool_call_id"].get<std::string>();
+    r.messages.push_back(std::move(cm));
+  }
+  if (body.contains("tools") && !body["tools"].is_null()) {
+    const json& tools = body["tools"];
+    if (!tools.is_array()) bad("tools", "'tools' must be an array");
+    for (size_t i = 0; i < tools.size(); ++i) {
+      const json& t = tools[i];
+      if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object() ||
+          !t["function"].contains("name") || !t["function"]["name"].is_string())
+        bad("tools", fmt::format("tools[{}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", i));
+    }
+    std::string choice = "auto";
+    if (body.contains("tool_choice") && !body["tool_choice"].is_null()) {
+      if (!body["tool_choice"].is_string() ||
+          (body["tool_choice"] != "auto" && body["tool_choice"] != "none"))
+        throw ApiError(400, "tool_choice", "'tool_choice' other than \"auto\" or \"none\" is not supported yet");
+      choice = body["tool_choice"].get<std::string>();
+    }
+    if (!tools.empty() && choice == "auto") r.tools = nlohmann::ordered_json::parse(tools.dump());
   }
   sampling(body, &r.sampling, 2.0);
   const int64_t mt = integer(body, "max_completion_tokens", 1, int64_t(1) << 31, -1);
@@ -251,6 +295,109 @@ json bytes_of(const std::string& s) {
 }
 
 }  // namespace
+
+namespace {
+
+const std::string kCallOpen = "<tool_call>", kCallClose = "</tool_call>";
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \n\t\r");
+  if (a == std::string::npos) return {};
+  const size_t b = s.find_last_not_of(" \n\t\r");
+  return s.substr(a, b - a + 1);
+}
+
+// Whether the reply so far may still turn out to be a bare or fenced JSON call.
+bool may_be_json_call(const std::string& text) {
+  const std::string t = trim(text);
+  if (t.empty()) return true;
+  if (t[0] == '{' || t[0] == '[') return true;
+  static const std::string kFence = "```json";
+  if (t.size() <= kFence.size()) return kFence.compare(0, t.size(), t) == 0 || t.rfind("```", 0) == 0;
+  return t.rfind("```", 0) == 0;
+}
+
+}  // namespace
+
+std::vector<std::string> tool_names(const nlohmann::ordered_json& tools) {
+  std::vector<std::string> names;
+  if (tools.is_array())
+    for (const auto& t : tools) names.push_back(t["function"]["name"].get<std::string>());
+  return names;
+}
+
+bool ToolCallParser::json_call(const std::string& text, std::vector<ToolCall>* calls) const {
+  std::string t = trim(text);
+  if (t.rfind("```", 0) == 0) {  // ```json ... ```
+    const size_t nl = t.find('\n');
+    const size_t end = t.rfind("```");
+    if (nl == std::string::npos || end <= nl) return false;
+    t = trim(t.substr(nl + 1, end - nl - 1));
+  }
+  const json j = json::parse(t, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return false;
+  std::vector<ToolCall> found;
+  for (const json& c : j.is_array() ? j : json::array({j})) {
+    if (!c.is_object() || !c.contains("name") || !c["name"].is_string()) return false;
+    const std::string name = c["name"].get<std::string>();
+    if (std::find(names_.begin(), names_.end(), name) == names_.end()) return false;
+    const json args = c.contains("arguments") ? c["arguments"] : c.value("parameters", json::object());
+    found.push_back({name, args.is_string() ? args.get<std::string>() : args.dump()});
+  }
+  if (found.empty()) return false;
+  calls->insert(calls->end(), found.begin(), found.end());
+  return true;
+}
+
+std::string ToolCallParser::push(const std::string& piece) {
+  pending_ += piece;
+  if (in_calls_) return {};
+  const size_t at = pending_.find(kCallOpen);
+  if (at != std::string::npos) {
+    in_calls_ = true;
+    std::string out = maybe_json_ ? std::string() : pending_.substr(0, at);
+    if (!maybe_json_) pending_.erase(0, at);
+    return out;
+  }
+  if (maybe_json_ && may_be_json_call(pending_)) return {};
+  maybe_json_ = false;
+  const size_t hold = stop_prefix_hold(pending_, {kCallOpen});
+  std::string out = pending_.substr(0, pending_.size() - hold);
+  pending_.erase(0, pending_.size() - hold);
+  return out;
+}
+
+std::string ToolCallParser::finish(std::vector<ToolCall>* calls) {
+  if (maybe_json_ && !in_calls_ && json_call(pending_, calls)) {
+    pending_.clear();
+    return {};
+  }
+  std::string content;
+  size_t pos = 0;
+  while (pos < pending_.size()) {
+    const size_t open = pending_.find(kCallOpen, pos);
+    if (open == std::string::npos) {
+      content += pending_.substr(pos);
+      break;
+    }
+    content += pending_.substr(pos, open - pos);
+    const size_t body = open + kCallOpen.size();
+    const size_t close = pending_.find(kCallClose, body);
+    const std::string block = pending_.substr(body, close == std::string::npos ? std::string::npos : close - body);
+    const json j = json::parse(block, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded() && j.is_object() && j.contains("name") && j["name"].is_string()) {
+      const json args = j.value("arguments", json::object());
+      calls->push_back({j["name"].get<std::string>(), args.is_string() ? args.get<std::string>() : args.dump()});
+    } else {
+      content += pending_.substr(open, close == std::string::npos ? std::string::npos : close + kCallClose.size() - open);
+    }
+    pos = close == std::string::npos ? pending_.size() : close + kCallClose.size();
+  }
+  pending_.clear();
+  // What is left between and around calls is usually whitespace: drop it then.
+  if (!calls->empty() && trim(content).empty()) content.clear();
+  return content;
+}
 
 json chat_logprobs(const std::vector<TokenLogprob>& tokens) {
   json content = json::array();

@@ -2,7 +2,7 @@
 // (/v1/messages) APIs turned into engine requests, and the engine's results into their
 // response bodies. Every field is checked for its type and range; a bad one throws ApiError
 // naming it (the server answers 400 with the API's error object). Fields the engine cannot
-// honour yet (tools, n > 1) are refused by name rather than ignored.
+// honour yet (n > 1, tool_choice other than auto/none) are refused by name rather than ignored.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -33,7 +33,39 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;  // OpenAI stream_options.include_usage
   int top_logprobs = -1;       // -1: no logprobs; else per token its own and the n best
+  nlohmann::ordered_json tools;  // OpenAI `tools` for the template (null: none)
 };
+
+// A function call the model wrote (Qwen / Hermes style: <tool_call>{"name", "arguments"}</tool_call>).
+struct ToolCall {
+  std::string name;
+  std::string arguments;  // JSON text, as OpenAI's function.arguments
+};
+
+// Splits streamed reply text into what the client may see as content now and the tool calls
+// the model writes. Two forms: <tool_call>{"name", "arguments"}</tool_call> blocks anywhere
+// (the Qwen / Hermes templates' format: text from the first "<tool_call>" on is held), and a
+// reply that is nothing but such a JSON object (or an array of them), bare or in a ``` fence,
+// naming a declared tool (small models often answer so: held while the reply still looks like
+// one). At the end the held text is parsed; what is not a call is given back as content.
+class ToolCallParser {
+ public:
+  explicit ToolCallParser(std::vector<std::string> tool_names) : names_(std::move(tool_names)) {}
+  // Content to send now for this piece.
+  std::string push(const std::string& piece);
+  // At the end: content still held (text around unparseable blocks), and the calls.
+  std::string finish(std::vector<ToolCall>* calls);
+
+ private:
+  bool json_call(const std::string& text, std::vector<ToolCall>* calls) const;
+  std::vector<std::string> names_;
+  std::string pending_;  // not yet sent: may begin "<tool_call>" or a JSON call, or is past it
+  bool in_calls_ = false;
+  bool maybe_json_ = true;  // nothing sent yet, and the reply may still be a bare JSON call
+};
+
+// The function names of an OpenAI `tools` array (validated by parse_openai_chat).
+std::vector<std::string> tool_names(const nlohmann::ordered_json& tools);
 
 // served_model: the id /v1/models lists; a request naming another model is refused.
 ApiRequest parse_openai_chat(const nlohmann::json& body, const std::string& served_model);

@@ -185,6 +185,39 @@ class Serve(unittest.TestCase):
         self.assertEqual(len(c.choices[0].logprobs.token_logprobs), 3)
         self.assertEqual("".join(c.choices[0].logprobs.tokens), c.choices[0].text)
 
+    TOOLS = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "City name"}},
+                       "required": ["location"]}}}]
+    WEATHER = "What is the weather like in Paris today?"
+
+    def test_tool_calls_round_trip_and_stream(self):
+        msgs = [{"role": "user", "content": self.WEATHER}]
+        r = self.chat(messages=msgs, tools=self.TOOLS, max_tokens=64)
+        self.assertEqual(r.choices[0].finish_reason, "tool_calls", r.choices[0].message)
+        call = r.choices[0].message.tool_calls[0]
+        self.assertEqual(call.function.name, "get_weather")
+        self.assertIn("Paris", json.loads(call.function.arguments)["location"])
+        # The same call streamed: deltas carry it whole, finish_reason tool_calls.
+        streamed, finish = [], None
+        for c in self.chat(messages=msgs, tools=self.TOOLS, max_tokens=64, stream=True):
+            if c.choices:
+                streamed += c.choices[0].delta.tool_calls or []
+                finish = c.choices[0].finish_reason or finish
+        self.assertEqual(finish, "tool_calls")
+        self.assertEqual([(t.function.name, t.function.arguments) for t in streamed],
+                         [(call.function.name, call.function.arguments)])
+        # The result goes back as a tool message: the template renders the call and the result.
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 22})}]
+        r2 = self.chat(messages=msgs, tools=self.TOOLS, max_tokens=24)
+        self.assertGreater(r2.usage.prompt_tokens, r.usage.prompt_tokens)
+        self.assertIn(r2.choices[0].finish_reason, ("stop", "length", "tool_calls"))
+        # tool_choice none: the tools are not offered, the reply is text.
+        r3 = self.chat(messages=msgs[:1], tools=self.TOOLS, tool_choice="none", max_tokens=8)
+        self.assertIsNone(r3.choices[0].message.tool_calls)
+        self.assertEqual(r3.usage.prompt_tokens, self.chat(messages=msgs[:1], max_tokens=1).usage.prompt_tokens)
+
     def test_completions_stream_and_not(self):
         r = self.oa.completions.create(model=self.model_id, prompt="The capital of France is", max_tokens=6,
                                        temperature=0)
@@ -235,7 +268,9 @@ class Serve(unittest.TestCase):
             ({"messages": msgs, "max_tokens": 0}, "max_tokens"),
             ({"messages": msgs, "max_tokens": 1.5}, "max_tokens"),
             ({"messages": msgs, "n": 2}, "n"),
-            ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+            ({"messages": msgs, "tools": [{"type": "web"}]}, "tools"),
+            ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+             "tool_choice"),
             ({"messages": msgs, "top_logprobs": 3}, "top_logprobs"),
             ({"messages": msgs, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
             ({"messages": msgs, "logprobs": "yes"}, "logprobs"),
