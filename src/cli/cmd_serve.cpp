@@ -14,6 +14,7 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -94,6 +95,32 @@ json tool_calls_json(const std::vector<server::ToolCall>& calls, bool stream) {
 
 json usage(int64_t prompt, int64_t completion) {
   return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+}
+
+// Streams a request's events as server-sent events: `head` first, then render(event) for each
+// event as it comes. A client gone (a failed write, or the connection closed) cancels it.
+void stream_events(httplib::Response& res, std::shared_ptr<RequestHandle> handle, std::string head,
+                   std::function<std::string(const ServeEvent&)> render) {
+  res.set_header("Cache-Control", "no-cache");
+  auto unsent = std::make_shared<std::string>(std::move(head));
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [handle, render = std::move(render), unsent](size_t, httplib::DataSink& sink) {
+        std::string out = std::move(*unsent);
+        unsent->clear();
+        const ServeEvent e = handle->next();
+        out += render(e);
+        // Never an empty write: in chunked encoding a zero-length chunk ends the response.
+        if (!out.empty() && !sink.write(out.data(), out.size())) {
+          handle->cancel();
+          return false;
+        }
+        if (e.done()) sink.done();
+        return true;
+      },
+      [handle](bool success) {
+        if (!success) handle->cancel();
+      });
 }
 
 struct Server {
@@ -208,18 +235,12 @@ struct Server {
         choice["logprobs"] = lp;
         return json{{"id", id}, {"object", chunk_object}, {"created", created}, {"model", model}, {"choices", {choice}}};
       };
-      auto started = std::make_shared<bool>(false);
       const bool include_usage = ar.include_usage;
       // With tools, content passes through a parser that holds back the model's tool calls.
       auto parser = ar.tools.is_null() ? nullptr : std::make_shared<server::ToolCallParser>(server::tool_names(ar.tools));
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [=, model = model_id](size_t, httplib::DataSink& sink) {
+      stream_events(res, handle, chat ? sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr)) : "",
+          [=, model = model_id](const ServeEvent& e) {
             std::string out;
-            if (chat && !*started) out += sse(chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr));
-            *started = true;
-            const ServeEvent e = handle->next();
             const std::string text = parser ? parser->push(e.text) : e.text;
             if (!text.empty() || !e.logprobs.empty())
               out += sse(chunk(chat ? json{{"content", text}} : json(text), nullptr, e.logprobs));
@@ -242,16 +263,7 @@ struct Server {
               }
               out += "data: [DONE]\n\n";
             }
-            // Never an empty write: in chunked encoding a zero-length chunk ends the response.
-            if (!out.empty() && !sink.write(out.data(), out.size())) {
-              handle->cancel();
-              return false;
-            }
-            if (e.done()) sink.done();
-            return true;
-          },
-          [handle](bool success) {
-            if (!success) handle->cancel();
+            return out;
           });
     });
   }
@@ -282,25 +294,19 @@ struct Server {
         res.set_content(out.dump(), "application/json");
         return;
       }
-      auto started = std::make_shared<bool>(false);
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [=, model = model_id](size_t, httplib::DataSink& sink) {
+      const std::string head =
+          sse_event("message_start",
+                    {{"type", "message_start"},
+                     {"message",
+                      {{"id", id}, {"type", "message"}, {"role", "assistant"}, {"model", model_id},
+                       {"content", json::array()}, {"stop_reason", nullptr}, {"stop_sequence", nullptr},
+                       {"usage", {{"input_tokens", n_prompt}, {"output_tokens", 0}}}}}}) +
+          sse_event("content_block_start", {{"type", "content_block_start"},
+                                            {"index", 0},
+                                            {"content_block", {{"type", "text"}, {"text", ""}}}});
+      stream_events(res, handle, head,
+          [=](const ServeEvent& e) {
             std::string out;
-            if (!*started) {
-              out += sse_event("message_start",
-                               {{"type", "message_start"},
-                                {"message",
-                                 {{"id", id}, {"type", "message"}, {"role", "assistant"}, {"model", model},
-                                  {"content", json::array()}, {"stop_reason", nullptr}, {"stop_sequence", nullptr},
-                                  {"usage", {{"input_tokens", n_prompt}, {"output_tokens", 0}}}}}});
-              out += sse_event("content_block_start", {{"type", "content_block_start"},
-                                                       {"index", 0},
-                                                       {"content_block", {{"type", "text"}, {"text", ""}}}});
-              *started = true;
-            }
-            const ServeEvent e = handle->next();
             if (!e.text.empty()) {
               out += sse_event("content_block_delta", {{"type", "content_block_delta"},
                                                        {"index", 0},
@@ -319,16 +325,7 @@ struct Server {
                 out += sse_event("message_stop", {{"type", "message_stop"}});
               }
             }
-            // Never an empty write: in chunked encoding a zero-length chunk ends the response.
-            if (!out.empty() && !sink.write(out.data(), out.size())) {
-              handle->cancel();
-              return false;
-            }
-            if (e.done()) sink.done();
-            return true;
-          },
-          [handle](bool success) {
-            if (!success) handle->cancel();
+            return out;
           });
     });
   }
