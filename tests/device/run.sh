@@ -84,6 +84,32 @@ cli_check "generate ids equal on cpu and cuda ($cpu_ids)" "^${cpu_ids:-none}\$" 
 moe_args="generate --model $fx/qwen3_moe_tiny --tokens 3,1,4,1,5,9,2,6 --max-tokens 40 --temperature 0 --format ids --device cuda"
 nopdl_ids=$(TURBOSPARK_CUDA_PDL=0 "$build/turbospark" $moe_args 2>/dev/null)
 cli_check "generate ids equal with and without PDL ($nopdl_ids)" "^${nopdl_ids:-none}\$" "$build/turbospark" $moe_args
+# `serve` on the GPU: one completion from the Q4_0 fixture GGUF over HTTP, then SIGTERM exits 0.
+serve_check() {
+  local log=$out/serve.log port="" i
+  "$build/turbospark" serve --device cuda --model $fx/qwen3_moe_gguf_tiny/qwen3_moe_gguf_tiny-q4_0.gguf --port 0 \
+    --parallel 2 --ctx 256 2>"$log" &
+  local pid=$!
+  for i in $(seq 100); do
+    port=$(grep -o 'http://127.0.0.1:[0-9]*' "$log" | head -1 | cut -d: -f3)
+    [ -n "$port" ] && break
+    sleep 0.2
+  done
+  local answer
+  answer=$(python3 - "$port" 2>&1 <<'PY'
+import json, sys, urllib.request
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/completions", method="POST",
+                             data=json.dumps({"prompt": "hello world", "max_tokens": 8, "temperature": 0}).encode(),
+                             headers={"Content-Type": "application/json"})
+r = json.loads(urllib.request.urlopen(req, timeout=60).read())
+print(r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"])
+PY
+)
+  kill -TERM "$pid"
+  wait "$pid"
+  echo "$answer exit $?"
+}
+cli_check "serve answers a completion on cuda and exits 0 on SIGTERM" "^length 8 exit 0$" serve_check
 if [ -n "${TS_DEFAULT_GGUF:-}" ] && [ -f "${TS_DEFAULT_GGUF}" ]; then
   cli_check "default model answers Paris on cuda" "Paris" "$build/turbospark" run --model "$TS_DEFAULT_GGUF" --device cuda --temperature 0 --max-tokens 24 "What is the capital of France?"
 else
