@@ -385,7 +385,11 @@ void add_serve_command(CLI::App& app) {
     const size_t http_threads = size_t(std::max(8, 2 * o->parallel + 4));
     http.new_task_queue = [http_threads] { return new httplib::ThreadPool(http_threads); };
     http.set_payload_max_length(size_t(o->max_body_mb * 1024 * 1024));
-    http.set_read_timeout(std::chrono::seconds(60));
+    // Short socket timeouts bound shutdown: httplib's stop() waits for every connection's
+    // thread, and one idle in a keep-alive connection sits in a read until its timeout (with
+    // 60 s, SIGTERM took a minute when a client kept its connection open).
+    http.set_read_timeout(std::chrono::seconds(5));
+    http.set_keep_alive_timeout(2);
     const std::string key = o->api_key;
     http.set_pre_routing_handler([key](const httplib::Request& req, httplib::Response& res) {
       if (key.empty() || req.path == "/health" || req.path == "/") return httplib::Server::HandlerResponse::Unhandled;

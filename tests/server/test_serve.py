@@ -111,7 +111,7 @@ class Serve(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.proc.send_signal(signal.SIGTERM)
-        cls.proc.wait(timeout=60)
+        cls.proc.wait(timeout=15)
 
     def chat(self, **kw):
         args = dict(model=self.model_id, messages=[{"role": "user", "content": QUESTION}], temperature=0,
@@ -357,7 +357,7 @@ class ServeWithKey(unittest.TestCase):
                     model="x", max_tokens=1, messages=body["messages"])
         finally:
             proc.send_signal(signal.SIGTERM)
-            self.assertEqual(proc.wait(timeout=60), 0)
+            self.assertEqual(proc.wait(timeout=15), 0)  # bounded: short socket timeouts
 
     def test_bad_flags_are_refused_by_name(self):
         for args, want in ((["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel"),
@@ -442,7 +442,7 @@ class ServeLoad(unittest.TestCase):
             self.assertEqual(status, 200, text)
         finally:
             proc.send_signal(signal.SIGTERM)
-            self.assertEqual(proc.wait(timeout=60), 0)
+            self.assertEqual(proc.wait(timeout=15), 0)  # bounded: short socket timeouts
 
 
 if __name__ == "__main__":
