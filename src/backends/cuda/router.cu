@@ -2,8 +2,9 @@
 // softmax_rows (--router-out probabilities) and argmax_rows (greedy sampling).
 //
 // router_softmax_topk mirrors the CPU kernel step by step so that the chosen experts are
-// identical, ties included: p_e = exp(l_e - max) * (1 / sum) in f32, the k largest by
-// repeated arg-max where equal probabilities go to the lower index, then (renormalize)
+// identical, ties included: p_e = exp(l_e - max) * (1 / sum) in f32, the k largest by rank
+// (p descending, then index ascending: repeated arg-max with ties to the lower index, as the
+// CPU and torch.topk pick; block_route below), then (renormalize)
 // p_j / (p_0 + ... + p_{k-1}) summed in pick order, then (expert_scale) p_j * scale[idx_j].
 // The only difference left is the order of the f32 sum over experts (a tree here, a loop
 // there): an ulp in 1/sum, which scales every probability alike.
@@ -16,10 +17,89 @@
 namespace turbospark::cuda {
 namespace {
 
-constexpr int kRouterMaxExperts = 512;
-constexpr int kRouterPerLane = kRouterMaxExperts / kWarp;  // 16 logits per lane, in registers
-constexpr int kRouterMaxK = 16;
-constexpr int kRouterRowsPerBlock = 4;  // one warp per row, 4 rows per 128-thread block
+// Softmax top-k of one router row by a whole block:
+//   warp 0: p_e = exp(l_e - max) over lanes holding experts lane, lane + 32, ..., the sum of
+//   each lane's in slot order then a warp tree, p_e *= 1 / sum;
+//   every thread: the rank of its experts by (p desc, index asc), i.e. the pick order of
+//   repeated arg-max with ties to the lower index; rank < k is pick `rank` (one pass over the
+//   row in shared memory per expert instead of k dependent rounds of warp shuffles);
+//   thread 0: renormalize by the picks' sum in pick order, then the per-expert scale.
+// A row whose probabilities hold a NaN (a NaN or infinite logit) routes to expert -1, which the
+// expert kernels turn into NaN outputs.
+constexpr int kRouteMaxExperts = 512;
+constexpr int kRouteMaxK = 16;
+
+struct RouteSmem {
+  float p[kRouteMaxExperts];
+  int32_t idx[kRouteMaxK];
+  float w[kRouteMaxK];
+  int nan;
+};
+
+// All threads of the block call it (it holds __syncthreads); blockDim.x a multiple of 32.
+// On return s.idx[0..k) / s.w[0..k) are the row's picks.
+__device__ __forceinline__ void block_route(const float* __restrict__ logits, int n_experts, int k, bool renormalize,
+                                            const float* __restrict__ expert_scale, RouteSmem& s) {
+  constexpr int kPerLane = kRouteMaxExperts / kWarp;
+  if (threadIdx.x < kWarp) {
+    const int lane = threadIdx.x;
+    float p[kPerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + i * kWarp;
+      p[i] = e < n_experts ? logits[e] : -INFINITY;
+      m = fmaxf(m, p[i]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + i * kWarp;
+      p[i] = e < n_experts ? expf(p[i] - m) : 0.f;
+      sum += p[i];
+    }
+    sum = warp_sum(sum);
+    const float inv = 1.f / sum;
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + i * kWarp;
+      if (e < n_experts) {
+        s.p[e] = p[i] * inv;
+        nan |= !(s.p[e] == s.p[e]);
+      }
+    }
+    nan = __any_sync(0xffffffffu, nan);
+    if (lane < kRouteMaxK) s.idx[lane] = -1, s.w[lane] = 0.f;
+    if (lane == 0) s.nan = nan;
+  }
+  __syncthreads();
+  if (!s.nan) {
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+      const float pe = s.p[e];
+      int rank = 0;
+      for (int o = 0; o < n_experts; ++o) {
+        const float po = s.p[o];
+        rank += po > pe || (po == pe && o < e);
+      }
+      if (rank < k) s.idx[rank] = e, s.w[rank] = pe;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && !s.nan) {
+    if (renormalize) {
+      float picked = 0.f;
+      for (int j = 0; j < k; ++j) picked += s.w[j];
+      for (int j = 0; j < k; ++j) s.w[j] /= picked;
+    }
+    if (expert_scale)
+      for (int j = 0; j < k; ++j) s.w[j] *= expert_scale[s.idx[j]];
+  }
+  __syncthreads();
+}
+
+constexpr int kRouterThreads = 128;
 
 // (value, index) arg-max across the warp: larger value wins, equal values go to the lower index.
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
@@ -31,65 +111,19 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
-// One warp per row. Lane l holds experts l, l + 32, ... (coalesced loads; for one lane, a
-// lower slot is a lower expert index, so a strict > keeps ties on the lower index).
-__global__ void __launch_bounds__(kRouterRowsPerBlock* kWarp)
-    router_topk_kernel(const float* __restrict__ logits, int64_t stride, int64_t rows, int n_experts, int k,
-                       bool renormalize, int32_t* __restrict__ idx, float* __restrict__ weight,
-                       const float* __restrict__ expert_scale) {
+// One block per row (block_route). It replaced one warp per row taking k dependent rounds of
+// shuffled arg-max (5.3 us a decode layer under ncu); measured only together with the L2
+// prefetches of the same change (Q4_0 30B-A3B decode 285 -> 295 tok/s, NOTES_matmul.md).
+__global__ void __launch_bounds__(kRouterThreads)
+    router_topk_kernel(const float* __restrict__ logits, int64_t stride, int n_experts, int k, bool renormalize,
+                       int32_t* __restrict__ idx, float* __restrict__ weight, const float* __restrict__ expert_scale) {
   pdl_begin();
-  const int64_t row = int64_t(blockIdx.x) * kRouterRowsPerBlock + threadIdx.x / kWarp;
-  if (row >= rows) return;  // whole warps leave together: the shuffles below stay full-warp
-  const int lane = threadIdx.x % kWarp;
-  const float* l = logits + row * stride;
-  float p[kRouterPerLane];
-  float m = -INFINITY;
-#pragma unroll
-  for (int s = 0; s < kRouterPerLane; ++s) {
-    const int e = lane + s * kWarp;
-    p[s] = e < n_experts ? l[e] : -INFINITY;
-    m = fmaxf(m, p[s]);
-  }
-  m = warp_max(m);
-  float sum = 0.f;
-#pragma unroll
-  for (int s = 0; s < kRouterPerLane; ++s) {
-    const int e = lane + s * kWarp;
-    p[s] = e < n_experts ? expf(p[s] - m) : 0.f;
-    sum += p[s];
-  }
-  sum = warp_sum(sum);
-  const float inv = 1.f / sum;
-  // Probabilities are >= 0: -1 marks padding and -2 an expert already taken, so neither can
-  // win while an untaken expert (even one of probability 0) remains.
-#pragma unroll
-  for (int s = 0; s < kRouterPerLane; ++s) p[s] = lane + s * kWarp < n_experts ? p[s] * inv : -1.f;
-
-  float my_w = 0.f;  // lane j keeps the j-th pick
-  int my_i = 0;
-  for (int j = 0; j < k; ++j) {
-    float best = -3.f;
-    int best_i = 0x7fffffff;
-#pragma unroll
-    for (int s = 0; s < kRouterPerLane; ++s)
-      if (p[s] > best) best = p[s], best_i = lane + s * kWarp;
-    warp_argmax(best, best_i);
-    if (best_i % kWarp == lane) {
-#pragma unroll
-      for (int s = 0; s < kRouterPerLane; ++s)
-        if (s == best_i / kWarp) p[s] = -2.f;
-    }
-    if (lane == j) my_w = best, my_i = best_i;
-  }
-  if (renormalize) {
-    float picked = 0.f;  // summed in pick order, as the CPU does
-    for (int j = 0; j < k; ++j) picked += __shfl_sync(0xffffffffu, my_w, j);
-    my_w /= picked;
-  }
-  if (lane < k) {
-    if (expert_scale) my_w *= expert_scale[my_i];
-    idx[row * k + lane] = my_i;
-    weight[row * k + lane] = my_w;
+  __shared__ RouteSmem s;
+  const int64_t row = blockIdx.x;
+  block_route(logits + row * stride, n_experts, k, renormalize, expert_scale, s);
+  if (threadIdx.x < k) {
+    idx[row * k + threadIdx.x] = s.idx[threadIdx.x];
+    weight[row * k + threadIdx.x] = s.w[threadIdx.x];
   }
 }
 
@@ -165,13 +199,13 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
                          const float* expert_scale, cudaStream_t stream) {
   TS_CHECK(k >= 1 && k <= logits.cols, "router: top-k {} with {} experts", k, logits.cols);
-  TS_CHECK(logits.cols <= kRouterMaxExperts && k <= kRouterMaxK,
+  TS_CHECK(logits.cols <= kRouteMaxExperts && k <= kRouteMaxK,
            "router: {} experts, top-{} (the CUDA router takes up to {} experts and top-{})", logits.cols, k,
-           kRouterMaxExperts, kRouterMaxK);
+           kRouteMaxExperts, kRouteMaxK);
+  TS_CHECK(logits.rows <= 0x7fffffff, "router: {} rows", logits.rows);
   if (logits.rows == 0) return;
-  // Warp per row (all 512 logits of a row live in its 32 lanes' registers), 4 rows per block.
-  launch(router_topk_kernel, ceil_div(logits.rows, kRouterRowsPerBlock), kRouterRowsPerBlock * kWarp, 0, stream,
-         logits.data, logits.stride, logits.rows, int(logits.cols), k, renormalize, idx, weight, expert_scale);
+  launch(router_topk_kernel, unsigned(logits.rows), kRouterThreads, 0, stream, logits.data, logits.stride,
+         int(logits.cols), k, renormalize, idx, weight, expert_scale);
   TS_CUDA_LAUNCH_CHECK("router_softmax_topk [{}, {}] k {}", logits.rows, logits.cols, k);
 }
 
