@@ -96,86 +96,60 @@ __device__ __forceinline__ float biased_glu(const MoeExpertDesc& d, const MoePar
 constexpr int kDecodeThreads = 256;  // 8 warps = 8 output rows per block
 constexpr int kDecodeRowsPerBlock = kDecodeThreads / kWarp;
 
-// kRows inter rows per warp: each activation chunk a lane loads meets 2 kRows weight rows (2
-// measured the same as 1 on the Q4_0 30B-A3B shape: 300.7 / 299.2 vs 300.1 / 301.7 tok/s).
 // Once the expert is known, thread 0 asks L2 (prefetch_l2) for the block's gate and up rows
 // and, with prefetch_down, for its share (1 / gridDim.x) of the expert's down matrix, which the
-// down pass then finds in L2 instead of HBM (Q4_0 30B-A3B: 7 MB a layer, 0.5 MB left to read;
-// decode 285 -> 301 tok/s with every prefetch on and unbounded, 295 as committed, the GEMVs'
-// bounded to half the L2 as well). The host asks for them only while what
-// they bring fits in half the L2 (see prefetch_l2): bf16 experts of that shape (50 MB of
-// gate/up a layer) evicted their own prefetched rows before use.
-template <class F, int kRows>
+// down pass then finds in L2 instead of HBM (Q4_0 30B-A3B: 7 MB a layer, 0.5 MB left to read).
+// The host asks for them only while what they bring fits in half the L2 (see prefetch_l2):
+// bf16 experts of that shape (50 MB of gate/up a layer) evicted their own prefetched rows.
+// (Two inter rows a warp measured the same as one: 300.7 / 299.2 vs 300.1 / 301.7 tok/s.)
+template <class F>
 __global__ void __launch_bounds__(kDecodeThreads)
     moe_gate_up_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ x,
                             int64_t x_stride, const int32_t* __restrict__ idx, float* __restrict__ h, int64_t ldh,
                             bool prefetch, bool prefetch_down) {
-  constexpr int64_t kBlockRows = int64_t(kDecodeRowsPerBlock) * kRows;
   pdl_begin();
   const int64_t pair = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
-  const int64_t i0 = int64_t(blockIdx.x) * kBlockRows + (threadIdx.x / kWarp) * kRows;
+  const int64_t i = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
   const int32_t e = idx[pair];
   if (prefetch && threadIdx.x == 0 && valid_expert(e, p)) {
     const MoeExpertDesc& d = experts[e];
-    prefetch_weight_rows(d.gate, int64_t(blockIdx.x) * kBlockRows, kBlockRows);
-    prefetch_weight_rows(d.up, int64_t(blockIdx.x) * kBlockRows, kBlockRows);
+    prefetch_weight_rows(d.gate, int64_t(blockIdx.x) * kDecodeRowsPerBlock, kDecodeRowsPerBlock);
+    prefetch_weight_rows(d.up, int64_t(blockIdx.x) * kDecodeRowsPerBlock, kDecodeRowsPerBlock);
     if (prefetch_down) {
       const int64_t share = (p.hidden + gridDim.x - 1) / gridDim.x;
       prefetch_weight_rows(d.down, int64_t(blockIdx.x) * share, share);
     }
   }
-  if (i0 >= p.inter) return;
+  if (i >= p.inter) return;
   if (!valid_expert(e, p)) {
-    if (lane < kRows && i0 + lane < p.inter) h[pair * ldh + i0 + lane] = nan_f32();
+    if (lane == 0) h[pair * ldh + i] = nan_f32();
     return;
   }
   const MoeExpertDesc& d = experts[e];
-  WeightRow wg[kRows], wu[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int64_t i = i0 + r < p.inter ? i0 + r : p.inter - 1;  // past the end: a valid row, dropped
-    wg[r] = weight_row(d.gate, i);
-    wu[r] = weight_row(d.up, i);
-  }
+  const WeightRow wg = weight_row(d.gate, i), wu = weight_row(d.up, i);
   const float* xr = x + (pair / p.k) * x_stride;
   const int64_t n_units = p.hidden / kUnit;
-  float g[kRows] = {}, u[kRows] = {};
+  float g = 0.f, u = 0.f;
 #pragma unroll 2
   for (int64_t q = lane; q < n_units; q += kWarp) {
-    float xv[kUnit];
+    float vg[kUnit], vu[kUnit], xv[kUnit];
+    F::unit(wg, q, vg);
+    F::unit(wu, q, vu);
     load_x8(xr + q * kUnit, xv);
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float vg[kUnit], vu[kUnit];
-      F::unit(wg[r], q, vg);
-      F::unit(wu[r], q, vu);
-#pragma unroll
-      for (int c = 0; c < kUnit; ++c) g[r] = fmaf(vg[c], xv[c], g[r]), u[r] = fmaf(vu[c], xv[c], u[r]);
-    }
+    for (int c = 0; c < kUnit; ++c) g = fmaf(vg[c], xv[c], g), u = fmaf(vu[c], xv[c], u);
   }
   if constexpr (F::kTail) {
     for (int64_t c = n_units * kUnit + lane; c < p.hidden; c += kWarp) {
       const float xc = __ldg(xr + c);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        g[r] = fmaf(F::elem(wg[r], c), xc, g[r]);
-        u[r] = fmaf(F::elem(wu[r], c), xc, u[r]);
-      }
+      g = fmaf(F::elem(wg, c), xc, g);
+      u = fmaf(F::elem(wu, c), xc, u);
     }
   }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    g[r] = warp_sum(g[r]);
-    u[r] = warp_sum(u[r]);
-  }
-  if (lane < kRows && i0 + lane < p.inter) {
-    float gi = g[0], ui = u[0];
-#pragma unroll
-    for (int r = 1; r < kRows; ++r)
-      if (lane == r) gi = g[r], ui = u[r];
-    h[pair * ldh + i0 + lane] = biased_glu(d, p, i0 + lane, gi, ui);
-  }
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) h[pair * ldh + i] = biased_glu(d, p, i, g, u);
 }
 
 // The k experts' partial dots are weighted and summed per lane, and the warp reduces once.
@@ -187,11 +161,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
 // arithmetic and order as one expert after another, so bit-identical to it.
 constexpr int kDownExpertsInFlight = 8;
 
-template <class F, int kE>
+template <class F>
 __global__ void __launch_bounds__(kDecodeThreads)
     moe_down_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
                          int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
                          float* __restrict__ out, int64_t out_stride) {
+  constexpr int kE = kDownExpertsInFlight;
   pdl_begin();
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
@@ -751,7 +726,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
             const bool prefetch = l2_prefetch_enabled() && gate_up_bytes <= device_l2_bytes() / 2;
             const bool down = prefetch && gate_up_bytes + down_bytes <= device_l2_bytes() / 2;
             const dim3 grid(unsigned((inter + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(n_pairs));
-            launch(moe_gate_up_gemv_kernel<F, 1>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh,
+            launch(moe_gate_up_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh,
                    prefetch, down);
           }
           TS_CUDA_LAUNCH_CHECK("moe gate_up gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
@@ -770,8 +745,8 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
                    out.data, out.stride);
           } else {
             const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
-            launch(moe_down_gemv_kernel<F, kDownExpertsInFlight>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh,
-                   idx, weight, out.data, out.stride);
+            launch(moe_down_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh, idx, weight, out.data,
+                   out.stride);
           }
           TS_CUDA_LAUNCH_CHECK("moe down gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
                                inter, rows, k);
