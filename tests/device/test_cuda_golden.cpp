@@ -175,11 +175,11 @@ TEST(CudaGgufGolden, Q8AndBf16FilesMatchTransformers) {
 }
 
 // A Q4_0 GGUF (tools/fixtures/requantize_gguf.py) on CUDA against the CPU backend on the same
-// file in both device layouts: TURBOSPARK_CUDA_Q4_0_PLANES=1 rewrites Q4_0 into planes at
-// upload (repack.cu) read by the block32 kernels, 0 keeps ggml's blocks (unit and dp4a paths).
-// The CPU quantizes activations to int8 for Q4_0 and the planes path keeps them f32, so the two
-// differ by that rounding (~1e-2 of the logits), far below what a wrong code, scale or nibble
-// order gives (the file's logits are 0.39 off the bf16 model's).
+// file in both device layouts: planes (the default; repack.cu rewrites Q4_0 at upload) and
+// TURBOSPARK_CUDA_Q4_0_PLANES=0, ggml's blocks. Decode rows (chunks 1 and 7) quantize their
+// activations to int8 as the CPU does; whole-prompt prefill (chunk 0) runs bf16 GEMMs, so the
+// two differ by that rounding (~1e-2 of the logits), far below what a wrong code, scale or
+// nibble order gives (the file's logits are 0.39 off the bf16 model's).
 TEST(CudaGgufGolden, Q4_0FileMatchesCpuBackendInBothLayouts) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string path = fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-q4_0.gguf";

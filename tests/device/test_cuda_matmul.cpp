@@ -408,8 +408,8 @@ TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {
 // The int8-activation GEMV formats on matrices with rows enough for the dp4a path (and one
 // without: split-K keeps f32 activations): the CPU backend quantizes activations the same way,
 // so on the dp4a path the two agree to f32 summation order at every decode row count; the f32
-// path is held to kInt8Tol against the CPU's int8 result. Q4_0 in planes (the CUDA backend's
-// layout) always keeps f32 activations.
+// path is held to kInt8Tol against the CPU's int8 result. Q4_0 (both layouts) takes the
+// whole-block dp4a kernel (gemv_q4_dp4a_kernel) wherever its codes fit shared memory.
 TEST(CudaMatmul, Int8ActivationPathsMatchCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
@@ -425,8 +425,12 @@ TEST(CudaMatmul, Int8ActivationPathsMatchCpuBackend) {
           const BothMatmuls y = cpu_and_cuda_matmul(*cpu, mm, f, rows, out, in, seed);
           const bool int8 = y.int8;
           int8_cases += int8;
-          if ((out == 129 && in >= 2048) || f.planes) {
-            EXPECT_FALSE(int8) << f.name() << ": f32 activations (a 129-row matrix splits K; planes have no dp4a path)";
+          if (f.dtype == DType::Q4_0) {
+            // Both Q4_0 layouts take the whole-block dp4a kernel while the codes (1.25 bytes an
+            // activation) fit the 48 KiB of shared memory a block gets without opting in.
+            EXPECT_EQ(int8, rows * in * 5 / 4 <= 48 * 1024) << f.name() << " rows " << rows << " in " << in;
+          } else if (out == 129 && in >= 2048) {
+            EXPECT_FALSE(int8) << f.name() << ": f32 activations (a 129-row matrix splits K)";
           }
           EXPECT_LE(normalized_error(y.cuda, y.cpu), int8 ? 1e-5 : kInt8Tol)
               << f.name() << " rows " << rows << " out " << out << " in " << in << (int8 ? " (int8)" : " (f32)");
@@ -624,7 +628,10 @@ void run_moe_case(cuda::WeightMatmul& mm, const MoeCase& c, uint32_t seed) {
   dx.upload(x);
   dout.buf.poison();
   mm.moe_experts(experts, dx.mat, didx.get(), dwts.get(), c.k, dout.mat, nullptr);
-  const double tol = c.rows <= cuda::kMoeDecodeMaxRows ? kF32Tol : kMoeBf16Tol;
+  // Decode keeps f32 activations except on the Q4_0 int8 kernels (x and h rounded per 32).
+  const double tol = c.rows > cuda::kMoeDecodeMaxRows                         ? kMoeBf16Tol
+                     : cuda::moe_int8_activations(experts[0], c.rows, c.k) ? kInt8Tol
+                                                                            : kF32Tol;
   EXPECT_LE(normalized_error(dout.download(), want), tol)
       << "gate/up " << c.gate_up.name() << " down " << c.down.name() << " experts " << E << " k " << c.k << " rows "
       << c.rows << " hidden " << c.hidden << " inter " << c.inter << " glu " << int(c.glu) << " biases " << c.biases
@@ -666,8 +673,10 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
 }
 
 // BF16 experts run in float on the CPU backend: agree with it (decode and prefill). For Q4_0
-// and Q8_0 experts the CPU quantizes x and the hidden activations to int8 while the CUDA
-// decode path keeps them f32: held to kInt8Tol (the activation rounding, ~5e-3).
+// and Q8_0 experts the CPU quantizes x and the hidden activations to int8. The CUDA Q4_0
+// decode kernels quantize them the same way, so the two agree to f32 summation order plus the
+// rare h element whose code flips at a rounding boundary (one step of amax / 127): 1e-4. Q8_0
+// decode keeps them f32 on CUDA: held to kInt8Tol (the activation rounding, ~5e-3).
 TEST(CudaMoe, MatchesCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
@@ -707,8 +716,61 @@ TEST(CudaMoe, MatchesCpuBackend) {
       dx.upload(x);
       dout.buf.poison();
       mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, dout.mat, nullptr);
-      const double tol = rows <= cuda::kMoeDecodeMaxRows ? (int8 ? kInt8Tol : kF32Tol) : kMoeBf16Tol;
+      const bool both_int8 = cuda::moe_int8_activations(dev[0], rows, k);
+      EXPECT_EQ(both_int8, f.dtype == DType::Q4_0 && rows <= cuda::kMoeDecodeMaxRows) << f.name() << " rows " << rows;
+      const double tol = rows > cuda::kMoeDecodeMaxRows ? kMoeBf16Tol : both_int8 ? 1e-4 : int8 ? kInt8Tol : kF32Tol;
       EXPECT_LE(normalized_error(dout.download(), want), tol) << f.name() << " rows " << rows;
+    }
+  }
+}
+
+// An expert id outside the table (the device cannot throw) makes its token's output row NaN
+// and leaves the other rows exactly as a valid routing gives them, on every decode kernel
+// family (f32 unit-wise, Q4_0 int8 in both layouts) and on the grouped prefill path.
+TEST(CudaMoe, InvalidExpertIdGivesNanRowOnly) {
+  cuda::WeightMatmul mm;
+  for (const Format& f : {Format{DType::BF16}, Format{DType::Q4_0}, Format{DType::Q4_0, DType::U8, 0, true}}) {
+    const int E = 4, k = 2;
+    const int64_t hidden = 64, inter = 32;
+    std::vector<HostWeight> hw;
+    std::vector<DevWeight> dw;
+    std::vector<ExpertWeights> dev(E);
+    for (int e = 0; e < E; ++e)
+      for (int m = 0; m < 3; ++m) hw.push_back(make_weight(f, m == 2 ? hidden : inter, m == 2 ? inter : hidden, 40 + 3 * e + m));
+    for (const HostWeight& h : hw) dw.push_back(upload(h, f.planes));
+    for (int e = 0; e < E; ++e) {
+      dev[size_t(e)].gate.view = dw[size_t(3 * e)].view;
+      dev[size_t(e)].up.view = dw[size_t(3 * e + 1)].view;
+      dev[size_t(e)].down.view = dw[size_t(3 * e + 2)].view;
+    }
+    for (int64_t rows : {int64_t(3), int64_t(17)}) {
+      std::vector<int32_t> good(size_t(rows * k));
+      for (int64_t t = 0; t < rows; ++t) good[size_t(t * k)] = int32_t(t % E), good[size_t(t * k + 1)] = int32_t((t + 1) % E);
+      std::vector<int32_t> bad = good;
+      bad[size_t(1 * k + 1)] = E + 3;  // row 1's second expert
+      bad[size_t(2 * k)] = -1;         // row 2's first
+      const std::vector<float> wts = random_floats(size_t(rows * k), 7, 0.1f, 1.f);
+      DevMat dx(rows, hidden, hidden);
+      dx.upload(random_floats(size_t(rows * hidden), 8));
+      DeviceBuffer<float> dwts(wts);
+      auto run = [&](const std::vector<int32_t>& idx) {
+        DeviceBuffer<int32_t> didx(idx);
+        DevMat out(rows, hidden, hidden);
+        out.buf.poison();
+        mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, out.mat, nullptr);
+        return out.download();
+      };
+      const std::vector<float> want = run(good), got = run(bad);
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t o = 0; o < hidden; ++o) {
+          const size_t at = size_t(t * hidden + o);
+          if (t == 1 || t == 2) {
+            EXPECT_TRUE(std::isnan(got[at])) << f.name() << " rows " << rows << " row " << t << " out " << o;
+          } else {
+            ASSERT_TRUE(std::isfinite(want[at])) << f.name() << " rows " << rows << " row " << t;
+            EXPECT_EQ(got[at], want[at]) << f.name() << " rows " << rows << " row " << t << " out " << o;
+          }
+        }
     }
   }
 }

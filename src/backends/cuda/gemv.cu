@@ -103,31 +103,45 @@ struct GemvJobs {
   int n;
 };
 
+// This block's job, picked by static indices (a dynamic index into the parameter arrays would
+// copy them to local memory), and the block's index within it.
+struct GemvJob {
+  DeviceWeight w;
+  float* y;
+  int64_t y_stride;
+  int warps_per_group, block;
+  __device__ __forceinline__ explicit GemvJob(const GemvJobs& jobs) {
+    int job = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < kMaxGemvJobs; ++i) job += i + 1 < jobs.n && int(blockIdx.x) >= jobs.block_end[i];
+    w = jobs.w[0];
+    y = jobs.y[0];
+    y_stride = jobs.y_stride[0];
+    warps_per_group = jobs.warps_per_group[0];
+    block = int(blockIdx.x);
+#pragma unroll
+    for (int i = 1; i < kMaxGemvJobs; ++i) {
+      if (job == i) {
+        w = jobs.w[i];
+        y = jobs.y[i];
+        y_stride = jobs.y_stride[i];
+        warps_per_group = jobs.warps_per_group[i];
+        block = int(blockIdx.x) - jobs.block_end[i - 1];
+      }
+    }
+  }
+};
+
 // kQ8: the dp4a variant (q8.cuh): the block first quantizes its activation rows to int8 in
 // shared memory, then reads them as codes and the weights as integer codes (one job only).
 template <class F, int kMaxRows, int kOut, bool kQ8>
 __global__ void __launch_bounds__(kGemvThreads)
     gemv_kernel(GemvJobs jobs, const float* __restrict__ x, int64_t x_stride, int n_rows, int64_t prefetch_bytes) {
-  // This block's job, by static indices (a dynamic index into the parameter arrays would copy
-  // them to local memory).
-  int job = 0;
-#pragma unroll
-  for (int i = 0; i + 1 < kMaxGemvJobs; ++i) job += i + 1 < jobs.n && int(blockIdx.x) >= jobs.block_end[i];
-  DeviceWeight w = jobs.w[0];
-  float* __restrict__ y = jobs.y[0];
-  int64_t y_stride = jobs.y_stride[0];
-  int warps_per_group = jobs.warps_per_group[0];
-  int block = int(blockIdx.x);
-#pragma unroll
-  for (int i = 1; i < kMaxGemvJobs; ++i) {
-    if (job == i) {
-      w = jobs.w[i];
-      y = jobs.y[i];
-      y_stride = jobs.y_stride[i];
-      warps_per_group = jobs.warps_per_group[i];
-      block = int(blockIdx.x) - jobs.block_end[i - 1];
-    }
-  }
+  const GemvJob job(jobs);
+  const DeviceWeight& w = job.w;
+  float* __restrict__ y = job.y;
+  const int64_t y_stride = job.y_stride;
+  const int warps_per_group = job.warps_per_group, block = job.block;
   // The block's weight rows (up to prefetch_bytes of them) into L2 while the previous kernel drains.
   if (prefetch_bytes > 0 && threadIdx.x == 0 && w.row_bytes > 0) {
     const int64_t block_rows = int64_t(kGemvThreads / (warps_per_group * kWarp)) * kOut;
@@ -209,6 +223,82 @@ __global__ void __launch_bounds__(kGemvThreads)
   store_gemv<kMaxRows, kOut>(acc, n_rows, w.rows, o0, y, y_stride, warps_per_group, at.group, t);
 }
 
+// Q4_0 (either layout) with int8 activations in whole 32-element blocks (q8.cuh): a warp
+// computes kRowsW consecutive output rows, its lanes taking blocks b = lane, lane + 32, ... of
+// them. The first kPre blocks of each row are loaded into registers before pdl_begin()
+// (weights are never written by a step's kernels), so those loads are in flight while the
+// previous kernel drains; then the block quantizes its activation rows into shared memory
+// once (BlockQ8x32's values, as the CPU backend does) and the loaded blocks meet them. With a
+// 2048- or 4096-wide row every block of it is loaded before the wait.
+constexpr int kQ4Warps = kGemvThreads / kWarp;
+
+template <class F, int kMaxRows, int kRowsW>
+__global__ void __launch_bounds__(kGemvThreads)
+    gemv_q4_dp4a_kernel(GemvJobs jobs, const float* __restrict__ x, int64_t x_stride, int n_rows,
+                        int64_t prefetch_bytes) {
+  constexpr int kPre = kRowsW == 1 ? 4 : 2;
+  const GemvJob job(jobs);
+  const DeviceWeight& w = job.w;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t o0 = (int64_t(job.block) * kQ4Warps + warp) * kRowsW;
+  const int64_t nb = w.cols / 32;
+  WeightRow wr[kRowsW];
+#pragma unroll
+  for (int j = 0; j < kRowsW; ++j) wr[j] = weight_row(w, o0 + j < w.rows ? o0 + j : w.rows - 1);  // past the end: dropped
+  uint4 c[kPre][kRowsW];
+  float d[kPre][kRowsW];
+#pragma unroll
+  for (int p = 0; p < kPre; ++p)
+#pragma unroll
+    for (int j = 0; j < kRowsW; ++j) {
+      c[p][j] = make_uint4(0, 0, 0, 0);
+      d[p][j] = 0.f;
+      if (lane + 32 * p < nb) F::codes32(wr[j], lane + 32 * p, c[p][j], d[p][j]);
+    }
+  if (prefetch_bytes > 0 && threadIdx.x == 0 && nb > 32 * kPre) {
+    const int64_t block_rows = int64_t(kQ4Warps) * kRowsW;
+    prefetch_weight_rows(w, int64_t(job.block) * block_rows, min(block_rows, prefetch_bytes / w.row_bytes));
+  }
+  pdl_begin();
+  extern __shared__ int4 q8_smem[];
+  const Q8x32Rows xq = quantize_q8x32_rows(x, x_stride, n_rows, w.cols, q8_smem);
+  __syncthreads();
+  float acc[kMaxRows][kRowsW] = {};
+  auto accumulate = [&](int64_t b, const uint4 (&cb)[kRowsW], const float (&db)[kRowsW]) {
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r < n_rows) {
+        int4 lo, hi;
+        float2 dsv;
+        xq.block(r, b, lo, hi, dsv);
+#pragma unroll
+        for (int j = 0; j < kRowsW; ++j) acc[r][j] += q4_dot_q8x32(cb[j], db[j], lo, hi, dsv);
+      }
+    }
+  };
+#pragma unroll
+  for (int p = 0; p < kPre; ++p)
+    if (lane + 32 * p < nb) accumulate(lane + 32 * p, c[p], d[p]);
+  for (int64_t b = lane + 32 * kPre; b < nb; b += kWarp) {
+    uint4 cb[kRowsW];
+    float db[kRowsW];
+#pragma unroll
+    for (int j = 0; j < kRowsW; ++j) F::codes32(wr[j], b, cb[j], db[j]);
+    accumulate(b, cb, db);
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxRows; ++r)
+#pragma unroll
+    for (int j = 0; j < kRowsW; ++j) acc[r][j] = warp_sum(acc[r][j]);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r)
+#pragma unroll
+      for (int j = 0; j < kRowsW; ++j)
+        if (r < n_rows && o0 + j < w.rows) job.y[r * job.y_stride + o0 + j] = acc[r][j];
+  }
+}
+
 // Warps per group: 1, or more (split-K inside the block) while the matrix has too few rows
 // to give ~16 warps per SM of groups. Aim for ~16 warps per SM before splitting K: each thread
 // then keeps >= 4 units in its loop (a split-K group of 8 warps on a 4096-column row left 2
@@ -248,6 +338,54 @@ bool use_q8(bool has_q8, int64_t rows, int64_t out_rows, int64_t cols, int num_s
          gemv_warps_per_group(out_rows, cols, gemv_out_per_group(rows), num_sms) == 1;
 }
 
+// The Q4_0 whole-block dp4a kernel applies while the activation rows' codes fit a block's
+// shared memory (every decode GEMV of the 30B-A3B and 8B shapes at one row).
+bool use_q4_dp4a(bool has_codes32, int64_t rows, int64_t cols) {
+  return has_codes32 && q4_dp4a_enabled() && cols % 32 == 0 && q8x32_bytes(rows, cols) <= kQ8SmemMax;
+}
+
+// Two output rows a warp (each activation block met twice, the block's quantization of x
+// spread over twice the rows) where that still leaves ~2 blocks an SM; else one, so a
+// 2048-row matrix still spreads over every SM.
+int q4_rows_per_warp(int64_t out_rows, int num_sms) {
+  return out_rows >= int64_t(std::max(num_sms, 1)) * kQ4Warps * 2 * 2 ? 2 : 1;
+}
+
+template <class F, int kMaxRows>
+void run_q4_dp4a(std::span<const WeightView* const> ws, const float* x, int64_t x_stride, std::span<const Mat> ys,
+                 int num_sms, cudaStream_t stream) {
+  int64_t total_rows = 0;
+  for (const WeightView* w : ws) total_rows += w->rows;
+  const int rows_per_warp = q4_rows_per_warp(total_rows, num_sms);
+  GemvJobs jobs{};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t per_block = int64_t(kQ4Warps) * rows_per_warp;
+    const int64_t blocks = (ws[i]->rows + per_block - 1) / per_block;
+    const int prev = jobs.n ? jobs.block_end[jobs.n - 1] : 0;
+    TS_CHECK(prev + blocks < (int64_t(1) << 31), "gemv: {} blocks", prev + blocks);
+    jobs.w[jobs.n] = device_weight(*ws[i]);
+    jobs.y[jobs.n] = ys[i].data;
+    jobs.y_stride[jobs.n] = ys[i].stride;
+    jobs.warps_per_group[jobs.n] = 1;
+    jobs.block_end[jobs.n] = int(prev + blocks);
+    ++jobs.n;
+  }
+  const int blocks = jobs.block_end[jobs.n - 1];
+  const int64_t rows = ys[0].rows, cols = ws[0]->cols;
+  const size_t smem = size_t(q8x32_bytes(rows, cols));
+  const int64_t prefetch = gemv_prefetch_bytes(blocks, num_sms);
+  if (rows_per_warp == 2) {
+    launch(gemv_q4_dp4a_kernel<F, kMaxRows, 2>, dim3(unsigned(blocks)), kGemvThreads, smem, stream, jobs, x, x_stride,
+           int(rows), prefetch);
+  } else {
+    launch(gemv_q4_dp4a_kernel<F, kMaxRows, 1>, dim3(unsigned(blocks)), kGemvThreads, smem, stream, jobs, x, x_stride,
+           int(rows), prefetch);
+  }
+  TS_CUDA_LAUNCH_CHECK("gemv {} (int8 activations, whole blocks) x {} jobs [{}, {}] ... x {} rows ({} blocks, {} "
+                       "rows/warp)",
+                       dtype_name(ws[0]->dtype), jobs.n, ws[0]->rows, cols, rows, blocks, rows_per_warp);
+}
+
 // One job's launch geometry.
 template <class F, int kOut>
 void add_gemv_job(GemvJobs& jobs, const WeightView& w, const Mat& y, int num_sms) {
@@ -269,6 +407,13 @@ void add_gemv_job(GemvJobs& jobs, const WeightView& w, const Mat& y, int num_sms
 template <class F, int kMaxRows, int kOut>
 void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
               cudaStream_t stream) {
+  if constexpr (kHasQ4Codes32<F>) {
+    if (use_q4_dp4a(true, y.rows, w.cols)) {
+      const WeightView* one[] = {&w};
+      run_q4_dp4a<F, kMaxRows>(one, x, x_stride, std::span<const Mat>(&y, 1), num_sms, stream);
+      return;
+    }
+  }
   GemvJobs jobs{};
   add_gemv_job<F, kOut>(jobs, w, y, num_sms);
   const int64_t blocks = jobs.block_end[0];
@@ -292,6 +437,12 @@ void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& 
 template <class F, int kMaxRows, int kOut>
 void run_gemv_jobs(std::span<const WeightView* const> ws, const float* x, int64_t x_stride, std::span<const Mat> ys,
                    int num_sms, cudaStream_t stream) {
+  if constexpr (kHasQ4Codes32<F>) {
+    if (use_q4_dp4a(true, ys[0].rows, ws[0]->cols)) {
+      run_q4_dp4a<F, kMaxRows>(ws, x, x_stride, ys, num_sms, stream);
+      return;
+    }
+  }
   GemvJobs jobs{};
   for (size_t i = 0; i < ws.size(); ++i) add_gemv_job<F, kOut>(jobs, *ws[i], ys[i], num_sms);
   launch(gemv_kernel<F, kMaxRows, kOut, false>, dim3(unsigned(jobs.block_end[jobs.n - 1])), kGemvThreads, 0, stream,
@@ -306,11 +457,15 @@ void run_gemv_jobs(std::span<const WeightView* const> ws, const float* x, int64_
 bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms) {
   const DType dtype = w.dtype;
   const int64_t out_rows = w.rows, cols = w.cols;
+  if (rows < 1 || rows > kGemvMaxRows) return false;
+  static_assert(kHasQ4Codes32<FmtQ4_0> && kHasQ4Codes32<FmtQ4_0Planes> && !kHasQ4Codes32<FmtQ4_1> &&
+                !kHasQ4Codes32<FmtQ8_0>);
+  if (use_q4_dp4a(dtype == DType::Q4_0, rows, cols)) return true;
   const bool has_q8 = (dtype == DType::Q4_0 && !is_q4_0_planes(w)) || dtype == DType::Q4_1 || dtype == DType::Q5_0 ||
                       dtype == DType::Q5_1 || dtype == DType::Q8_0;
   static_assert(kHasQ8<FmtQ4_0> && kHasQ8<FmtQ4_1> && kHasQ8<FmtQ5_0> && kHasQ8<FmtQ5_1> && kHasQ8<FmtQ8_0> &&
                 !kHasQ8<FmtQK45<false>> && !kHasQ8<FmtQ6_K> && !kHasQ8<FmtMXFP4> && !kHasQ8<FmtQ4_0Planes>);
-  return rows >= 1 && rows <= kGemvMaxRows && use_q8(has_q8, rows, out_rows, cols, num_sms);
+  return use_q8(has_q8, rows, out_rows, cols, num_sms);
 }
 
 bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float* x, int64_t x_stride,
@@ -326,9 +481,10 @@ bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float
     TS_CHECK(ys[i].cols == w.rows && ys[i].rows == rows && w.cols == ws[0]->cols,
              "gemv: job {}: {} weight [{}, {}] with output [{}, {}]", i, dtype_name(w.dtype), w.rows, w.cols,
              ys[i].rows, ys[i].cols);
-    // One format for all (ggml Q4_0 and its planes are two), none on the int8 path, none empty.
+    // One format for all (ggml Q4_0 and its planes are two), none empty, none on the per-block
+    // int8 path (the Q4_0 whole-block dp4a kernel takes jobs: it applies to all or none).
     if (w.dtype != ws[0]->dtype || is_q4_0_planes(w) != is_q4_0_planes(*ws[0]) || w.rows == 0 ||
-        gemv_int8_activations(w, rows, num_sms))
+        (gemv_int8_activations(w, rows, num_sms) && !use_q4_dp4a(w.dtype == DType::Q4_0, rows, w.cols)))
       return false;
   }
   bool done = false;

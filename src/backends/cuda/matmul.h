@@ -75,10 +75,14 @@ void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Ma
 bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float* x, int64_t x_stride,
                               std::span<const Mat> ys, int num_sms, cudaStream_t stream);
 // Whether a GEMV of a [out_rows, cols] weight of this format over `rows` activation rows
-// quantizes the activations to int8 per 32 (q8.cuh's dp4a path: ggml-layout Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, for
-// matrices with rows enough to skip split-K, while the codes fit a block's shared memory);
-// else the activations stay f32.
+// quantizes the activations to int8 per 32 (q8.cuh's dp4a paths: Q4_0 in either layout while
+// the codes fit a block's shared memory; ggml-layout Q4_1/Q5_0/Q5_1/Q8_0 for matrices with rows
+// enough to skip split-K); else the activations stay f32.
 bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms);
+// moe.cu: whether moe_experts over these experts (expert 0's views) at `rows` rows and top-k
+// quantizes x and the hidden activations to int8 per 32 (the Q4_0 decode kernels: both
+// projections Q4_0, sizes multiples of 32, k <= 32); else the decode path keeps them f32.
+bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k);
 // repack.cu: a ggml Q4_0 weight in device memory (any 2-byte-aligned row stride) rewritten
 // into code and f16 scale planes at dst (256-byte aligned, q4_0_planes_bytes long: codes
 // first, scales at *scales_offset); returns the view kernels read as FmtQ4_0Planes.

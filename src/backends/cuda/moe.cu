@@ -15,8 +15,11 @@
 //   Formats read in 32-element blocks (kBlock32: Q4_0 in planes) take block32 variants of both
 //   (below): each lane owns whole blocks (one 16-byte load each), a warp two output rows, and
 //   the down pass spreads the k experts' blocks over the warp's lanes instead of looping.
-//   (int8-activation dp4a variants, as gemv.cu has for wide matrices, measured slower here:
-//   a block covers 8 output rows, too few to amortize quantizing its activations.)
+//   Q4_0 experts (either layout) take the int8-activation kernels instead (moe_int8_activations,
+//   below): x quantized once per block of 32 inter rows, h written as BlockQ8x32 codes by the
+//   gate/up pass, eight dp4a per 32-element block and lane. (Per-unit dp4a variants of the
+//   kernels above measured slower: a block covering 8 output rows did not amortize its own
+//   quantization of x.)
 //
 // Prefill (more rows): rows are grouped by expert on the device: count pairs per expert,
 // prefix-sum to offsets and to 128-row tile offsets, scatter pair ids into expert order, and
@@ -38,6 +41,7 @@
 #include <cstring>
 
 #include "backends/cuda/matmul.h"
+#include "backends/cuda/q8.cuh"
 #include "backends/cuda/quant.cuh"
 
 namespace turbospark::cuda {
@@ -330,6 +334,164 @@ __global__ void __launch_bounds__(kDownBlockThreads)
       if (lane == r) v = acc[r];
     out[t * out_stride + o0 + lane] = bad ? nan_f32() : v;
   }
+}
+
+// ---- decode, Q4_0 with int8 activations in whole blocks (q8.cuh) ------------------------------
+// gate/up: a block of kQ4GateUpWarps warps covers 32 consecutive inter rows of one pair, two a
+// warp, its lanes taking whole 32-element blocks of the gate and up rows (the first kQ4Pre of
+// each loaded before x is quantized, so the loads are in flight meanwhile). The block
+// quantizes x[t] into shared memory once, then its 32 values of h as one BlockQ8x32 (the CPU
+// backend quantizes h the same way before its down product) into hq: codes [pairs][inter],
+// then {d, s} [pairs][inter / 32]. A pair with an invalid expert writes nothing: the down pass
+// reads the id and writes NaN. down: as moe_down_block32_kernel over h's codes, the token's k
+// ids and weights held one a lane and shuffled to the lanes that need them.
+constexpr int kQ4GateUpWarps = 16;
+constexpr int kQ4Pre = 1;
+
+template <class F>
+__global__ void __launch_bounds__(kQ4GateUpWarps * kWarp, 2)
+    moe_gate_up_q4_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ x,
+                          int64_t x_stride, const int32_t* __restrict__ idx, void* __restrict__ hq, bool prefetch_down) {
+  pdl_begin();
+  const int64_t pair = blockIdx.y;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int32_t e = idx[pair];
+  if (!valid_expert(e, p)) return;  // the whole block: e is the pair's
+  const MoeExpertDesc& d = experts[e];
+  const int64_t i0 = int64_t(blockIdx.x) * 32 + 2 * warp;  // inter % 32 == 0: both rows exist
+  const WeightRow wg[2] = {weight_row(d.gate, i0), weight_row(d.gate, i0 + 1)};
+  const WeightRow wu[2] = {weight_row(d.up, i0), weight_row(d.up, i0 + 1)};
+  const int64_t nb = p.hidden / 32;
+  uint4 cg[kQ4Pre][2], cu[kQ4Pre][2];
+  float dg[kQ4Pre][2], du[kQ4Pre][2];
+#pragma unroll
+  for (int q = 0; q < kQ4Pre; ++q)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      cg[q][r] = cu[q][r] = make_uint4(0, 0, 0, 0);
+      dg[q][r] = du[q][r] = 0.f;
+      if (lane + 32 * q < nb) {
+        F::codes32(wg[r], lane + 32 * q, cg[q][r], dg[q][r]);
+        F::codes32(wu[r], lane + 32 * q, cu[q][r], du[q][r]);
+      }
+    }
+  if (prefetch_down && threadIdx.x == 0) {
+    const int64_t share = (p.hidden + gridDim.x - 1) / gridDim.x;
+    prefetch_weight_rows(d.down, int64_t(blockIdx.x) * share, share);
+  }
+  extern __shared__ int4 xq_smem[];
+  __shared__ float hs[32];
+  const Q8x32Rows xq = quantize_q8x32_rows(x + (pair / p.k) * x_stride, x_stride, 1, p.hidden, xq_smem);
+  __syncthreads();
+  float g[2] = {}, u[2] = {};
+  auto accumulate = [&](int64_t b, const uint4 (&bg)[2], const float (&sg)[2], const uint4 (&bu)[2],
+                        const float (&su)[2]) {
+    int4 lo, hi;
+    float2 dsv;
+    xq.block(0, b, lo, hi, dsv);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      g[r] += q4_dot_q8x32(bg[r], sg[r], lo, hi, dsv);
+      u[r] += q4_dot_q8x32(bu[r], su[r], lo, hi, dsv);
+    }
+  };
+#pragma unroll
+  for (int q = 0; q < kQ4Pre; ++q)
+    if (lane + 32 * q < nb) accumulate(lane + 32 * q, cg[q], dg[q], cu[q], du[q]);
+  for (int64_t b = lane + 32 * kQ4Pre; b < nb; b += kWarp) {
+    uint4 bg[2], bu[2];
+    float sg[2], su[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) F::codes32(wg[r], b, bg[r], sg[r]), F::codes32(wu[r], b, bu[r], su[r]);
+    accumulate(b, bg, sg, bu, su);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) g[r] = warp_sum(g[r]), u[r] = warp_sum(u[r]);
+  if (lane < 2) hs[2 * warp + lane] = biased_glu(d, p, i0 + lane, lane == 0 ? g[0] : g[1], lane == 0 ? u[0] : u[1]);
+  __syncthreads();
+  if (warp == 0) {
+    auto* codes = static_cast<int8_t*>(hq);
+    auto* ds = reinterpret_cast<float2*>(codes + int64_t(gridDim.y) * p.inter);
+    quantize_q8x32_warp(hs[lane], codes + pair * p.inter + 32 * int64_t(blockIdx.x),
+                        ds + pair * (p.inter / 32) + blockIdx.x);
+  }
+}
+
+template <class F>
+__global__ void __launch_bounds__(kDownBlockThreads)
+    moe_down_q4_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const void* __restrict__ hq,
+                       int64_t n_pairs, const int32_t* __restrict__ idx, const float* __restrict__ weight,
+                       float* __restrict__ out, int64_t out_stride) {
+  pdl_begin();
+  const int64_t t = blockIdx.y;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t o0 = (int64_t(blockIdx.x) * (kDownBlockThreads / kWarp) + threadIdx.x / kWarp) * 2;
+  if (o0 >= p.hidden) return;  // whole warps: o0 is the warp's
+  const int64_t o[2] = {o0, o0 + 1 < p.hidden ? o0 + 1 : o0};
+  const Q8x32Rows h = q8x32_view(const_cast<void*>(hq), n_pairs, p.inter);
+  // k <= 32 (the host checks): lane j holds expert j's id and routing weight.
+  const int32_t e_lane = lane < p.k ? idx[t * p.k + lane] : 0;
+  const float w_lane = lane < p.k ? weight[t * p.k + lane] : 0.f;
+  const bool bad = __any_sync(0xffffffffu, lane < p.k && !valid_expert(e_lane, p));
+  const int32_t nb = int32_t(p.inter / 32), items = p.k * nb;
+  float acc[2] = {};
+  if (kWarp % p.k == 0) {
+    // kWarp / k lanes an expert: each lane's expert is fixed (its descriptor and rows found
+    // once), its blocks b = lane % lanes, + lanes, ... (the general loop below spent more on
+    // finding each item's expert than on the item: 1.46M instructions a layer, ncu).
+    const int lanes = kWarp / p.k, j = lane / lanes;
+    const int32_t e = __shfl_sync(0xffffffffu, e_lane, j);
+    const float wt = __shfl_sync(0xffffffffu, w_lane, j);
+    if (valid_expert(e, p)) {
+      const MoeExpertDesc& d = experts[e];
+      const WeightRow wr[2] = {weight_row(d.down, o[0]), weight_row(d.down, o[1])};
+      const int64_t pair = t * p.k + j;
+      float y[2] = {};
+#pragma unroll 4
+      for (int32_t b = lane % lanes; b < nb; b += lanes) {
+        uint4 c[2];
+        float s[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) F::codes32(wr[r], b, c[r], s[r]);
+        int4 lo, hi;
+        float2 dsv;
+        h.block(pair, b, lo, hi, dsv);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) y[r] += q4_dot_q8x32(c[r], s[r], lo, hi, dsv);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (lane % lanes == 0 && d.down_bias) y[r] += d.down_bias[o[r]];
+        acc[r] = wt * y[r];
+      }
+    }
+  } else {
+#pragma unroll 2
+    for (int32_t it0 = 0; it0 < items; it0 += kWarp) {  // uniform trip count: full-warp shuffles
+      const int32_t it = it0 + lane;
+      const int32_t j = it < items ? it / nb : 0, b = it - j * nb;
+      const int32_t e = __shfl_sync(0xffffffffu, e_lane, j);
+      const float wt = __shfl_sync(0xffffffffu, w_lane, j);
+      if (it >= items || !valid_expert(e, p)) continue;
+      const MoeExpertDesc& d = experts[e];
+      uint4 c[2];
+      float s[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) F::codes32(weight_row(d.down, o[r]), b, c[r], s[r]);
+      int4 lo, hi;
+      float2 dsv;
+      h.block(t * p.k + j, b, lo, hi, dsv);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float y = q4_dot_q8x32(c[r], s[r], lo, hi, dsv);
+        if (b == 0 && d.down_bias) y += d.down_bias[o[r]];
+        acc[r] = fmaf(wt, y, acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane < 2 && o0 + lane < p.hidden) out[t * out_stride + o0 + lane] = bad ? nan_f32() : (lane == 0 ? acc[0] : acc[1]);
 }
 
 // ---- prefill: grouping -------------------------------------------------------------------------
@@ -648,6 +810,13 @@ const WeightMatmul::MoeTable& WeightMatmul::moe_table(const std::vector<ExpertWe
   return table;
 }
 
+bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k) {
+  const int64_t hidden = e0.gate.view.cols, inter = e0.gate.view.rows;
+  return rows >= 1 && rows <= kMoeDecodeMaxRows && q4_dp4a_enabled() && e0.gate.view.dtype == DType::Q4_0 &&
+         e0.down.view.dtype == DType::Q4_0 && hidden % 32 == 0 && inter % 32 == 0 && k <= kWarp &&
+         q8x32_bytes(1, hidden) <= kQ8SmemMax;
+}
+
 void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
                                const float* weight, int k, const Mat& out, cudaStream_t stream) {
   TS_CHECK(!experts.empty() && k >= 1, "moe_experts: {} experts, top-k {}", experts.size(), k);
@@ -704,6 +873,36 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
     }
   };
 
+  if (moe_int8_activations(e0, rows, k)) {
+    void* hq = moe_hidden_.get(size_t(q8x32_bytes(n_pairs, inter)), stream, "moe hidden (int8)");
+    int64_t xs = 0;
+    const float* xa = aligned_rows(x, &xs, stream);
+    const int64_t gate_up_bytes = n_pairs * inter * (e0.gate.view.row_bytes + e0.up.view.row_bytes);
+    const int64_t down_bytes = n_pairs * hidden * e0.down.view.row_bytes;
+    const bool prefetch_down = l2_prefetch_enabled() && gate_up_bytes + down_bytes <= device_l2_bytes() / 2;
+    dispatch_weight_format(e0.gate.view, "moe_experts gate/up", [&](auto fmt) {
+      using F = decltype(fmt);
+      if constexpr (kHasQ4Codes32<F>) {
+        check_all(fmt, true);
+        const dim3 grid(unsigned(inter / 32), unsigned(n_pairs));
+        launch(moe_gate_up_q4_kernel<F>, grid, kQ4GateUpWarps * kWarp, size_t(q8x32_bytes(1, hidden)), stream, descs,
+               p, xa, xs, idx, hq, prefetch_down);
+        TS_CUDA_LAUNCH_CHECK("moe gate_up q4 dp4a [{}, {}] x {} rows x top-{}", inter, hidden, rows, k);
+      }
+    });
+    dispatch_weight_format(e0.down.view, "moe_experts down", [&](auto fmt) {
+      using F = decltype(fmt);
+      if constexpr (kHasQ4Codes32<F>) {
+        check_all(fmt, false);
+        constexpr int64_t rows_per_block = kDownBlockThreads / kWarp * 2;
+        const dim3 grid(unsigned((hidden + rows_per_block - 1) / rows_per_block), unsigned(rows));
+        launch(moe_down_q4_kernel<F>, grid, kDownBlockThreads, 0, stream, descs, p, static_cast<const void*>(hq),
+               n_pairs, idx, weight, out.data, out.stride);
+        TS_CUDA_LAUNCH_CHECK("moe down q4 dp4a [{}, {}] x {} rows x top-{}", hidden, inter, rows, k);
+      }
+    });
+    return;
+  }
   if (rows <= kMoeDecodeMaxRows) {
     const int64_t ldh = round_up(inter, 4);  // 16-byte aligned rows: the down pass loads them as float4
     auto* h = static_cast<float*>(moe_hidden_.get(size_t(n_pairs * ldh) * 4, stream, "moe hidden"));

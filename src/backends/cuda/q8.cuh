@@ -98,4 +98,116 @@ __device__ __forceinline__ float q8_unit_dot(int32_t c0, int32_t c1, float a, fl
   return fmaf(a * dx, float(dot), b * sx);
 }
 
+// ---- whole 32-element blocks against BlockQ8x32-shaped activations --------------------------
+// The decode kernels of Q4_0 (both layouts; gemv.cu, moe.cu) give each lane whole 32-element
+// blocks: one block of weight codes (16 bytes) meets one block of activation codes (32 bytes)
+// in eight dp4a, and the scales once:
+//   sum_i d (c_i - 8) dx q_i = d (dx sum_i c_i q_i - 8 s),  s = dx sum_i q_i (BlockQ8x32's s).
+// About one instruction per weight, against ~12 for the unit-wise f32 dequantize (ncu).
+
+// Formats whose blocks F::codes32 reads as 16 code bytes and a scale (Q4_0, either layout).
+template <class F>
+constexpr bool kHasQ4Codes32 = requires(const WeightRow& w, int64_t b, uint4& c, float& d) { F::codes32(w, b, c, d); };
+
+// Activation rows quantized per 32 as core/quant.cpp's quantize_row_q8x32 does (the CPU
+// backend's BlockQ8x32): codes [rows][cols] int8, then {d, s} [rows][cols / 32] as float2.
+__host__ __device__ constexpr int64_t q8x32_bytes(int64_t rows, int64_t cols) {
+  return rows * cols + rows * (cols / 32) * 8;
+}
+
+struct Q8x32Rows {
+  const int8_t* q;
+  const float2* ds;
+  int64_t cols;
+  // Block b of row r: its 32 codes as two int4 (elements 0..15, 16..31) and {d, s}.
+  __device__ __forceinline__ void block(int64_t r, int64_t b, int4& lo, int4& hi, float2& dsv) const {
+    const int4* p = reinterpret_cast<const int4*>(q + r * cols + 32 * b);
+    lo = p[0];
+    hi = p[1];
+    dsv = ds[r * (cols / 32) + b];
+  }
+};
+
+__host__ __device__ inline Q8x32Rows q8x32_view(void* base, int64_t rows, int64_t cols) {
+  auto* q = static_cast<int8_t*>(base);
+  return {q, reinterpret_cast<const float2*>(q + rows * cols), cols};
+}
+
+// Rows [0, rows) of x (16-byte-aligned rows, cols % 32 == 0) into `dst` (q8x32_bytes; 16-byte
+// aligned, shared or global memory) with all of the block's threads; eight threads share a
+// block (one float4 each), so the trip count is uniform and the shuffles full-warp. The caller
+// synchronises before reading (shared memory: __syncthreads).
+__device__ __forceinline__ Q8x32Rows quantize_q8x32_rows(const float* __restrict__ x, int64_t x_stride, int rows,
+                                                         int64_t cols, void* dst) {
+  auto* q = static_cast<int32_t*>(dst);
+  auto* ds = reinterpret_cast<float2*>(static_cast<int8_t*>(dst) + rows * cols);
+  // 32-bit index arithmetic (the codes fit shared memory): a 64-bit division per float4 cost
+  // about half of a [5120, 2048] GEMV's instructions (ncu).
+  const uint32_t words = uint32_t(cols / 4), total = uint32_t(rows) * words;  // total % 8 == 0
+  for (uint32_t i0 = 0; i0 < total; i0 += blockDim.x) {
+    const uint32_t i = i0 + threadIdx.x;
+    const bool ok = i < total;
+    const uint32_t r = rows == 1 || !ok ? 0 : i / words, w = ok ? i - r * words : 0;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (ok) v = __ldg(reinterpret_cast<const float4*>(x + int64_t(r) * x_stride) + w);
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    auto code = [&](float f) { return min(max(__float2int_rn(f * id), -127), 127); };
+    const int c0 = code(v.x), c1 = code(v.y), c2 = code(v.z), c3 = code(v.w);
+    int sum = c0 + c1 + c2 + c3;
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (ok) {
+      q[i] = int32_t((uint32_t(c0) & 0xFF) | (uint32_t(c1) & 0xFF) << 8 | (uint32_t(c2) & 0xFF) << 16 |
+                     uint32_t(c3) << 24);
+      if ((w & 7) == 0) ds[r * (words / 8) + w / 8] = make_float2(d, d * float(sum));
+    }
+  }
+  return {reinterpret_cast<const int8_t*>(dst), ds, cols};
+}
+
+// One warp quantizes 32 consecutive values, one a lane (v), into block b of row r of dst:
+// the same codes and {d, s} as quantize_q8x32_rows.
+__device__ __forceinline__ void quantize_q8x32_warp(float v, int8_t* __restrict__ q, float2* __restrict__ ds) {
+  float amax = fabsf(v);
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  const int c = min(max(__float2int_rn(v * id), -127), 127);
+  int sum = c;
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const int lane = threadIdx.x % kWarp;
+  q[lane] = int8_t(c);
+  if (lane == 0) *ds = make_float2(d, d * float(sum));
+}
+
+// sum over one 32-element block of Q4_0 weights (codes c, scale d) times activation codes.
+__device__ __forceinline__ float q4_dot_q8x32(const uint4& c, float d, const int4& lo, const int4& hi, float2 dsv) {
+  int s = 0;
+  s = __dp4a(int(c.x & 0x0F0F0F0Fu), lo.x, s);
+  s = __dp4a(int(c.y & 0x0F0F0F0Fu), lo.y, s);
+  s = __dp4a(int(c.z & 0x0F0F0F0Fu), lo.z, s);
+  s = __dp4a(int(c.w & 0x0F0F0F0Fu), lo.w, s);
+  s = __dp4a(int((c.x >> 4) & 0x0F0F0F0Fu), hi.x, s);
+  s = __dp4a(int((c.y >> 4) & 0x0F0F0F0Fu), hi.y, s);
+  s = __dp4a(int((c.z >> 4) & 0x0F0F0F0Fu), hi.z, s);
+  s = __dp4a(int((c.w >> 4) & 0x0F0F0F0Fu), hi.w, s);
+  return d * fmaf(dsv.x, float(s), -8.f * dsv.y);
+}
+
+// Whether the 32-element dp4a kernels are on (TURBOSPARK_CUDA_Q4_DP4A=0 turns them off, for
+// measuring them against the unit-wise kernels in one build).
+inline bool q4_dp4a_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TURBOSPARK_CUDA_Q4_DP4A");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return on;
+}
+
 }  // namespace turbospark::cuda

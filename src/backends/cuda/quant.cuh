@@ -195,6 +195,13 @@ struct FmtQ4_0 {
     a = f16_at(blk);
     b = -8.f * a;
   }
+  // Block b's 16 code bytes (byte j: element j low nibble, j + 16 high) and scale, for the
+  // 32-element dp4a kernels (q8.cuh q4_dot_q8x32). 18-byte blocks: eight 2-byte loads.
+  static __device__ __forceinline__ void codes32(const WeightRow& w, int64_t b, uint4& c, float& d) {
+    const uint8_t* blk = w.data + b * int64_t(sizeof(BlockQ4_0));
+    c = make_uint4(ld_u32_a2(blk + 2), ld_u32_a2(blk + 6), ld_u32_a2(blk + 10), ld_u32_a2(blk + 14));
+    d = f16_at(blk);
+  }
 };
 
 // Q4_0 in planes (repack.cu rewrites ggml blocks so at upload): block b of a row is the 16 code
@@ -221,6 +228,11 @@ struct FmtQ4_0Planes {
     return {ld_u128(w.data + 16 * b), f16_at(w.scales + 2 * b)};
   }
   static __device__ __forceinline__ float dot32(const Block32& blk, const float (&x)[32]);
+  // The same for the dp4a kernels (FmtQ4_0::codes32): one 16-byte load.
+  static __device__ __forceinline__ void codes32(const WeightRow& w, int64_t b, uint4& c, float& d) {
+    c = ld_u128(w.data + 16 * b);
+    d = f16_at(w.scales + 2 * b);
+  }
 };
 
 struct FmtQ4_1 {
