@@ -314,6 +314,14 @@ class Backend {
   // chosen weight is then multiplied by its expert's scale (Gemma 4).
   virtual void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
                                    const float* expert_scale = nullptr) = 0;
+  // logits = x router^T, then router_softmax_topk on them: one call so a backend can fuse the
+  // two (CUDA decode: one launch, the last block routing). logits hold the raw router outputs
+  // either way (--router-out reads them).
+  virtual void router_topk(const Weight& router, const Mat& x, const Mat& logits, int k, bool renormalize,
+                           int32_t* idx, float* weight, const float* expert_scale = nullptr) {
+    matmul(router, x, logits);
+    router_softmax_topk(logits, k, renormalize, idx, weight, expert_scale);
+  }
   // Softmax of each row of x into y (may alias): --router-out's probabilities.
   virtual void softmax_rows(const Mat& x, const Mat& y) = 0;
   // ids[t] = argmax_j logits[t, j] (lowest index on ties; -1 when the row holds a NaN),

@@ -348,6 +348,106 @@ TEST(CudaOps, RouterSoftmaxTopK) {
           }
 }
 
+// The fused router (router_gemv_topk: GEMV, then the last block routes) against its two
+// parts: its logits against a float64 product (1e-5: f32 sums of up to 2048 terms in another
+// order), its picks and weights exactly equal to router_softmax_topk run on those same logits
+// (the same routing code on the same numbers, ties included: with `ties` every odd expert's
+// row equals its even neighbour's, so their logits tie bit for bit). Each case runs twice on
+// one ticket (the last block resets it), and a NaN activation row routes to -1.
+TEST(CudaOps, RouterGemvTopKMatchesGemvThenTopK) {
+  REQUIRE_GPU();
+  DeviceBuffer<unsigned> ticket(std::vector<unsigned>{0u});
+  uint32_t seed = 900;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [n, cols] : {std::pair<int, int64_t>{128, 2048}, {60, 96}, {512, 64}, {8, 8}})
+      for (int k : {1, 8, 16})
+        for (int64_t rows : {int64_t(1), int64_t(3), int64_t(8)})
+          for (bool ties : {false, true}) {
+            if (k > n) continue;
+            const bool renorm = (k + rows) % 2 == 0, scaled = ties && k == 8, nan_row = rows == 3 && !ties;
+            SCOPED_TRACE(std::string(dtype_name(dt)) + " experts " + std::to_string(n) + " cols " +
+                         std::to_string(cols) + " k " + std::to_string(k) + " rows " + std::to_string(rows) +
+                         " ties " + std::to_string(ties));
+            std::vector<float> w = random_floats(size_t(n * cols), seed++, -0.5f, 0.5f);
+            if (ties)
+              for (int e = 1; e < n; e += 2) std::copy_n(&w[size_t((e - 1) * cols)], cols, &w[size_t(e * cols)]);
+            std::vector<uint16_t> wb(w.size());
+            if (dt == DType::BF16)
+              for (size_t i = 0; i < w.size(); ++i) {
+                uint32_t u;
+                std::memcpy(&u, &w[i], 4);
+                wb[i] = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+                u = uint32_t(wb[i]) << 16;
+                std::memcpy(&w[i], &u, 4);
+              }
+            std::vector<float> x = random_floats(size_t(rows * cols), seed++);
+            if (nan_row) x[size_t(1 * cols + 3)] = std::nanf("");
+            DeviceBuffer<float> dwf(w), dx(x), dl(size_t(rows * n)), dscale(random_floats(size_t(n), 61, 0.5f, 2.f));
+            DeviceBuffer<uint16_t> dwb(wb);
+            WeightView view;
+            view.dtype = dt;
+            view.data = dt == DType::BF16 ? static_cast<const void*>(dwb.get()) : dwf.get();
+            view.rows = n;
+            view.cols = cols;
+            view.row_bytes = cols * (dt == DType::BF16 ? 2 : 4);
+            std::vector<std::vector<int32_t>> idx_runs;
+            std::vector<std::vector<float>> w_runs;
+            for (int run = 0; run < 2; ++run) {
+              DeviceBuffer<int32_t> didx(size_t(rows * k));
+              DeviceBuffer<float> dw(size_t(rows * k));
+              didx.poison();
+              dw.poison();
+              dl.poison();
+              ASSERT_TRUE(cuda::router_gemv_topk(view, Mat(dx.get(), rows, cols), Mat(dl.get(), rows, n), k, renorm,
+                                                 didx.get(), dw.get(), scaled ? dscale.get() : nullptr, ticket.get(),
+                                                 stream()));
+              sync();
+              idx_runs.push_back(didx.download());
+              w_runs.push_back(dw.download());
+            }
+            EXPECT_EQ(idx_runs[0], idx_runs[1]);
+            EXPECT_EQ(w_runs[0], w_runs[1]);
+            EXPECT_EQ(ticket.download()[0], 0u);
+            std::vector<float> logits = dl.download();
+            std::vector<float> want(logits.size());
+            for (int64_t r = 0; r < rows; ++r)
+              for (int e = 0; e < n; ++e) {
+                double acc = 0;
+                for (int64_t c = 0; c < cols; ++c) acc += double(w[size_t(e * cols + c)]) * x[size_t(r * cols + c)];
+                want[size_t(r * n + e)] = float(acc);
+              }
+            if (nan_row) {
+              for (int e = 0; e < n; ++e) EXPECT_TRUE(std::isnan(logits[size_t(n + e)]));
+              for (int j = 0; j < k; ++j) EXPECT_EQ(idx_runs[0][size_t(k + j)], -1);
+              for (int e = 0; e < n; ++e) want[size_t(n + e)] = logits[size_t(n + e)] = 0.f;
+            }
+            EXPECT_LT(normalized_error(logits, want), 1e-5);
+            // The routing of those exact logits by the stand-alone kernel.
+            DeviceBuffer<int32_t> ridx(size_t(rows * k));
+            DeviceBuffer<float> rw(size_t(rows * k));
+            cuda::router_softmax_topk(Mat(dl.get(), rows, n), k, renorm, ridx.get(), rw.get(),
+                                      scaled ? dscale.get() : nullptr, stream());
+            sync();
+            EXPECT_EQ(idx_runs[0], ridx.download());
+            EXPECT_EQ(w_runs[0], rw.download());
+          }
+  // Outside its shapes it launches nothing and says so.
+  DeviceBuffer<float> dw(size_t(8 * 64)), dx(size_t(9 * 64)), dl(size_t(9 * 8));
+  DeviceBuffer<int32_t> didx(size_t(9 * 2));
+  DeviceBuffer<float> dwt(size_t(9 * 2));
+  WeightView view;
+  view.dtype = DType::F32;
+  view.data = dw.get();
+  view.rows = 8;
+  view.cols = 64;
+  view.row_bytes = 256;
+  EXPECT_FALSE(cuda::router_gemv_topk(view, Mat(dx.get(), 9, 64), Mat(dl.get(), 9, 8), 2, true, didx.get(), dwt.get(),
+                                      nullptr, ticket.get(), stream()));
+  view.dtype = DType::Q8_0;
+  EXPECT_FALSE(cuda::router_gemv_topk(view, Mat(dx.get(), 1, 64), Mat(dl.get(), 1, 8), 2, true, didx.get(), dwt.get(),
+                                      nullptr, ticket.get(), stream()));
+}
+
 TEST(CudaOps, RouterRefusesTooManyExperts) {
   REQUIRE_GPU();
   DeviceBuffer<float> l(513);

@@ -89,6 +89,8 @@ class CudaBackend final : public Backend {
     TS_CUDA_CHECK(cudaGetDeviceProperties(&props_, ordinal), "device {} properties", ordinal);
     TS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
     matmul_ = std::make_unique<cuda::WeightMatmul>();
+    TS_CUDA_CHECK(cudaMalloc(&router_ticket_, sizeof(unsigned)), "router ticket");
+    TS_CUDA_CHECK(cudaMemset(router_ticket_, 0, sizeof(unsigned)), "router ticket");
   }
 
   ~CudaBackend() override {
@@ -100,6 +102,7 @@ class CudaBackend final : public Backend {
     }
     if (weight_pool_) cudaFree(weight_pool_);
     if (repack_src_) cudaFree(repack_src_);
+    if (router_ticket_) cudaFree(router_ticket_);
     for (void* p : overflow_weights_) cudaFree(p);
     for (void* p : attention_scratch_) cudaFree(p);
     cudaStreamDestroy(stream_);
@@ -348,6 +351,12 @@ class CudaBackend final : public Backend {
     matmul_->embedding(table.view, ids, n, scale, out, stream_);
   }
   void add(const Mat& y, const Mat& x) override { cuda::add(y, x, stream_); }
+  void router_topk(const Weight& router, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
+                   float* weight, const float* expert_scale) override {
+    if (!cuda::router_gemv_topk(router.view, x, logits, k, renormalize, idx, weight, expert_scale, router_ticket_,
+                                stream_))
+      Backend::router_topk(router, x, logits, k, renormalize, idx, weight, expert_scale);
+  }
   void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
                            const float* expert_scale) override {
     cuda::router_softmax_topk(logits, k, renormalize, idx, weight, expert_scale, stream_);
@@ -464,6 +473,7 @@ class CudaBackend final : public Backend {
   bool q4_0_planes_ = q4_0_planes_from_env();
   void* repack_src_ = nullptr;  // Q4_0 blocks on their way into planes (resident)
   int64_t repack_src_bytes_ = 0;
+  unsigned* router_ticket_ = nullptr;  // router_gemv_topk's last-block counter (left at 0)
   void* staging_ = nullptr;
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
   int staging_half_ = 0;

@@ -13,10 +13,13 @@
 // kernel on L1 rather than HBM. warps_per_group > 1 (split-K inside the block, reduced in
 // shared memory) only when the matrix has too few rows to occupy the GPU otherwise.
 //
-// Q4_0 in planes (repack.cu, the CUDA backend's layout for Q4_0) reads whole 32-element blocks
-// per thread, one 16-byte load each (kBlock32, quant.cuh), with f32 activations.
+// Q4_0 (in planes, the CUDA backend's layout, or ggml's blocks) takes gemv_q4_dp4a_kernel
+// while the activation codes fit shared memory: a lane owns whole 32-element blocks, the block
+// quantizes x per 32 as the CPU backend does (q8.cuh), eight dp4a a block (Q4_0 30B-A3B decode
+// 295 -> 393 tok/s on the H200). Otherwise Q4_0 in planes reads whole blocks per thread with f32
+// activations (kBlock32, quant.cuh).
 //
-// The 32-element ggml formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take the dp4a variant instead
+// The other 32-element ggml formats (Q4_1, Q5_0, Q5_1, Q8_0) take the unit-wise dp4a variant
 // when the matrix has rows enough for blocks of one-warp groups (LM heads, wide FFNs): the
 // block quantizes its activation rows to int8 in shared memory first (q8.cuh), then each unit
 // is two dp4a on the raw codes and one scale, fewer instructions than the f32 dequantize.

@@ -13,8 +13,9 @@
 //   Bound: HBM on the k selected experts' bytes (3 * inter * hidden per expert and row); the
 //     gate/up kernel prefetches the down rows into L2 (when they fit) so they stream during it.
 //   Formats read in 32-element blocks (kBlock32: Q4_0 in planes) take block32 variants of both
-//   (below): each lane owns whole blocks (one 16-byte load each), a warp two output rows, and
-//   the down pass spreads the k experts' blocks over the warp's lanes instead of looping.
+//   (below) where the int8 kernels do not apply: each lane owns whole blocks (one 16-byte load
+//   each), a warp two output rows, and the down pass spreads the k experts' blocks over the
+//   warp's lanes instead of looping.
 //   Q4_0 experts (either layout) take the int8-activation kernels instead (moe_int8_activations,
 //   below): x quantized once per block of 32 inter rows, h written as BlockQ8x32 codes by the
 //   gate/up pass, eight dp4a per 32-element block and lane. (Per-unit dp4a variants of the

@@ -55,6 +55,27 @@ struct SmemQ8 {
   }
 };
 
+// Four activations (one float4) of a 32-element block shared by eight consecutive lanes: the
+// block's scale d = amax / 127 (amax over the eight lanes), this float4's four codes packed in
+// element order (round half to even, clamped to +-127: quantize_row_q8x32's operations) and
+// their sum. All 32 lanes call it (full-warp shuffles).
+struct Q8Word {
+  int32_t codes;
+  float d;
+  int sum;
+};
+__device__ __forceinline__ Q8Word quantize_q8_word(float4 v) {
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  auto code = [&](float f) { return min(max(__float2int_rn(f * id), -127), 127); };
+  const int c0 = code(v.x), c1 = code(v.y), c2 = code(v.z), c3 = code(v.w);
+  return {int32_t((uint32_t(c0) & 0xFF) | (uint32_t(c1) & 0xFF) << 8 | (uint32_t(c2) & 0xFF) << 16 | uint32_t(c3) << 24),
+          d, c0 + c1 + c2 + c3};
+}
+
 // Quantizes rows [0, rows) of x (row r at x + r * x_stride, 16-byte aligned, cols % 32 == 0)
 // into `smem` (q8_smem_bytes(rows, cols) bytes, 16-byte aligned) with all of the block's
 // threads, then synchronises the block. Eight threads share a 32-element block, one float4 and
@@ -64,27 +85,20 @@ __device__ __forceinline__ SmemQ8 quantize_q8_rows(const float* __restrict__ x, 
   auto* q = static_cast<int32_t*>(smem);
   auto* d = reinterpret_cast<float*>(static_cast<int8_t*>(smem) + rows * cols);
   float* us = d + rows * (cols / 32);
-  const int64_t words = cols / 4, total = rows * words;  // total % 8 == 0: groups of 8 share validity
-  for (int64_t i0 = 0; i0 < total; i0 += blockDim.x) {  // uniform trip count: full-warp shuffles
-    const int64_t i = i0 + threadIdx.x;
+  // 32-bit index arithmetic (see quantize_q8x32_rows); total % 8 == 0: groups of 8 share validity.
+  const uint32_t words = uint32_t(cols / 4), total = uint32_t(rows) * words;
+  for (uint32_t i0 = 0; i0 < total; i0 += blockDim.x) {  // uniform trip count: full-warp shuffles
+    const uint32_t i = i0 + threadIdx.x;
     const bool ok = i < total;
-    const int64_t r = ok ? i / words : 0, w = ok ? i % words : 0;
+    const uint32_t r = rows == 1 || !ok ? 0 : i / words, w = ok ? i - r * words : 0;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (ok) v = __ldg(reinterpret_cast<const float4*>(x + r * x_stride) + w);
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float ds = amax / 127.f;
-    const float id = ds > 0.f ? 1.f / ds : 0.f;
-    auto code = [&](float f) { return min(max(__float2int_rn(f * id), -127), 127); };
-    const int c0 = code(v.x), c1 = code(v.y), c2 = code(v.z), c3 = code(v.w);
-    int sum = c0 + c1 + c2 + c3;
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // the other half of this 8-element unit
+    if (ok) v = __ldg(reinterpret_cast<const float4*>(x + int64_t(r) * x_stride) + w);
+    const Q8Word qw = quantize_q8_word(v);
+    const int sum = qw.sum + __shfl_xor_sync(0xffffffffu, qw.sum, 1);  // the other half of this 8-element unit
     if (ok) {
-      q[i] = int32_t((uint32_t(c0) & 0xFF) | (uint32_t(c1) & 0xFF) << 8 | (uint32_t(c2) & 0xFF) << 16 |
-                     uint32_t(c3) << 24);
-      if ((w & 1) == 0) us[r * (cols / kUnit) + w / 2] = ds * float(sum);
-      if ((w & 7) == 0) d[r * (cols / 32) + w / 8] = ds;
+      q[i] = qw.codes;
+      if ((w & 1) == 0) us[r * (cols / kUnit) + w / 2] = qw.d * float(sum);
+      if ((w & 7) == 0) d[r * (cols / 32) + w / 8] = qw.d;
     }
   }
   __syncthreads();
@@ -150,20 +164,13 @@ __device__ __forceinline__ Q8x32Rows quantize_q8x32_rows(const float* __restrict
     const uint32_t r = rows == 1 || !ok ? 0 : i / words, w = ok ? i - r * words : 0;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (ok) v = __ldg(reinterpret_cast<const float4*>(x + int64_t(r) * x_stride) + w);
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.f;
-    const float id = d > 0.f ? 1.f / d : 0.f;
-    auto code = [&](float f) { return min(max(__float2int_rn(f * id), -127), 127); };
-    const int c0 = code(v.x), c1 = code(v.y), c2 = code(v.z), c3 = code(v.w);
-    int sum = c0 + c1 + c2 + c3;
+    const Q8Word qw = quantize_q8_word(v);
+    int sum = qw.sum;
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (ok) {
-      q[i] = int32_t((uint32_t(c0) & 0xFF) | (uint32_t(c1) & 0xFF) << 8 | (uint32_t(c2) & 0xFF) << 16 |
-                     uint32_t(c3) << 24);
-      if ((w & 7) == 0) ds[r * (words / 8) + w / 8] = make_float2(d, d * float(sum));
+      q[i] = qw.codes;
+      if ((w & 7) == 0) ds[r * (words / 8) + w / 8] = make_float2(qw.d, qw.d * float(sum));
     }
   }
   return {reinterpret_cast<const int8_t*>(dst), ds, cols};

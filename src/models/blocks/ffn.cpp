@@ -18,22 +18,36 @@ void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& 
   be.matmul(w.down, gate, out);
 }
 
-void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, const BackendArray<int32_t>& idx,
-                  const BackendArray<float>& weight, float* router_probs, const float* expert_scale) {
+namespace {
+
+void check_routing_buffers(const Mat& logits, int top_k, const BackendArray<int32_t>& idx,
+                           const BackendArray<float>& weight) {
   TS_CHECK(idx.size() >= logits.rows * top_k && weight.size() >= logits.rows * top_k,
            "routing buffers hold {} entries, {} rows x top {} need more", idx.size(), logits.rows, top_k);
+}
+
+// --router-out: the logits become probabilities (after routing has read them).
+void emit_router_probs(Backend& be, const Mat& logits, float* router_probs) {
+  if (!router_probs) return;
+  be.softmax_rows(logits, logits);
+  be.download(logits, router_probs);
+}
+
+}  // namespace
+
+void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, const BackendArray<int32_t>& idx,
+                  const BackendArray<float>& weight, float* router_probs, const float* expert_scale) {
+  check_routing_buffers(logits, top_k, idx, weight);
   be.router_softmax_topk(logits, top_k, renormalize, idx.data(), weight.data(), expert_scale);
-  if (router_probs) {
-    be.softmax_rows(logits, logits);
-    be.download(logits, router_probs);
-  }
+  emit_router_probs(be, logits, router_probs);
 }
 
 void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs) {
   const int64_t rows = x.rows;
   Mat logits = s.router_logits.rows_slice(0, rows);
-  be.matmul(w.router, x, logits);
-  route_tokens(be, logits, w.top_k, w.renormalize, s.topk_idx, s.topk_weight, router_probs);
+  check_routing_buffers(logits, w.top_k, s.topk_idx, s.topk_weight);
+  be.router_topk(w.router, x, logits, w.top_k, w.renormalize, s.topk_idx.data(), s.topk_weight.data());
+  emit_router_probs(be, logits, router_probs);
   be.moe_experts(w.experts, x, s.topk_idx.data(), s.topk_weight.data(), w.top_k, out);
 }
 
