@@ -306,6 +306,15 @@ class Backend {
     rope(k, p.n_kv_heads, p.head_dim, p.rotary_dim, positions, p.inv_freq, p.attention_factor);
     kv_write(kv, k, v, positions);
   }
+  // attention_prep, then attention into out, as one call so a backend can fuse them (CUDA, one
+  // decode row: the attention kernel's blocks do the norms, RoPE and cache write). Afterwards
+  // q and k hold unspecified values (callers read only out and the cache).
+  virtual void prep_attention(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p,
+                              const int64_t* positions, const KvLayerView& kv, float scale, int window,
+                              const float* sinks, const Mat& out) {
+    attention_prep(q, k, v, p, positions, kv);
+    attention(q, positions, kv, p.n_heads, scale, window, sinks, out);
+  }
   virtual void swiglu(const Mat& gate, const Mat& up, const Mat& out) = 0;
   virtual void embedding(const Weight& table, const int32_t* ids, int64_t n, float scale, const Mat& out) = 0;
   virtual void add(const Mat& y, const Mat& x) = 0;  // y += x

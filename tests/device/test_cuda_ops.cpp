@@ -675,7 +675,8 @@ TEST(CudaOps, AttentionPrepMatchesSeparateOps) {
     }
 }
 
-enum class Kernel { kDecode, kPrefill, kPrefillTc, kAuto };
+// kDecode is the f32 decode kernel (DecodeMath::kF32), kDecodeTc its tensor-core form.
+enum class Kernel { kDecode, kDecodeTc, kPrefill, kPrefillTc, kAuto };
 
 // Inputs for the tensor-core kernel's tests: kBf16 rounds q, K and V to bf16 (the kernel's
 // own rounding of them is then exact and only P's remains); kZeroKeys also zeroes K, so every
@@ -755,8 +756,10 @@ AttnErrors run_attention_errors(const AttnCase& c, Kernel kernel, bool with_scra
   const float* ds = c.sinks ? dsinks.get() : nullptr;
   switch (kernel) {
     case Kernel::kDecode:
+    case Kernel::kDecodeTc:
       cuda::attention_decode(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(),
-                             with_scratch ? scratch.get() : nullptr, scratch_floats, stream());
+                             with_scratch ? scratch.get() : nullptr, scratch_floats, stream(),
+                             kernel == Kernel::kDecode ? cuda::DecodeMath::kF32 : cuda::DecodeMath::kTensorCores);
       break;
     case Kernel::kPrefill:
       cuda::attention_prefill(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(), stream());
@@ -861,7 +864,9 @@ TEST(CudaOps, AttentionDecodeRowsOfManySequences) {
         const AttnCase c{16, 2, 128, n_seqs, ctx, ctx == 4000 ? 128 : 0, true, n_seqs};
         SCOPED_TRACE(c.name() + " scratch " + std::to_string(scratch));
         EXPECT_LT(run_attention(c, Kernel::kDecode, scratch), kAttentionBound);
-        EXPECT_LT(run_attention(c, Kernel::kAuto, scratch), kAttentionBound);
+        // attention() takes the tensor-core decode kernel here (head_dim 128, 8 heads a group).
+        EXPECT_LT(run_attention(c, Kernel::kAuto, scratch), kTcRandomBound);
+        EXPECT_LT(run_attention_errors(c, Kernel::kAuto, scratch, Inputs::kZeroKeys).normalized, kAttentionBound);
       }
 }
 
@@ -901,6 +906,142 @@ TEST(CudaOps, AttentionTensorCoreProducts) {
           EXPECT_LT(exact.max_abs, kTcMaxAbsBound);
           EXPECT_LT(run_attention_errors(c, Kernel::kPrefillTc).normalized, kTcRandomBound);
         }
+}
+
+// The tensor-core decode kernel: masks, windows, sinks, splits, sequences and the GQA mapping
+// exactly (kZeroKeys: a key read or dropped by mistake moves an output by ~1 / keys), its
+// products element-wise to P's rounding on bf16-exact inputs, general inputs to the bound the
+// goldens see. Every group size it takes (1..16, padding rows of A past the group), both head
+// dims, 1..16 rows, contexts around its 16-key steps and 64-key splits, with and without
+// scratch (one split: the block normalizes and adds the sink itself).
+TEST(CudaOps, AttentionDecodeTensorCores) {
+  REQUIRE_GPU();
+  for (int hd : {64, 128})
+    for (int group : {1, 2, 3, 4, 8, 12, 16})
+      for (int64_t rows : {int64_t(1), int64_t(3), int64_t(16)}) {
+        const AttnCase c{2 * group, 2, hd, rows, 300, group == 3 ? 7 : 0, (hd + group) % 3 == 0, rows == 3 ? 3 : 1};
+        SCOPED_TRACE(c.name());
+        EXPECT_LT(run_attention_errors(c, Kernel::kDecodeTc, true, Inputs::kZeroKeys).normalized, kAttentionBound);
+        EXPECT_LT(run_attention_errors(c, Kernel::kDecodeTc, true, Inputs::kBf16).max_abs, kTcMaxAbsBound);
+        EXPECT_LT(run_attention(c, Kernel::kDecodeTc), kTcRandomBound);
+      }
+  for (int64_t ctx : {1, 2, 15, 16, 17, 63, 64, 65, 300, 4000, 9000})
+    for (int window : {0, 1, 7, 128})
+      for (bool scratch : {true, false}) {
+        const int64_t rows = std::min<int64_t>(ctx, 2);
+        const AttnCase c{8, 2, 128, rows, ctx, window, (ctx + window) % 2 == 1, ctx == 300 ? 2 : 1};
+        SCOPED_TRACE(c.name() + " scratch " + std::to_string(scratch));
+        EXPECT_LT(run_attention_errors(c, Kernel::kDecodeTc, scratch, Inputs::kZeroKeys).normalized, kAttentionBound);
+        EXPECT_LT(run_attention_errors(c, Kernel::kDecodeTc, scratch, Inputs::kBf16).max_abs, kTcMaxAbsBound);
+        EXPECT_LT(run_attention(c, Kernel::kDecodeTc, scratch), kTcRandomBound);
+      }
+  // Outside its shapes: refused by name when insisted on, the f32 kernel under kAuto.
+  const AttnCase wide{34, 2, 128, 1, 100, 0, false, 1};  // 17 heads a group
+  EXPECT_THROW(run_attention(wide, Kernel::kDecodeTc), Error);
+  EXPECT_LT(run_attention(wide, Kernel::kAuto), kAttentionBound);
+  const AttnCase hd80{8, 2, 80, 1, 100, 0, true, 1};
+  EXPECT_THROW(run_attention(hd80, Kernel::kDecodeTc), Error);
+  EXPECT_LT(run_attention(hd80, Kernel::kAuto), kAttentionBound);
+}
+
+// prep_attention fused into the tensor-core decode kernel (one row) against the CPU backend's
+// attention_prep then attention: the output to the tensor-core bounds, the cache (the new
+// key and value written by the block holding that position, every other slot untouched) as
+// AttentionPrepMatchesSeparateOps holds it. kZeroKeys-style exactness: with every cached key
+// and the new k zero (normed zero stays zero), each output is the mean of V over the visible
+// positions, the new v included, which only a block that wrote it before reading it gets.
+TEST(CudaOps, AttentionDecodePrepMatchesSeparateOps) {
+  REQUIRE_GPU();
+  std::mt19937 rng(97);
+  struct Case {
+    int heads, kv_heads, hd, rot;
+    bool norm;
+    float offset, factor;
+    int window;
+    bool sinks;
+  };
+  const Case cases[] = {{32, 4, 128, 128, true, 0.f, 1.f, 0, false}, {8, 1, 64, 64, false, 0.f, 1.f, 128, true},
+                        {12, 2, 128, 64, true, 1.f, 1.3f, 0, true},   {16, 1, 128, 128, true, 0.f, 1.f, 7, false},
+                        {4, 4, 64, 32, true, 0.f, 1.f, 0, false}};
+  for (const Case& c : cases)
+    for (int64_t p0 : {int64_t(0), int64_t(15), int64_t(16), int64_t(63), int64_t(64), int64_t(299), int64_t(4100)})
+      for (bool zero : {false, true})
+        for (int seq_id : {0, 1}) {
+          SCOPED_TRACE("heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " hd " +
+                       std::to_string(c.hd) + " rot " + std::to_string(c.rot) + " window " + std::to_string(c.window) +
+                       " pos " + std::to_string(p0) + " zero " + std::to_string(zero) + " seq " +
+                       std::to_string(seq_id));
+          PagedCache cache(2, p0 > 1000 ? 4200 : 310, c.kv_heads, c.hd, uint32_t(rng()));
+          const int64_t qkv = int64_t(c.heads + 2 * c.kv_heads) * c.hd;
+          Strided q(1, int64_t(c.heads) * c.hd, qkv - int64_t(c.heads) * c.hd, uint32_t(rng()), -2.f, 2.f);
+          Strided k(1, int64_t(c.kv_heads) * c.hd, 0, uint32_t(rng()));
+          Strided v(1, int64_t(c.kv_heads) * c.hd, 0, uint32_t(rng()), -0.5f, 1.5f);
+          if (zero) {
+            for (float& x : cache.k) x = 0.f;
+            for (float& x : cache.v) x = std::floor(2.f * x);
+            for (float& x : k.host) x = 0.f;
+            for (float& x : v.host) x = std::floor(2.f * x);
+            cache.upload();
+            k.upload();
+            v.upload();
+          }
+          const std::vector<int32_t> seq{seq_id};
+          const std::vector<int64_t> pos{p0};
+          std::vector<float> inv_freq(size_t(std::max(c.rot / 2, 1)));
+          for (int i = 0; i < c.rot / 2; ++i) inv_freq[size_t(i)] = float(std::pow(1e6, -2.0 * i / c.rot));
+          const std::vector<float> qn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
+          const std::vector<float> kn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
+          const std::vector<float> sinks = random_floats(size_t(c.heads), uint32_t(rng()), -1.f, 3.f);
+          DeviceBuffer<int32_t> dseq(seq);
+          DeviceBuffer<int64_t> dpos(pos);
+          DeviceBuffer<float> dfreq(inv_freq), dqn(qn), dkn(kn), dsinks(sinks);
+          AttentionPrep hp;
+          hp.n_heads = c.heads;
+          hp.n_kv_heads = c.kv_heads;
+          hp.head_dim = c.hd;
+          hp.rotary_dim = c.rot;
+          hp.norm_eps = 1e-6f;
+          hp.norm_offset = c.offset;
+          hp.attention_factor = c.factor;
+          AttentionPrep dp = hp;
+          hp.inv_freq = inv_freq.data();
+          dp.inv_freq = dfreq.get();
+          if (c.norm) {
+            hp.q_norm = qn.data(), hp.k_norm = kn.data();
+            dp.q_norm = dqn.get(), dp.k_norm = dkn.get();
+          }
+          const float scale = 1.f / std::sqrt(float(c.hd));
+          Strided out(1, int64_t(c.heads) * c.hd, 3, 101);
+          cpu().prep_attention(q.h(), k.h(), v.h(), hp, pos.data(), cache.host_view(seq.data()), scale, c.window,
+                               c.sinks ? sinks.data() : nullptr, out.h());
+          const int64_t scratch_floats = cuda::attention_scratch_floats(1, c.heads, c.hd);
+          DeviceBuffer<float> scratch{size_t(scratch_floats)};
+          scratch.poison();
+          out.poison();
+          ASSERT_TRUE(cuda::attention_decode_prep(q.d(), k.d(), v.d(), dp, dpos.get(), cache.device_view(dseq.get()),
+                                                  scale, c.window, c.sinks ? dsinks.get() : nullptr, out.d(),
+                                                  scratch.get(), scratch_floats, stream()));
+          EXPECT_TRUE(out.dev_pads_poisoned());
+          EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), zero ? kAttentionBound : kTcRandomBound);
+          if (zero) {
+            EXPECT_EQ(cache.device_k(), cache.k);
+          } else {
+            EXPECT_LT(normalized_error(cache.device_k(), round_bf16(cache.k)), 1e-4);
+          }
+          EXPECT_EQ(cache.device_v(), round_bf16(cache.v));
+        }
+  // Outside its shapes it launches nothing and says so.
+  {
+    PagedCache cache(1, 64, 2, 80, 5);
+    Strided q(1, 8 * 80, 0, 6), k(1, 2 * 80, 0, 7), v(1, 2 * 80, 0, 8), out(1, 8 * 80, 0, 9);
+    AttentionPrep p;
+    p.n_heads = 8, p.n_kv_heads = 2, p.head_dim = 80, p.rotary_dim = 80;
+    DeviceBuffer<float> dfreq(std::vector<float>(40, 1.f));
+    p.inv_freq = dfreq.get();
+    DeviceBuffer<int64_t> dpos(std::vector<int64_t>{3});
+    EXPECT_FALSE(cuda::attention_decode_prep(q.d(), k.d(), v.d(), p, dpos.get(), cache.device_view(nullptr), 0.1f, 0,
+                                             nullptr, out.d(), nullptr, 0, stream()));
+  }
 }
 
 TEST(CudaOps, AttentionRefusesUnsupportedHeadDim) {

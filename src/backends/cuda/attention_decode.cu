@@ -16,9 +16,17 @@
 // that rows * kv_heads * head_chunks * splits fills ~2 waves of SMs; each split's length is
 // computed on the device from the row's actual span, at least kMinSplitKeys keys, so short
 // contexts leave trailing splits empty (they exit after writing an empty state).
+//
+// Two forms of the split kernel: bf16 tensor cores (head_dim 64 / 128, up to 16 query heads
+// per KV head: the default, see attention_decode_tc_kernel) and f32 SIMT (every other shape,
+// and DecodeMath::kF32 for the CPU's rounding). attention_decode_prep runs the tensor-core form
+// with attention_prep's norms, RoPE and cache write folded in, for one decode row.
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/mma.cuh"
 #include "backends/cuda/ops.h"
 #include "backends/cuda/paged_kv.cuh"
 
@@ -50,6 +58,46 @@ __device__ __forceinline__ float4 f4_axpby(float4 x, float a, float4 y, float b)
 }
 // exp(m - m_new) for a running max that may still be -inf (no key seen yet).
 __device__ __forceinline__ float rescale(float m, float m_new) { return m == m_new ? 1.f : expf(m - m_new); }
+
+// The block's warps' states (s_m, s_l natural-log units, s_acc
+// [warp][head][dim] with row strides kRows and kLd) merged per (head, dim) and written: the
+// normalized output (one split; the sink enlarges the denominator) or the split's partial state.
+template <int kWarps>
+__device__ __forceinline__ void finish_block(const float* s_m, const float* s_l, const float* s_acc, int kRows,
+                                             int kLd, int n_here, int hd, int head0, int64_t t, int n_heads,
+                                             int split, int n_splits, const float* __restrict__ sinks,
+                                             float* __restrict__ out, int64_t out_stride, const Partials& part) {
+  for (int i = threadIdx.x; i < n_here * hd; i += blockDim.x) {
+    const int j = i / hd, d = i - j * hd;
+    const int h = head0 + j;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, s_m[w * kRows + j]);
+    float ll = 0.f, aa = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = s_m[w * kRows + j];
+      const float f = mw == -INFINITY ? 0.f : expf(mw - mm);
+      ll += s_l[w * kRows + j] * f;
+      aa += s_acc[(w * kRows + j) * kLd + d] * f;
+    }
+    if (n_splits == 1) {
+      // The whole context was this block's: normalize here (with the sink) and skip the combine.
+      float denom = ll, num = aa;
+      if (sinks) {
+        const float mf = fmaxf(mm, sinks[h]);
+        const float f = expf(mm - mf);
+        denom = ll * f + expf(sinks[h] - mf);
+        num = aa * f;
+      }
+      out[t * out_stride + int64_t(h) * hd + d] = num / denom;
+    } else {
+      const int64_t slot = (t * n_heads + h) * n_splits + split;
+      part.acc[slot * hd + d] = aa;
+      if (d == 0) part.m[slot] = mm, part.l[slot] = ll;
+    }
+  }
+}
 
 // Layout: a key is read by kLanes lanes, each holding kChunks 4-element chunks of head_dim
 // (lane sl holds chunks sl, sl + kLanes, ...): 8-byte loads of 4 bf16, one contiguous
@@ -206,35 +254,280 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < n_here * hd; i += kDecodeThreads) {
-    const int j = i / hd, d = i - j * hd;
-    const int h = head0 + j;
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mm = fmaxf(mm, s_m[w][j]);
-    float ll = 0.f, aa = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
-      const float f = s_m[w][j] == -INFINITY ? 0.f : expf(s_m[w][j] - mm);
-      ll += s_l[w][j] * f;
-      aa += s_acc[w][j][d] * f;
+  finish_block<kDecodeWarps>(&s_m[0][0], &s_l[0][0], &s_acc[0][0][0], kGroupTile, kHdMax, n_here, hd, head0, t,
+                             n_heads, split, n_splits, sinks, out, out_stride, part);
+}
+
+// ---- tensor cores (head_dim 64 / 128, GQA groups up to 16) ----
+//
+// The same split, online softmax and epilogue, with S = Q K^T and O += P V as bf16
+// mma.sync.m16n8k16 (f32 accumulate): the GQA group's query heads are the 16 rows of A (rows
+// past the group are zero), a warp takes 16 keys a step (two 8-key column tiles of S, one
+// k-step of P V). The f32 kernel above gave a full warp to each key and reduced every
+// (key, head) dot product across it: ~60 instructions per key and head, instruction-bound at
+// ~0.4 TB/s from L2 for an 8k context (41.8 us a layer on the Qwen3-30B-A3B shape, ncu).
+//
+// No shared-memory staging: each lane loads its fragments straight from the pools, and the
+// products' index orders are chosen so that those loads are contiguous. A dot product does not
+// care in which order it meets the dims, so S's depth index (k-step s, position 2c + j or
+// 2c + 8 + j) maps to dim c * kHd / 4 + 4 s + j (or + 2 + j): lane (r, c) reads dims
+// [c kHd / 4, (c + 1) kHd / 4) of key r of the column tile, Q's A fragments use the same map.
+// For P V, O's column index (n-tile nt, column r) maps to dim r * kHd / 8 + nt: lane (r, c) reads
+// dims [r kHd / 8, (r + 1) kHd / 8) of keys 2c, 2c + 1, 2c + 8, 2c + 9 and pairs the keys' halves
+// into B registers with one byte permute each; the outputs are written back through the same map.
+//
+// Precision: as attention_prefill_tc.cu (Q and P rounded to bf16 as they enter the products;
+// the row sums add the rounded P, so each output is an exact weighted mean of V).
+constexpr int kTcWarps = 4;
+constexpr int kTcThreads = kTcWarps * kWarp;
+constexpr int kTcKeysPerStep = 16;
+constexpr int kTcMinSplitKeys = kTcWarps * kTcKeysPerStep;  // one step for each warp
+constexpr int kTcMaxGroup = 16;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// With kPrep (one query row; attention_decode_prep below) the kernel also does
+// attention_prep's work: the block normalizes and rotates its group's q heads in shared
+// memory (attention_prep.cu's arithmetic), and the block whose split holds the row's position
+// also the new k (and v), writes both to the cache and then reads them back with the
+// other keys (its own global writes, visible to the block after the barrier; the key loads
+// go through L2, not the read-only cache, for that reason). No other block reads that position.
+struct DecodePrep {
+  const float* k;  // [1, n_kv_heads * head_dim] before norm and RoPE
+  const float* v;
+  AttentionPrep p;
+};
+
+template <int kHd, bool kPrep>
+__global__ void __launch_bounds__(kTcThreads)
+    attention_decode_tc_kernel(const float* __restrict__ q, int64_t q_stride, const int64_t* __restrict__ positions,
+                               PagedKv kv, int n_heads, int group, float scale, int window,
+                               const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
+                               int n_splits, Partials part, DecodePrep prep) {
+  pdl_begin();
+  constexpr int kSteps = kHd / 16;  // k-steps of S
+  constexpr int kDimsK = kHd / 4;   // dims of a key a lane reads for S
+  constexpr int kNt = kHd / 8;      // n-tiles of O = dims of a V row a lane reads
+  constexpr int kKVec = kDimsK / 8;  // 16-byte loads per key for S
+  constexpr int kVVec = kNt / 8;     // 16-byte loads per key for P V
+
+  __shared__ float s_m[kTcWarps][kTcMaxGroup];
+  __shared__ float s_l[kTcWarps][kTcMaxGroup];
+  __shared__ float s_acc[kTcWarps][kTcMaxGroup][kHd + 1];  // + 1: the 4 lanes of a row hit 4 banks, not 1
+
+  const int split = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int64_t t = blockIdx.z;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, c = lane % 4;
+  const int head0 = kv_head * group;
+
+  const int64_t pos = positions[t];
+  const int seq = kv.row_seq ? kv.row_seq[t] : 0;
+  const int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : int64_t(0);
+  const int64_t span = pos - lo + 1;
+  const int64_t split_len = max(int64_t(kTcMinSplitKeys), (span + n_splits - 1) / n_splits);
+  const int64_t begin = lo + split * split_len;
+  const int64_t end = min(pos + 1, begin + split_len);
+
+  // kPrep: rows 0..group-1 the group's q heads, row kTcMaxGroup the new k; then cos | sin.
+  constexpr int kPrepRows = kPrep ? kTcMaxGroup + 1 : 1;
+  __shared__ float s_head[kPrepRows][kHd];
+  __shared__ float s_cs[kPrep ? kHd : 1];
+  if constexpr (kPrep) {
+    const AttentionPrep& pp = prep.p;
+    const bool owner = begin <= pos && pos < begin + split_len;  // this split holds the new key
+    const int n_rows = begin > pos ? 0 : group + (owner ? 1 : 0);  // an empty split needs no q
+    const int half = pp.rotary_dim / 2;
+    const float fpos = float(pos);  // as attention_prep.cu
+    for (int i = threadIdx.x; i < half; i += kTcThreads) {
+      float sn, cs;
+      sincosf(fpos * pp.inv_freq[i], &sn, &cs);
+      s_cs[i] = cs * pp.attention_factor;
+      s_cs[half + i] = sn * pp.attention_factor;
     }
-    if (n_splits == 1) {
-      // The whole context was this block's: normalize here (with the sink) and skip the combine.
-      float denom = ll, num = aa;
-      if (sinks) {
-        const float mf = fmaxf(mm, sinks[h]);
-        const float f = expf(mm - mf);
-        denom = ll * f + expf(sinks[h] - mf);
-        num = aa * f;
+    // Norms: a warp per head.
+    for (int j = warp; j < n_rows; j += kTcWarps) {
+      const bool is_k = j == group;
+      const int row = is_k ? kTcMaxGroup : j;
+      const float* src = is_k ? prep.k + int64_t(kv_head) * kHd : q + t * q_stride + int64_t(head0 + j) * kHd;
+      const float* w = is_k ? pp.k_norm : pp.q_norm;
+      float x[kHd / kWarp];
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kHd / kWarp; ++i) {
+        x[i] = src[lane + i * kWarp];
+        ss += x[i] * x[i];
       }
-      out[t * out_stride + int64_t(h) * hd + d] = num / denom;
-    } else {
-      const int64_t slot = (t * n_heads + h) * n_splits + split;
-      part.acc[slot * hd + d] = aa;
-      if (d == 0) part.m[slot] = mm, part.l[slot] = ll;
+      if (w) {
+        ss = warp_sum(ss);
+        const float inv_rms = 1.f / sqrtf(ss / float(kHd) + pp.norm_eps);
+#pragma unroll
+        for (int i = 0; i < kHd / kWarp; ++i) x[i] = (x[i] * inv_rms) * (w[lane + i * kWarp] + pp.norm_offset);
+      }
+#pragma unroll
+      for (int i = 0; i < kHd / kWarp; ++i) s_head[row][lane + i * kWarp] = x[i];
+    }
+    __syncthreads();
+    // RoPE: rotate-half pairs (i, i + half) of every row.
+    for (int e = threadIdx.x; e < n_rows * half; e += kTcThreads) {
+      const int j = e / half, i = e - j * half;
+      float* h = s_head[j == group ? kTcMaxGroup : j];
+      const float cs = s_cs[i], sn = s_cs[half + i];
+      const float a = h[i], b = h[i + half];
+      h[i] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+      h[i + half] = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+    }
+    __syncthreads();
+    if (owner) {
+      const int32_t* tbl = kv.block_table + int64_t(seq) * kv.max_blocks;
+      const int64_t off = pool_offset(kv, tbl, pos, kv_head);
+      auto* k_pool = const_cast<uint16_t*>(kv.k);
+      auto* v_pool = const_cast<uint16_t*>(kv.v);
+      const float* vr = prep.v + int64_t(kv_head) * kHd;
+      for (int d = threadIdx.x; d < kHd; d += kTcThreads) {
+        k_pool[off + d] = f32_to_bf16_bits(s_head[kTcMaxGroup][d]);
+        v_pool[off + d] = f32_to_bf16_bits(vr[d]);
+      }
+      __syncthreads();
     }
   }
+
+  // Q's A fragments: heads r and r + 8 of the group (zero past it), dims through S's map.
+  uint32_t qa[kSteps][4];
+  {
+    const bool h0 = r < group, h1 = r + 8 < group;
+    const float* q0 = kPrep ? &s_head[h0 ? r : 0][c * kDimsK]
+                            : q + t * q_stride + int64_t(head0 + r) * kHd + c * kDimsK;
+    const float* q1 = kPrep ? &s_head[h1 ? r + 8 : 0][c * kDimsK]
+                            : q + t * q_stride + int64_t(head0 + r + 8) * kHd + c * kDimsK;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      float a[4], b[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        a[j] = h0 ? q0[4 * s + j] : 0.f;
+        b[j] = h1 ? q1[4 * s + j] : 0.f;
+      }
+      qa[s][0] = pack_bf16x2(a[0], a[1]);
+      qa[s][1] = pack_bf16x2(b[0], b[1]);
+      qa[s][2] = pack_bf16x2(a[2], a[3]);
+      qa[s][3] = pack_bf16x2(b[2], b[3]);
+    }
+  }
+
+  const float scale_log2 = scale * kLog2e;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running maxima of rows r and r + 8, log2 units
+  float l0 = 0.f, l1 = 0.f;              // this lane's share of the row sums
+  float acc[kNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+  const int32_t* table = kv.block_table + int64_t(seq) * kv.max_blocks;
+  for (int64_t base = begin + int64_t(warp) * kTcKeysPerStep; base < end; base += int64_t(kTcWarps) * kTcKeysPerStep) {
+    // Keys past the split's end read its last key (valid memory) and are masked out of P.
+    uint4 kw[2][kKVec];
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile) {
+      const int64_t p = min(base + 8 * tile + r, end - 1);
+      const uint4* kp = reinterpret_cast<const uint4*>(kv.k + pool_offset(kv, table, p, kv_head) + c * kDimsK);
+#pragma unroll
+      for (int i = 0; i < kKVec; ++i) kw[tile][i] = __ldcg(kp + i);
+    }
+    uint4 vw[4][kVVec];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t p = min(base + 2 * c + (j & 1) + 8 * (j >> 1), end - 1);
+      const uint4* vp = reinterpret_cast<const uint4*>(kv.v + pool_offset(kv, table, p, kv_head) + r * kNt);
+#pragma unroll
+      for (int i = 0; i < kVVec; ++i) vw[j][i] = __ldcg(vp + i);
+    }
+
+    float sc[2][4];
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile) {
+      sc[tile][0] = sc[tile][1] = sc[tile][2] = sc[tile][3] = 0.f;
+      const uint32_t* kwords = reinterpret_cast<const uint32_t*>(kw[tile]);
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) mma_bf16_16816(sc[tile], qa[s], kwords[2 * s], kwords[2 * s + 1]);
+    }
+    // Column j of tile `tile` is key base + 8 tile + 2c + (j & 1); rows r (j < 2) and r + 8.
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool valid = base + 8 * tile + 2 * c + (j & 1) < end;
+        sc[tile][j] = valid ? sc[tile][j] * scale_log2 : -INFINITY;
+        if (j < 2) mx0 = fmaxf(mx0, sc[tile][j]);
+        else mx1 = fmaxf(mx1, sc[tile][j]);
+      }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    // Finite: key `base` is valid and every row scores it (padding rows score 0).
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float corr0 = exp2f(m0 - mn0), corr1 = exp2f(m1 - mn1);  // 0 while m was -inf
+    l0 *= corr0;
+    l1 *= corr1;
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      acc[nt][0] *= corr0;
+      acc[nt][1] *= corr0;
+      acc[nt][2] *= corr1;
+      acc[nt][3] *= corr1;
+    }
+    uint32_t pa[4];
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile) {
+      const float p0 = exp2f(sc[tile][0] - mn0), p1 = exp2f(sc[tile][1] - mn0);
+      const float p2 = exp2f(sc[tile][2] - mn1), p3 = exp2f(sc[tile][3] - mn1);
+      pa[2 * tile] = pack_bf16x2(p0, p1);
+      pa[2 * tile + 1] = pack_bf16x2(p2, p3);
+      l0 += bf16x2_lo(pa[2 * tile]) + bf16x2_hi(pa[2 * tile]);
+      l1 += bf16x2_lo(pa[2 * tile + 1]) + bf16x2_hi(pa[2 * tile + 1]);
+    }
+    const uint32_t a_frag[4] = {pa[0], pa[1], pa[2], pa[3]};
+    const uint32_t* v0 = reinterpret_cast<const uint32_t*>(vw[0]);
+    const uint32_t* v1 = reinterpret_cast<const uint32_t*>(vw[1]);
+    const uint32_t* v2 = reinterpret_cast<const uint32_t*>(vw[2]);
+    const uint32_t* v3 = reinterpret_cast<const uint32_t*>(vw[3]);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      // Dim r kNt + nt of keys 2c, 2c + 1 (b0) and 2c + 8, 2c + 9 (b1), lower key in the low half.
+      const unsigned sel = (nt & 1) ? 0x7632u : 0x5410u;
+      const uint32_t b0 = __byte_perm(v0[nt / 2], v1[nt / 2], sel);
+      const uint32_t b1 = __byte_perm(v2[nt / 2], v3[nt / 2], sel);
+      mma_bf16_16816(acc[nt], a_frag, b0, b1);
+    }
+    m0 = mn0;
+    m1 = mn1;
+  }
+
+  // Row sums over the four lanes of a row; the states into shared memory through O's map.
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
+  if (c == 0) {
+    s_m[warp][r] = m0 * kLn2;  // -inf stays -inf (a warp without keys)
+    s_m[warp][r + 8] = m1 * kLn2;
+    s_l[warp][r] = l0;
+    s_l[warp][r + 8] = l1;
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    s_acc[warp][r][2 * c * kNt + nt] = acc[nt][0];
+    s_acc[warp][r][(2 * c + 1) * kNt + nt] = acc[nt][1];
+    s_acc[warp][r + 8][2 * c * kNt + nt] = acc[nt][2];
+    s_acc[warp][r + 8][(2 * c + 1) * kNt + nt] = acc[nt][3];
+  }
+  __syncthreads();
+  finish_block<kTcWarps>(&s_m[0][0], &s_l[0][0], &s_acc[0][0][0], kTcMaxGroup, kHd + 1, group, kHd, head0, t, n_heads,
+                         split, n_splits, sinks, out, out_stride, part);
 }
 
 // Merges the splits of one (row, head): out = sum_s acc_s e^(m_s - M) / (sum_s l_s e^(m_s - M)
@@ -345,24 +638,36 @@ int64_t attention_scratch_floats(int64_t rows, int n_heads, int head_dim) {
   return rows * n_heads * kMaxSplits * (int64_t(head_dim) + 2);
 }
 
-void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
-                      int window, const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats,
-                      cudaStream_t stream) {
-  check_attention_shapes("attention_decode", q, kv, n_heads, out);
-  if (q.rows == 0) return;
+namespace {
+
+bool env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::string_view(v) == "0");
+}
+
+void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
+                 const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream,
+                 DecodeMath math, const DecodePrep* prep) {
   const int group = n_heads / kv.n_kv_heads;
+  const bool tc_ok = attention_decode_tc_supports(kv.head_dim, group);
+  TS_CHECK(math != DecodeMath::kTensorCores || tc_ok,
+           "attention_decode: tensor-core kernel asked for head_dim {} with {} heads per kv head (it takes 64 or "
+           "128, up to {})", kv.head_dim, group, kTcMaxGroup);
+  static const bool tc_env = env_on("TURBOSPARK_CUDA_DECODE_TC");
+  const bool tc = tc_ok && (math == DecodeMath::kTensorCores || (math == DecodeMath::kAuto && tc_env));
   int group_tile = 1;  // heads per block: the group rounded up to a power of two, at most 8
   while (group_tile < group && group_tile < 8) group_tile *= 2;
-  const int head_chunks = (group + group_tile - 1) / group_tile;
+  const int head_chunks = tc ? 1 : (group + group_tile - 1) / group_tile;
+  const int min_split_keys = tc ? kTcMinSplitKeys : kMinSplitKeys;
 
   // Split factor: ~2 waves of blocks over the SMs, no more splits than the longest visible
-  // context (capacity, or the window) has kMinSplitKeys-key parts, and no more than the
+  // context (capacity, or the window) has min_split_keys-key parts, and no more than the
   // scratch holds.
   const int64_t blocks_per_split = q.rows * kv.n_kv_heads * head_chunks;
   int64_t max_context = int64_t(kv.max_blocks) * kv.block_size;
   if (window > 0) max_context = std::min<int64_t>(max_context, window);
   int64_t n_splits = std::clamp<int64_t>((2 * sm_count() + blocks_per_split - 1) / blocks_per_split, 1, kMaxSplits);
-  n_splits = std::min<int64_t>(n_splits, (max_context + kMinSplitKeys - 1) / kMinSplitKeys);
+  n_splits = std::min<int64_t>(n_splits, (max_context + min_split_keys - 1) / min_split_keys);
   const int64_t per_split = q.rows * n_heads * (int64_t(kv.head_dim) + 2);
   n_splits = std::min<int64_t>(n_splits, scratch ? scratch_floats / per_split : 1);
   n_splits = std::max<int64_t>(n_splits, 1);
@@ -374,7 +679,19 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
   }
   const PagedKv pk = paged_kv(kv);
   const int ns = int(n_splits);
-  if (kv.head_dim <= 32) {
+  if (tc) {
+    const dim3 grid(unsigned(n_splits), unsigned(kv.n_kv_heads), unsigned(q.rows));
+    const DecodePrep dp = prep ? *prep : DecodePrep{};
+    auto go = [&](auto kernel) {
+      launch(kernel, grid, kTcThreads, 0, stream, q.data, q.stride, positions, pk, n_heads, group, scale, window,
+             sinks, out.data, out.stride, ns, part, dp);
+    };
+    if (kv.head_dim == 64) {
+      prep ? go(attention_decode_tc_kernel<64, true>) : go(attention_decode_tc_kernel<64, false>);
+    } else {
+      prep ? go(attention_decode_tc_kernel<128, true>) : go(attention_decode_tc_kernel<128, false>);
+    }
+  } else if (kv.head_dim <= 32) {
     launch_decode_hd<32>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
   } else if (kv.head_dim <= 64) {
     launch_decode_hd<64>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
@@ -383,8 +700,8 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
   } else {
     launch_decode_hd<256>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
   }
-  TS_CUDA_LAUNCH_CHECK("attention_decode rows {} heads {}/{} head_dim {} splits {} window {}", q.rows, n_heads,
-                       kv.n_kv_heads, kv.head_dim, n_splits, window);
+  TS_CUDA_LAUNCH_CHECK("attention_decode{} rows {} heads {}/{} head_dim {} splits {} window {}", tc ? " (tc)" : "",
+                       q.rows, n_heads, kv.n_kv_heads, kv.head_dim, n_splits, window);
   if (n_splits > 1) {
     // One block of 128 per (head, row): head_dim <= 256 is at most 2 outputs per thread.
     launch(attention_combine_kernel, dim3(unsigned(n_heads), unsigned(q.rows)), kCombineThreads, 0, stream, part,
@@ -392,6 +709,37 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
     TS_CUDA_LAUNCH_CHECK("attention_combine rows {} heads {} head_dim {} splits {}", q.rows, n_heads, kv.head_dim,
                          n_splits);
   }
+}
+
+}  // namespace
+
+bool attention_decode_tc_supports(int head_dim, int group) {
+  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= kTcMaxGroup;
+}
+
+void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
+                      int window, const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats,
+                      cudaStream_t stream, DecodeMath math) {
+  check_attention_shapes("attention_decode", q, kv, n_heads, out);
+  if (q.rows == 0) return;
+  decode_impl(q, positions, kv, n_heads, scale, window, sinks, out, scratch, scratch_floats, stream, math, nullptr);
+}
+
+bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
+                           const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
+                           float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+  static const bool on = env_on("TURBOSPARK_CUDA_DECODE_TC") && env_on("TURBOSPARK_CUDA_DECODE_PREP");
+  if (!on || q.rows != 1 || k.rows != 1 || v.rows != 1 || p.n_kv_heads != kv.n_kv_heads ||
+      p.head_dim != kv.head_dim || p.n_heads % std::max(p.n_kv_heads, 1) != 0 ||
+      !attention_decode_tc_supports(p.head_dim, p.n_heads / std::max(p.n_kv_heads, 1)) || p.rotary_dim % 2 != 0 ||
+      p.rotary_dim > p.head_dim || (p.q_norm == nullptr) != (p.k_norm == nullptr) ||
+      k.cols < int64_t(p.n_kv_heads) * p.head_dim || v.cols < int64_t(p.n_kv_heads) * p.head_dim)
+    return false;
+  check_attention_shapes("attention_decode_prep", q, kv, p.n_heads, out);
+  const DecodePrep prep{k.data, v.data, p};
+  decode_impl(q, positions, kv, p.n_heads, scale, window, sinks, out, scratch, scratch_floats, stream,
+              DecodeMath::kTensorCores, &prep);
+  return true;
 }
 
 void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,

@@ -28,6 +28,7 @@
 #include <climits>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/mma.cuh"
 #include "backends/cuda/ops.h"
 #include "backends/cuda/paged_kv.cuh"
 #include "backends/cuda/prefill_tile.cuh"
@@ -57,11 +58,6 @@ struct TcSmem {
 };
 
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
   uint2 u;
   u.x = pack_bf16x2(v.x, v.y);
@@ -70,15 +66,6 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
 }
 
 __device__ __forceinline__ uint32_t lds32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// c += a b: A 16x16 row-major (4 regs), B 16x8 column-major (2 regs), C 16x8 f32.
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Four transposed 8x8 b16 matrices; lane l gives the row address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* row) {

@@ -346,6 +346,16 @@ class CudaBackend final : public Backend {
     float* scratch = attention_scratch(want);
     cuda::attention(q, positions, kv, n_heads, scale, window, sinks, out, scratch, want, stream_);
   }
+  void prep_attention(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
+                      const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out) override {
+    const int64_t want = cuda::attention_scratch_floats(q.rows, p.n_heads, kv.head_dim);
+    if (q.rows == 1) {
+      float* scratch = attention_scratch(want);
+      if (cuda::attention_decode_prep(q, k, v, p, positions, kv, scale, window, sinks, out, scratch, want, stream_))
+        return;
+    }
+    Backend::prep_attention(q, k, v, p, positions, kv, scale, window, sinks, out);
+  }
   void swiglu(const Mat& gate, const Mat& up, const Mat& out) override { cuda::swiglu(gate, up, out, stream_); }
   void embedding(const Weight& table, const int32_t* ids, int64_t n, float scale, const Mat& out) override {
     matmul_->embedding(table.view, ids, n, scale, out, stream_);

@@ -83,9 +83,22 @@ int64_t attention_scratch_floats(int64_t rows, int n_heads, int head_dim);
 // that knows its batch better (e.g. many decode rows of distinct sequences -> decode).
 void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
                const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream);
+// The decode kernel's products: kAuto takes bf16 tensor cores where they apply (head_dim 64 or
+// 128, up to 16 query heads per KV head; TURBOSPARK_CUDA_DECODE_TC=0 turns them off), with
+// Q and P rounded to bf16 as in attention_prefill_tc.cu; kF32 keeps the f32 SIMT kernel (the
+// CPU's rounding up to summation order); kTensorCores insists (refused outside its shapes).
+enum class DecodeMath { kAuto, kF32, kTensorCores };
+bool attention_decode_tc_supports(int head_dim, int group);
 void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                       int window, const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats,
-                      cudaStream_t stream);
+                      cudaStream_t stream, DecodeMath math = DecodeMath::kAuto);
+// attention_prep and attention_decode as one launch (Backend::prep_attention) for one decode
+// row on the tensor-core kernel: false, launching nothing, outside its shapes (the caller then
+// runs the two ops) or with TURBOSPARK_CUDA_DECODE_PREP=0. One row only: rows of one sequence
+// in a call would read each other's new keys while another block writes them.
+bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
+                           const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
+                           float* scratch, int64_t scratch_floats, cudaStream_t stream);
 void attention_prefill(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                        int window, const float* sinks, const Mat& out, cudaStream_t stream);
 // attention_prefill_tc.cu: the prefill kernel on bf16 tensor cores (f32 softmax and

@@ -30,8 +30,7 @@ void attention_block(Backend& be, const AttentionParams& p, const AttentionWeigh
   prep.norm_offset = p.norm_offset;
   prep.inv_freq = p.inv_freq.data();
   prep.attention_factor = p.attention_factor;
-  be.attention_prep(q, k, v, prep, positions, kv);
-  be.attention(q, positions, kv, p.n_heads, p.scale, p.window, w.sinks.empty() ? nullptr : w.sinks.data(), attn);
+  be.prep_attention(q, k, v, prep, positions, kv, p.scale, p.window, w.sinks.empty() ? nullptr : w.sinks.data(), attn);
   project(be, w.o, w.o_bias, attn, out);
 }
 
