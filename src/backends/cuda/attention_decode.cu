@@ -645,6 +645,11 @@ bool env_on(const char* name) {
   return !(v && std::string_view(v) == "0");
 }
 
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::string_view(v) == "1";
+}
+
 void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
                  const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream,
                  DecodeMath math, const DecodePrep* prep) {
@@ -653,7 +658,7 @@ void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, 
   TS_CHECK(math != DecodeMath::kTensorCores || tc_ok,
            "attention_decode: tensor-core kernel asked for head_dim {} with {} heads per kv head (it takes 64 or "
            "128, up to {})", kv.head_dim, group, kTcMaxGroup);
-  static const bool tc_env = env_on("TURBOSPARK_CUDA_DECODE_TC");
+  static const bool tc_env = env_set("TURBOSPARK_CUDA_DECODE_TC");  // opt-in until device-tested
   const bool tc = tc_ok && (math == DecodeMath::kTensorCores || (math == DecodeMath::kAuto && tc_env));
   int group_tile = 1;  // heads per block: the group rounded up to a power of two, at most 8
   while (group_tile < group && group_tile < 8) group_tile *= 2;
@@ -728,7 +733,7 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
 bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                            const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
                            float* scratch, int64_t scratch_floats, cudaStream_t stream) {
-  static const bool on = env_on("TURBOSPARK_CUDA_DECODE_TC") && env_on("TURBOSPARK_CUDA_DECODE_PREP");
+  static const bool on = env_set("TURBOSPARK_CUDA_DECODE_TC") && env_on("TURBOSPARK_CUDA_DECODE_PREP");
   if (!on || q.rows != 1 || k.rows != 1 || v.rows != 1 || p.n_kv_heads != kv.n_kv_heads ||
       p.head_dim != kv.head_dim || p.n_heads % std::max(p.n_kv_heads, 1) != 0 ||
       !attention_decode_tc_supports(p.head_dim, p.n_heads / std::max(p.n_kv_heads, 1)) || p.rotary_dim % 2 != 0 ||
