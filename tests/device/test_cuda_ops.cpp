@@ -676,7 +676,8 @@ TEST(CudaOps, AttentionPrepMatchesSeparateOps) {
 }
 
 // kDecode is the f32 decode kernel (DecodeMath::kF32), kDecodeTc its tensor-core form.
-enum class Kernel { kDecode, kDecodeTc, kPrefill, kPrefillTc, kAuto };
+// kDecodeAuto: attention_decode's per-row choice (DecodeMath::kAuto) at a given tc_min_span.
+enum class Kernel { kDecode, kDecodeTc, kDecodeAuto, kPrefill, kPrefillTc, kAuto };
 
 // Inputs for the tensor-core kernel's tests: kBf16 rounds q, K and V to bf16 (the kernel's
 // own rounding of them is then exact and only P's remains); kZeroKeys also zeroes K, so every
@@ -704,9 +705,15 @@ struct AttnErrors {
   double max_abs;     // max |cuda - cpu|, infinite on NaN
 };
 
-// Runs one case on both backends through the chosen CUDA kernel; returns the errors.
+// Runs one case on both backends through the chosen CUDA kernel; returns the errors (and,
+// when asked, both outputs [rows, n_heads * head_dim] and the rows' positions).
+struct AttnOutputs {
+  std::vector<float> cuda, cpu;
+  std::vector<int64_t> positions;
+};
 AttnErrors run_attention_errors(const AttnCase& c, Kernel kernel, bool with_scratch = true,
-                                Inputs inputs = Inputs::kRandom) {
+                                Inputs inputs = Inputs::kRandom, int64_t tc_min_span = -1,
+                                AttnOutputs* outputs = nullptr) {
   // Row t belongs to sequence t % n_seqs (interleaved: the prefill tiles see mixed
   // sequences); sequence s's rows take the last positions of its context, which shrinks
   // with s so the sequences differ in length.
@@ -757,9 +764,13 @@ AttnErrors run_attention_errors(const AttnCase& c, Kernel kernel, bool with_scra
   switch (kernel) {
     case Kernel::kDecode:
     case Kernel::kDecodeTc:
+    case Kernel::kDecodeAuto:
       cuda::attention_decode(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(),
                              with_scratch ? scratch.get() : nullptr, scratch_floats, stream(),
-                             kernel == Kernel::kDecode ? cuda::DecodeMath::kF32 : cuda::DecodeMath::kTensorCores);
+                             kernel == Kernel::kDecode     ? cuda::DecodeMath::kF32
+                             : kernel == Kernel::kDecodeTc ? cuda::DecodeMath::kTensorCores
+                                                           : cuda::DecodeMath::kAuto,
+                             tc_min_span);
       break;
     case Kernel::kPrefill:
       cuda::attention_prefill(q.d(), dpos.get(), kv, c.n_heads, scale, c.window, ds, out.d(), stream());
@@ -774,6 +785,7 @@ AttnErrors run_attention_errors(const AttnCase& c, Kernel kernel, bool with_scra
   }
   EXPECT_TRUE(out.dev_pads_poisoned());
   const std::vector<float> got = out.dev_dense(), want = out.host_dense();
+  if (outputs) *outputs = AttnOutputs{got, want, pos};
   double max_abs = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double d = std::fabs(double(got[i]) - double(want[i]));
@@ -942,6 +954,56 @@ TEST(CudaOps, AttentionDecodeTensorCores) {
   const AttnCase hd80{8, 2, 80, 1, 100, 0, true, 1};
   EXPECT_THROW(run_attention(hd80, Kernel::kDecodeTc), Error);
   EXPECT_LT(run_attention(hd80, Kernel::kAuto), kAttentionBound);
+}
+
+// kAuto picks the form per query row on the device, from the row's visible span: in one call
+// of three sequences (spans 3000, 2000 and 1000), a row below tc_min_span equals the f32
+// kernel's output bit for bit and a row at or above it the tensor cores' (the split count
+// comes from the shapes alone, the same for the three launches without a window). With a
+// window the forms' split counts differ, so the rows are held to their form's bound against
+// the CPU instead: the f32 one (1e-5) is far below what the tensor cores' bf16 rounding of
+// random inputs gives, so a row sent to the wrong form fails.
+TEST(CudaOps, AttentionDecodeChoosesFormPerRow) {
+  REQUIRE_GPU();
+  auto row_error = [](const std::vector<float>& a, const std::vector<float>& b, size_t row, size_t width) {
+    const std::vector<float> ra(a.begin() + long(row * width), a.begin() + long((row + 1) * width));
+    const std::vector<float> rb(b.begin() + long(row * width), b.begin() + long((row + 1) * width));
+    return normalized_error(ra, rb);
+  };
+  for (int hd : {64, 128})
+    for (int group : {1, 3, 8})
+      for (int window : {0, 1500}) {
+        const AttnCase c{2 * group, 2, hd, 3, 3000, window, group != 3, 3};
+        const size_t width = size_t(c.n_heads) * size_t(hd);
+        AttnOutputs f32, tc;
+        run_attention_errors(c, Kernel::kDecode, true, Inputs::kRandom, -1, &f32);
+        run_attention_errors(c, Kernel::kDecodeTc, true, Inputs::kRandom, -1, &tc);
+        ASSERT_EQ(f32.positions, (std::vector<int64_t>{2999, 1999, 999}));
+        for (int64_t min_span : {int64_t(0), int64_t(1000), int64_t(1001), int64_t(1500), int64_t(2000),
+                                 int64_t(3001), int64_t(1) << 40}) {
+          SCOPED_TRACE(c.name() + " tc_min_span " + std::to_string(min_span));
+          AttnOutputs mixed;
+          run_attention_errors(c, Kernel::kDecodeAuto, true, Inputs::kRandom, min_span, &mixed);
+          for (size_t t = 0; t < 3; ++t) {
+            const int64_t pos = mixed.positions[t];
+            const int64_t span = window > 0 ? std::min<int64_t>(pos + 1, window) : pos + 1;
+            const bool want_tc = span >= min_span;
+            SCOPED_TRACE("row " + std::to_string(t) + " span " + std::to_string(span) + (want_tc ? " tc" : " f32"));
+            if (window == 0) {
+              const AttnOutputs& want = want_tc ? tc : f32;
+              EXPECT_TRUE(std::equal(mixed.cuda.begin() + long(t * width), mixed.cuda.begin() + long((t + 1) * width),
+                                     want.cuda.begin() + long(t * width)));
+            }
+            const double err = row_error(mixed.cuda, mixed.cpu, t, width);
+            if (want_tc) {
+              EXPECT_LT(err, kTcRandomBound);
+              EXPECT_GT(err, kAttentionBound);  // the bf16 rounding is there: it ran on the tensor cores
+            } else {
+              EXPECT_LT(err, kAttentionBound);
+            }
+          }
+        }
+      }
 }
 
 // prep_attention fused into the tensor-core decode kernel (one row) against the CPU backend's

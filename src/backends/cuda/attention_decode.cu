@@ -17,10 +17,12 @@
 // computed on the device from the row's actual span, at least kMinSplitKeys keys, so short
 // contexts leave trailing splits empty (they exit after writing an empty state).
 //
-// Two forms of the split kernel: bf16 tensor cores (head_dim 64 / 128, up to 16 query heads
-// per KV head: the default, see attention_decode_tc_kernel) and f32 SIMT (every other shape,
-// and DecodeMath::kF32 for the CPU's rounding). attention_decode_prep runs the tensor-core form
-// with attention_prep's norms, RoPE and cache write folded in, for one decode row.
+// Two forms of the split kernel: f32 SIMT (every shape; DecodeMath::kF32 for the CPU's
+// rounding) and bf16 tensor cores (head_dim 64 / 128, up to 16 query heads per KV head; see
+// attention_decode_tc_kernel). By default each query row takes the f32 form below
+// attention_decode_tc_min_span() visible keys and the tensor cores from there, chosen on the
+// device (attention_decode_auto_kernel). attention_decode_prep runs the tensor-core form with
+// attention_prep's norms, RoPE and cache write folded in, for one decode row.
 #include <algorithm>
 #include <cstdlib>
 #include <string_view>
@@ -58,6 +60,31 @@ __device__ __forceinline__ float4 f4_axpby(float4 x, float a, float4 y, float b)
 }
 // exp(m - m_new) for a running max that may still be -inf (no key seen yet).
 __device__ __forceinline__ float rescale(float m, float m_new) { return m == m_new ? 1.f : expf(m - m_new); }
+
+// Row t's visible span: positions [pos - span + 1, pos] (the window, when set, bounds it).
+__device__ __forceinline__ int64_t visible_span(int64_t pos, int window) {
+  return window > 0 ? min(pos + 1, int64_t(window)) : pos + 1;
+}
+
+// The keys split `split` of row t reads: [begin, end) of its visible span cut into n_splits
+// parts of at least min_keys keys (so a short span leaves the trailing splits empty).
+struct SplitRange {
+  int64_t pos;        // the row's position
+  int seq;            // its sequence (block table row)
+  int64_t begin, end;  // end <= begin: an empty split
+  int64_t len;        // the parts' length
+};
+__device__ __forceinline__ SplitRange split_range(const int64_t* __restrict__ positions, const PagedKv& kv, int64_t t,
+                                                  int window, int split, int n_splits, int min_keys) {
+  SplitRange r;
+  r.pos = positions[t];
+  r.seq = kv.row_seq ? kv.row_seq[t] : 0;
+  const int64_t span = visible_span(r.pos, window);
+  r.len = max(int64_t(min_keys), (span + n_splits - 1) / n_splits);
+  r.begin = r.pos - span + 1 + split * r.len;
+  r.end = min(r.pos + 1, r.begin + r.len);
+  return r;
+}
 
 // The block's warps' states (s_m, s_l natural-log units, s_acc
 // [warp][head][dim] with row strides kRows and kLd) merged per (head, dim) and written: the
@@ -106,21 +133,23 @@ __device__ __forceinline__ void finish_block(const float* s_m, const float* s_l,
 // chunks for kGroupTile query heads in registers; the head_dim < kHdMax tail is masked.
 // kUnroll keys per lane group per step keep 2 * kUnroll * kChunks 8-byte loads in flight.
 template <int kHdMax, int kGroupTile>
-__global__ void __launch_bounds__(kDecodeThreads)
-    attention_decode_kernel(const float* __restrict__ q, int64_t q_stride, const int64_t* __restrict__ positions,
-                            PagedKv kv, int n_heads, int group, int head_chunks, float scale, int window,
-                            const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
-                            int n_splits, Partials part) {
-  pdl_begin();
+struct F32Smem {
+  float m[kDecodeWarps][kGroupTile];
+  float l[kDecodeWarps][kGroupTile];
+  float acc[kDecodeWarps][kGroupTile][kHdMax];
+};
+
+template <int kHdMax, int kGroupTile>
+__device__ __forceinline__ void decode_split_f32(const float* __restrict__ q, int64_t q_stride, const PagedKv& kv,
+                                                 int n_heads, int group, int head_chunks, float scale,
+                                                 const float* __restrict__ sinks, float* __restrict__ out,
+                                                 int64_t out_stride, int n_splits, const Partials& part,
+                                                 const SplitRange& sr, F32Smem<kHdMax, kGroupTile>& sm) {
   constexpr int kLanes = kHdMax / 4 < kWarp ? kHdMax / 4 : kWarp;
   constexpr int kChunks = kHdMax / 4 / kLanes;
   constexpr int kKeysPerWarp = kWarp / kLanes;
   constexpr int kGroups = kDecodeWarps * kKeysPerWarp;  // lane groups per block
   constexpr int kUnroll = kChunks >= 2 ? 2 : 4;
-
-  __shared__ float s_m[kDecodeWarps][kGroupTile];
-  __shared__ float s_l[kDecodeWarps][kGroupTile];
-  __shared__ float s_acc[kDecodeWarps][kGroupTile][kHdMax];
 
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / head_chunks;
@@ -133,13 +162,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int head0 = kv_head * group + chunk * kGroupTile;
   const int n_here = min(kGroupTile, group - chunk * kGroupTile);  // heads of this block
 
-  const int64_t pos = positions[t];
-  const int seq = kv.row_seq ? kv.row_seq[t] : 0;
-  const int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : int64_t(0);
-  const int64_t span = pos - lo + 1;
-  const int64_t split_len = max(int64_t(kMinSplitKeys), (span + n_splits - 1) / n_splits);
-  const int64_t begin = lo + split * split_len;
-  const int64_t end = min(pos + 1, begin + split_len);
+  const int seq = sr.seq;
+  const int64_t begin = sr.begin, end = sr.end;
 
   float4 qv[kGroupTile][kChunks];
 #pragma unroll
@@ -245,17 +269,30 @@ __global__ void __launch_bounds__(kDecodeThreads)
   if (lane < kLanes) {
 #pragma unroll
     for (int j = 0; j < kGroupTile; ++j) {
-      if (lane == 0) s_m[warp][j] = m[j], s_l[warp][j] = l[j];
+      if (lane == 0) sm.m[warp][j] = m[j], sm.l[warp][j] = l[j];
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         const int ch = sl + c * kLanes;
-        if (ch < kHdMax / 4) *reinterpret_cast<float4*>(&s_acc[warp][j][4 * ch]) = acc[j][c];
+        if (ch < kHdMax / 4) *reinterpret_cast<float4*>(&sm.acc[warp][j][4 * ch]) = acc[j][c];
       }
     }
   }
   __syncthreads();
-  finish_block<kDecodeWarps>(&s_m[0][0], &s_l[0][0], &s_acc[0][0][0], kGroupTile, kHdMax, n_here, hd, head0, t,
+  finish_block<kDecodeWarps>(&sm.m[0][0], &sm.l[0][0], &sm.acc[0][0][0], kGroupTile, kHdMax, n_here, hd, head0, t,
                              n_heads, split, n_splits, sinks, out, out_stride, part);
+}
+
+template <int kHdMax, int kGroupTile>
+__global__ void __launch_bounds__(kDecodeThreads)
+    attention_decode_kernel(const float* __restrict__ q, int64_t q_stride, const int64_t* __restrict__ positions,
+                            PagedKv kv, int n_heads, int group, int head_chunks, float scale, int window,
+                            const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
+                            int n_splits, Partials part) {
+  pdl_begin();
+  __shared__ F32Smem<kHdMax, kGroupTile> sm;
+  const SplitRange sr = split_range(positions, kv, blockIdx.z, window, blockIdx.x, n_splits, kMinSplitKeys);
+  decode_split_f32<kHdMax, kGroupTile>(q, q_stride, kv, n_heads, group, head_chunks, scale, sinks, out, out_stride,
+                                       n_splits, part, sr, sm);
 }
 
 // ---- tensor cores (head_dim 64 / 128, GQA groups up to 16) ----
@@ -299,21 +336,27 @@ struct DecodePrep {
 };
 
 template <int kHd, bool kPrep>
-__global__ void __launch_bounds__(kTcThreads)
-    attention_decode_tc_kernel(const float* __restrict__ q, int64_t q_stride, const int64_t* __restrict__ positions,
-                               PagedKv kv, int n_heads, int group, float scale, int window,
-                               const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
-                               int n_splits, Partials part, DecodePrep prep) {
-  pdl_begin();
+struct TcSmem {
+  // kPrep: rows 0..group-1 the group's q heads, row kTcMaxGroup the new k; then cos | sin.
+  static constexpr int kPrepRows = kPrep ? kTcMaxGroup + 1 : 1;
+  float m[kTcWarps][kTcMaxGroup];
+  float l[kTcWarps][kTcMaxGroup];
+  float acc[kTcWarps][kTcMaxGroup][kHd + 1];  // + 1: the 4 lanes of a row hit 4 banks, not 1
+  float head[kPrepRows][kHd];
+  float cs[kPrep ? kHd : 1];
+};
+
+template <int kHd, bool kPrep>
+__device__ __forceinline__ void decode_split_tc(const float* __restrict__ q, int64_t q_stride, const PagedKv& kv,
+                                                int n_heads, int group, float scale, const float* __restrict__ sinks,
+                                                float* __restrict__ out, int64_t out_stride, int n_splits,
+                                                const Partials& part, const DecodePrep& prep, const SplitRange& sr,
+                                                TcSmem<kHd, kPrep>& sm) {
   constexpr int kSteps = kHd / 16;  // k-steps of S
   constexpr int kDimsK = kHd / 4;   // dims of a key a lane reads for S
   constexpr int kNt = kHd / 8;      // n-tiles of O = dims of a V row a lane reads
   constexpr int kKVec = kDimsK / 8;  // 16-byte loads per key for S
   constexpr int kVVec = kNt / 8;     // 16-byte loads per key for P V
-
-  __shared__ float s_m[kTcWarps][kTcMaxGroup];
-  __shared__ float s_l[kTcWarps][kTcMaxGroup];
-  __shared__ float s_acc[kTcWarps][kTcMaxGroup][kHd + 1];  // + 1: the 4 lanes of a row hit 4 banks, not 1
 
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -322,18 +365,11 @@ __global__ void __launch_bounds__(kTcThreads)
   const int r = lane / 4, c = lane % 4;
   const int head0 = kv_head * group;
 
-  const int64_t pos = positions[t];
-  const int seq = kv.row_seq ? kv.row_seq[t] : 0;
-  const int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : int64_t(0);
-  const int64_t span = pos - lo + 1;
-  const int64_t split_len = max(int64_t(kTcMinSplitKeys), (span + n_splits - 1) / n_splits);
-  const int64_t begin = lo + split * split_len;
-  const int64_t end = min(pos + 1, begin + split_len);
-
-  // kPrep: rows 0..group-1 the group's q heads, row kTcMaxGroup the new k; then cos | sin.
-  constexpr int kPrepRows = kPrep ? kTcMaxGroup + 1 : 1;
-  __shared__ float s_head[kPrepRows][kHd];
-  __shared__ float s_cs[kPrep ? kHd : 1];
+  const int64_t pos = sr.pos;
+  const int seq = sr.seq;
+  const int64_t begin = sr.begin, end = sr.end, split_len = sr.len;
+  auto& s_head = sm.head;
+  auto& s_cs = sm.cs;
   if constexpr (kPrep) {
     const AttentionPrep& pp = prep.p;
     const bool owner = begin <= pos && pos < begin + split_len;  // this split holds the new key
@@ -513,21 +549,68 @@ __global__ void __launch_bounds__(kTcThreads)
     l1 += __shfl_xor_sync(0xffffffffu, l1, o);
   }
   if (c == 0) {
-    s_m[warp][r] = m0 * kLn2;  // -inf stays -inf (a warp without keys)
-    s_m[warp][r + 8] = m1 * kLn2;
-    s_l[warp][r] = l0;
-    s_l[warp][r + 8] = l1;
+    sm.m[warp][r] = m0 * kLn2;  // -inf stays -inf (a warp without keys)
+    sm.m[warp][r + 8] = m1 * kLn2;
+    sm.l[warp][r] = l0;
+    sm.l[warp][r + 8] = l1;
   }
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt) {
-    s_acc[warp][r][2 * c * kNt + nt] = acc[nt][0];
-    s_acc[warp][r][(2 * c + 1) * kNt + nt] = acc[nt][1];
-    s_acc[warp][r + 8][2 * c * kNt + nt] = acc[nt][2];
-    s_acc[warp][r + 8][(2 * c + 1) * kNt + nt] = acc[nt][3];
+    sm.acc[warp][r][2 * c * kNt + nt] = acc[nt][0];
+    sm.acc[warp][r][(2 * c + 1) * kNt + nt] = acc[nt][1];
+    sm.acc[warp][r + 8][2 * c * kNt + nt] = acc[nt][2];
+    sm.acc[warp][r + 8][(2 * c + 1) * kNt + nt] = acc[nt][3];
   }
   __syncthreads();
-  finish_block<kTcWarps>(&s_m[0][0], &s_l[0][0], &s_acc[0][0][0], kTcMaxGroup, kHd + 1, group, kHd, head0, t, n_heads,
-                         split, n_splits, sinks, out, out_stride, part);
+  finish_block<kTcWarps>(&sm.m[0][0], &sm.l[0][0], &sm.acc[0][0][0], kTcMaxGroup, kHd + 1, group, kHd, head0, t,
+                         n_heads, split, n_splits, sinks, out, out_stride, part);
+}
+
+template <int kHd, bool kPrep>
+__global__ void __launch_bounds__(kTcThreads)
+    attention_decode_tc_kernel(const float* __restrict__ q, int64_t q_stride, const int64_t* __restrict__ positions,
+                               PagedKv kv, int n_heads, int group, float scale, int window,
+                               const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
+                               int n_splits, Partials part, DecodePrep prep) {
+  pdl_begin();
+  __shared__ TcSmem<kHd, kPrep> sm;
+  const SplitRange sr = split_range(positions, kv, blockIdx.z, window, blockIdx.x, n_splits, kTcMinSplitKeys);
+  decode_split_tc<kHd, kPrep>(q, q_stride, kv, n_heads, group, scale, sinks, out, out_stride, n_splits, part, prep, sr,
+                              sm);
+}
+
+// Both forms in one launch, chosen per query row on the device from its visible span: the f32
+// kernel below tc_min_span keys (at short context its splits are many short ones side by side
+// and it is the quicker: ~3 us a layer at 512 keys on the Qwen3-30B-A3B shape), the tensor
+// cores from there (twice as fast at 8k). Positions live on the device and a CUDA graph
+// replays one launch for every context length, so the host cannot make this choice; rows of
+// different sequences in one step each get their own. Both forms use the same grid when the
+// f32 form takes the whole GQA group in one block (group <= 8) and the same partial layout.
+template <int kHd, int kGroupTile>
+union AutoSmem {
+  F32Smem<kHd, kGroupTile> f32;
+  TcSmem<kHd, false> tc;
+};
+
+template <int kHd, int kGroupTile>
+__global__ void __launch_bounds__(kTcThreads)
+    attention_decode_auto_kernel(const float* __restrict__ q, int64_t q_stride, const int64_t* __restrict__ positions,
+                                 PagedKv kv, int n_heads, int group, float scale, int window,
+                                 const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
+                                 int n_splits, Partials part, int64_t tc_min_span) {
+  static_assert(kTcThreads == kDecodeThreads && kGroupTile <= 8);
+  pdl_begin();
+  __shared__ AutoSmem<kHd, kGroupTile> sm;
+  const int64_t t = blockIdx.z;
+  if (visible_span(positions[t], window) >= tc_min_span) {
+    const SplitRange sr = split_range(positions, kv, t, window, blockIdx.x, n_splits, kTcMinSplitKeys);
+    decode_split_tc<kHd, false>(q, q_stride, kv, n_heads, group, scale, sinks, out, out_stride, n_splits, part,
+                                DecodePrep{}, sr, sm.tc);
+  } else {
+    const SplitRange sr = split_range(positions, kv, t, window, blockIdx.x, n_splits, kMinSplitKeys);
+    decode_split_f32<kHd, kGroupTile>(q, q_stride, kv, n_heads, group, 1, scale, sinks, out, out_stride, n_splits,
+                                      part, sr, sm.f32);
+  }
 }
 
 // Merges the splits of one (row, head): out = sum_s acc_s e^(m_s - M) / (sum_s l_s e^(m_s - M)
@@ -640,37 +723,76 @@ int64_t attention_scratch_floats(int64_t rows, int n_heads, int head_dim) {
 
 namespace {
 
-bool env_on(const char* name) {
-  const char* v = std::getenv(name);
-  return !(v && std::string_view(v) == "0");
-}
-
 bool env_set(const char* name) {
   const char* v = std::getenv(name);
   return v && std::string_view(v) == "1";
 }
 
+// TURBOSPARK_CUDA_DECODE_TC: 1 = the tensor cores at every context length (where they apply),
+// 0 = never; unset = per row by span (attention_decode_auto_kernel).
+enum class TcEnv { kPerRow, kAlways, kNever };
+TcEnv tc_env() {
+  static const TcEnv mode = [] {
+    const char* v = std::getenv("TURBOSPARK_CUDA_DECODE_TC");
+    if (!v || !*v) return TcEnv::kPerRow;
+    const std::string_view s(v);
+    TS_CHECK(s == "0" || s == "1", "TURBOSPARK_CUDA_DECODE_TC must be 0 or 1, got '{}'", s);
+    return s == "1" ? TcEnv::kAlways : TcEnv::kNever;
+  }();
+  return mode;
+}
+
+}  // namespace
+
+int64_t attention_decode_tc_min_span() {
+  static const int64_t span = [] {
+    const char* v = std::getenv("TURBOSPARK_CUDA_DECODE_TC_MIN_SPAN");
+    if (!v || !*v) return kDecodeTcMinSpan;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    TS_CHECK(end && *end == '\0' && n >= 0, "TURBOSPARK_CUDA_DECODE_TC_MIN_SPAN must be a count of keys >= 0, got '{}'",
+             v);
+    return int64_t(n);
+  }();
+  return span;
+}
+
+namespace {
+
+enum class Form { kF32, kTc, kPerRow };
+
 void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
                  const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream,
-                 DecodeMath math, const DecodePrep* prep) {
+                 DecodeMath math, int64_t tc_min_span, const DecodePrep* prep) {
   const int group = n_heads / kv.n_kv_heads;
   const bool tc_ok = attention_decode_tc_supports(kv.head_dim, group);
   TS_CHECK(math != DecodeMath::kTensorCores || tc_ok,
            "attention_decode: tensor-core kernel asked for head_dim {} with {} heads per kv head (it takes 64 or "
            "128, up to {})", kv.head_dim, group, kTcMaxGroup);
-  static const bool tc_env = env_set("TURBOSPARK_CUDA_DECODE_TC");  // opt-in until device-tested
-  const bool tc = tc_ok && (math == DecodeMath::kTensorCores || (math == DecodeMath::kAuto && tc_env));
   int group_tile = 1;  // heads per block: the group rounded up to a power of two, at most 8
   while (group_tile < group && group_tile < 8) group_tile *= 2;
-  const int head_chunks = tc ? 1 : (group + group_tile - 1) / group_tile;
+  int64_t max_context = int64_t(kv.max_blocks) * kv.block_size;  // the longest span a row can see
+  if (window > 0) max_context = std::min<int64_t>(max_context, window);
+  if (tc_min_span < 0) tc_min_span = attention_decode_tc_min_span();
+
+  Form form = Form::kF32;
+  if (math == DecodeMath::kTensorCores || prep) {
+    form = Form::kTc;
+  } else if (math == DecodeMath::kAuto && tc_ok && tc_env() != TcEnv::kNever) {
+    if (tc_env() == TcEnv::kAlways) form = Form::kTc;
+    // Per row on the device when both forms share a grid; a group too wide for one f32 block
+    // (9..16 heads) is decided here by the longest span a row can reach.
+    else if (group <= 8) form = Form::kPerRow;
+    else form = max_context >= tc_min_span ? Form::kTc : Form::kF32;
+  }
+  const bool tc = form == Form::kTc;
+  const int head_chunks = form == Form::kF32 ? (group + group_tile - 1) / group_tile : 1;
   const int min_split_keys = tc ? kTcMinSplitKeys : kMinSplitKeys;
 
   // Split factor: ~2 waves of blocks over the SMs, no more splits than the longest visible
   // context (capacity, or the window) has min_split_keys-key parts, and no more than the
   // scratch holds.
   const int64_t blocks_per_split = q.rows * kv.n_kv_heads * head_chunks;
-  int64_t max_context = int64_t(kv.max_blocks) * kv.block_size;
-  if (window > 0) max_context = std::min<int64_t>(max_context, window);
   int64_t n_splits = std::clamp<int64_t>((2 * sm_count() + blocks_per_split - 1) / blocks_per_split, 1, kMaxSplits);
   n_splits = std::min<int64_t>(n_splits, (max_context + min_split_keys - 1) / min_split_keys);
   const int64_t per_split = q.rows * n_heads * (int64_t(kv.head_dim) + 2);
@@ -696,6 +818,27 @@ void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, 
     } else {
       prep ? go(attention_decode_tc_kernel<128, true>) : go(attention_decode_tc_kernel<128, false>);
     }
+  } else if (form == Form::kPerRow) {
+    const dim3 grid(unsigned(n_splits), unsigned(kv.n_kv_heads), unsigned(q.rows));
+    auto go = [&](auto kernel) {
+      launch(kernel, grid, kTcThreads, 0, stream, q.data, q.stride, positions, pk, n_heads, group, scale, window,
+             sinks, out.data, out.stride, ns, part, tc_min_span);
+    };
+    if (kv.head_dim == 64) {
+      switch (group_tile) {
+        case 1: go(attention_decode_auto_kernel<64, 1>); break;
+        case 2: go(attention_decode_auto_kernel<64, 2>); break;
+        case 4: go(attention_decode_auto_kernel<64, 4>); break;
+        default: go(attention_decode_auto_kernel<64, 8>); break;
+      }
+    } else {
+      switch (group_tile) {
+        case 1: go(attention_decode_auto_kernel<128, 1>); break;
+        case 2: go(attention_decode_auto_kernel<128, 2>); break;
+        case 4: go(attention_decode_auto_kernel<128, 4>); break;
+        default: go(attention_decode_auto_kernel<128, 8>); break;
+      }
+    }
   } else if (kv.head_dim <= 32) {
     launch_decode_hd<32>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
   } else if (kv.head_dim <= 64) {
@@ -705,7 +848,8 @@ void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, 
   } else {
     launch_decode_hd<256>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
   }
-  TS_CUDA_LAUNCH_CHECK("attention_decode{} rows {} heads {}/{} head_dim {} splits {} window {}", tc ? " (tc)" : "",
+  TS_CUDA_LAUNCH_CHECK("attention_decode{} rows {} heads {}/{} head_dim {} splits {} window {}",
+                       tc ? " (tc)" : form == Form::kPerRow ? " (per row)" : "",
                        q.rows, n_heads, kv.n_kv_heads, kv.head_dim, n_splits, window);
   if (n_splits > 1) {
     // One block of 128 per (head, row): head_dim <= 256 is at most 2 outputs per thread.
@@ -718,23 +862,30 @@ void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, 
 
 }  // namespace
 
+bool attention_decode_prep_enabled() {
+  // Opt-in: fusing gave no measurable decode gain on the H200 (Qwen3-30B-A3B Q4_0, 512 keys: 372
+  // vs 369 tok/s), and it ties every context length to the tensor-core form.
+  static const bool on = env_set("TURBOSPARK_CUDA_DECODE_PREP");
+  return on;
+}
+
 bool attention_decode_tc_supports(int head_dim, int group) {
   return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= kTcMaxGroup;
 }
 
 void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                       int window, const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats,
-                      cudaStream_t stream, DecodeMath math) {
+                      cudaStream_t stream, DecodeMath math, int64_t tc_min_span) {
   check_attention_shapes("attention_decode", q, kv, n_heads, out);
   if (q.rows == 0) return;
-  decode_impl(q, positions, kv, n_heads, scale, window, sinks, out, scratch, scratch_floats, stream, math, nullptr);
+  decode_impl(q, positions, kv, n_heads, scale, window, sinks, out, scratch, scratch_floats, stream, math,
+              tc_min_span, nullptr);
 }
 
 bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                            const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
                            float* scratch, int64_t scratch_floats, cudaStream_t stream) {
-  static const bool on = env_set("TURBOSPARK_CUDA_DECODE_TC") && env_on("TURBOSPARK_CUDA_DECODE_PREP");
-  if (!on || q.rows != 1 || k.rows != 1 || v.rows != 1 || p.n_kv_heads != kv.n_kv_heads ||
+  if (q.rows != 1 || k.rows != 1 || v.rows != 1 || p.n_kv_heads != kv.n_kv_heads ||
       p.head_dim != kv.head_dim || p.n_heads % std::max(p.n_kv_heads, 1) != 0 ||
       !attention_decode_tc_supports(p.head_dim, p.n_heads / std::max(p.n_kv_heads, 1)) || p.rotary_dim % 2 != 0 ||
       p.rotary_dim > p.head_dim || (p.q_norm == nullptr) != (p.k_norm == nullptr) ||
@@ -743,7 +894,7 @@ bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const Atten
   check_attention_shapes("attention_decode_prep", q, kv, p.n_heads, out);
   const DecodePrep prep{k.data, v.data, p};
   decode_impl(q, positions, kv, p.n_heads, scale, window, sinks, out, scratch, scratch_floats, stream,
-              DecodeMath::kTensorCores, &prep);
+              DecodeMath::kTensorCores, -1, &prep);
   return true;
 }
 

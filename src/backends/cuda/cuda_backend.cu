@@ -349,7 +349,7 @@ class CudaBackend final : public Backend {
   void prep_attention(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                       const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out) override {
     const int64_t want = cuda::attention_scratch_floats(q.rows, p.n_heads, kv.head_dim);
-    if (q.rows == 1) {
+    if (q.rows == 1 && cuda::attention_decode_prep_enabled()) {
       float* scratch = attention_scratch(want);
       if (cuda::attention_decode_prep(q, k, v, p, positions, kv, scale, window, sinks, out, scratch, want, stream_))
         return;

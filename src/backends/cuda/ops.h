@@ -83,19 +83,27 @@ int64_t attention_scratch_floats(int64_t rows, int n_heads, int head_dim);
 // that knows its batch better (e.g. many decode rows of distinct sequences -> decode).
 void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale, int window,
                const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream);
-// The decode kernel's products: kAuto takes bf16 tensor cores where they apply (head_dim 64 or
-// 128, up to 16 query heads per KV head; TURBOSPARK_CUDA_DECODE_TC=0 turns them off), with
-// Q and P rounded to bf16 as in attention_prefill_tc.cu; kF32 keeps the f32 SIMT kernel (the
-// CPU's rounding up to summation order); kTensorCores insists (refused outside its shapes).
+// The decode kernel's products. kAuto takes, per query row and on the device, the f32 SIMT
+// form below tc_min_span visible keys and bf16 tensor cores from there (head_dim 64 or 128, up to
+// 16 query heads per KV head; Q and P rounded to bf16 as in attention_prefill_tc.cu); a negative
+// tc_min_span means attention_decode_tc_min_span(). TURBOSPARK_CUDA_DECODE_TC=1 / 0 makes kAuto
+// take the tensor cores at every span / never. kF32 keeps the f32 kernel (the CPU's rounding up
+// to summation order); kTensorCores insists (refused outside its shapes).
 enum class DecodeMath { kAuto, kF32, kTensorCores };
 bool attention_decode_tc_supports(int head_dim, int group);
+// Where kAuto switches: measured on the H200 (Qwen3-30B-A3B shape, README); the environment's
+// TURBOSPARK_CUDA_DECODE_TC_MIN_SPAN overrides it.
+constexpr int64_t kDecodeTcMinSpan = 1024;
+int64_t attention_decode_tc_min_span();
 void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                       int window, const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats,
-                      cudaStream_t stream, DecodeMath math = DecodeMath::kAuto);
+                      cudaStream_t stream, DecodeMath math = DecodeMath::kAuto, int64_t tc_min_span = -1);
 // attention_prep and attention_decode as one launch (Backend::prep_attention) for one decode
 // row on the tensor-core kernel: false, launching nothing, outside its shapes (the caller then
-// runs the two ops) or with TURBOSPARK_CUDA_DECODE_PREP=0. One row only: rows of one sequence
-// in a call would read each other's new keys while another block writes them.
+// runs the two ops). One row only: rows of one sequence in a call would read each other's new
+// keys while another block writes them. The backend uses it only with
+// TURBOSPARK_CUDA_DECODE_PREP=1 (attention_decode_prep_enabled): it measured no faster.
+bool attention_decode_prep_enabled();
 bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                            const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
                            float* scratch, int64_t scratch_floats, cudaStream_t stream);
