@@ -189,7 +189,7 @@ namespace {
 struct DecoderWorkspace : ModelWorkspace {
   std::shared_ptr<float> storage;
   int64_t capacity = 0;
-  Mat x, x_alt, xn, branch, logits;  // [rows, hidden] x4, [rows, vocab]
+  Mat x, xn, branch, logits;  // [rows, hidden] x3, [rows, vocab]
   AttentionScratch attn;
   FfnScratch ffn;
 };
@@ -202,7 +202,7 @@ std::unique_ptr<ModelWorkspace> DecoderModel::new_workspace(Backend& be, int64_t
   const int64_t qw = int64_t(hp_.n_heads) * hp_.head_dim, kvw = int64_t(hp_.n_kv_heads) * hp_.head_dim;
   const int64_t inter = std::max(hp_.intermediate, hp_.moe_intermediate);
   const int64_t E = std::max(hp_.n_experts, 1);
-  ws->storage = allocate_mats(be, R, {{&ws->x, H}, {&ws->x_alt, H}, {&ws->xn, H}, {&ws->branch, H}, {&ws->logits, hp_.vocab_size},
+  ws->storage = allocate_mats(be, R, {{&ws->x, H}, {&ws->xn, H}, {&ws->branch, H}, {&ws->logits, hp_.vocab_size},
                                       {&ws->attn.q, qw}, {&ws->attn.k, kvw}, {&ws->attn.v, kvw}, {&ws->attn.attn, qw},
                                       {&ws->ffn.gate, inter}, {&ws->ffn.up, inter}, {&ws->ffn.router_logits, E}});
   if (hp_.n_experts > 0) ws->ffn.allocate_routing(be, R, hp_.top_k);
@@ -214,49 +214,34 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
   auto& ws = *static_cast<DecoderWorkspace*>(b.workspace);
   b.check(ws.capacity, hp_.n_layers);
   const int64_t n = b.n;
-  // The residual stream alternates between two buffers: each residual add goes, with the norm
-  // that reads its sum, into the op that consumes that norm (AddNorm), which writes the sum
-  // into the other buffer (a GPU backend folds add, norm and projection into one launch whose
-  // blocks all read the old sum while one writes the new).
-  Mat x = ws.x.rows_slice(0, n), x_alt = ws.x_alt.rows_slice(0, n), xn = ws.xn.rows_slice(0, n);
-  Mat branch = ws.branch.rows_slice(0, n);
+  Mat x = ws.x.rows_slice(0, n), xn = ws.xn.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
   auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
   be.embedding(embed_, b.tokens, n, hp_.embed_scale, x);
   trace("embedding", -1, x);
-  // What the next norm reads: x alone (the first layer), or x + branch into x_alt.
-  auto add_norm = [&](bool add, const Param& norm) {
-    AddNorm an;
-    an.x = x;
-    if (add) an.residual = branch, an.sum = x_alt;
-    an.weight = norm.data();
-    an.eps = hp_.rms_eps;
-    an.offset = hp_.norm_offset;
-    an.normed = xn;
-    return an;
-  };
-  // After an op consumed add_norm(true, ...): the sum is the residual stream.
-  auto advance = [&] { std::swap(x, x_alt); };
+  // Each residual add is fused with the norm that reads its sum (add_rmsnorm): the first
+  // layer's attention norm stands alone, every later one follows the previous layer's add.
+  be.rmsnorm(x, layers_[0].attn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
   for (int i = 0; i < hp_.n_layers; ++i) {
     const Layer& L = layers_[size_t(i)];
-    const bool add_moe = i > 0;  // the previous layer's FFN output is still to be added
-    attention_block(be, L.attn_params, L.attn, add_norm(add_moe, L.attn_norm), b.positions, b.kv[size_t(i)], ws.attn,
-                    branch);
-    if (add_moe) advance();
     trace("layer_in", i, x);
+    attention_block(be, L.attn_params, L.attn, xn, b.positions, b.kv[size_t(i)], ws.attn, branch);
     if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_attn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace("attention", i, branch);
-    const AddNorm ffn_in = add_norm(true, L.ffn_norm);
+    be.add_rmsnorm(x, branch, L.ffn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
     if (L.ffn == FfnKind::kDense) {
-      dense_mlp(be, L.mlp, ffn_in, ws.ffn, branch);
+      dense_mlp(be, L.mlp, xn, ws.ffn, branch);
     } else {
       float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
-      moe_ffn(be, L.moe, ffn_in, ws.ffn, branch, probs);
+      moe_ffn(be, L.moe, xn, ws.ffn, branch, probs);
     }
-    advance();
     if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_ffn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace(L.ffn == FfnKind::kDense ? "mlp" : "moe", i, branch);
+    if (i + 1 < hp_.n_layers) {
+      be.add_rmsnorm(x, branch, layers_[size_t(i) + 1].attn_norm.data(), hp_.rms_eps, xn, hp_.norm_offset);
+    } else {
+      be.add(x, branch);
+    }
   }
-  be.add(x, branch);
   output_logits(be, b, {&final_norm_, hp_.rms_eps, hp_.norm_offset, &lm_head_, hp_.final_softcap}, hp_.n_layers, x, xn,
                 ws.logits);
 }

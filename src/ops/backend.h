@@ -38,23 +38,6 @@ struct AttentionPrep {
   float attention_factor = 1.f;
 };
 
-// A decoder's residual add and the RMSNorm that reads the sum, handed to the op that consumes
-// the norm (Backend::add_rmsnorm_matmul, Backend::add_rmsnorm_router_topk) so that a GPU
-// backend can fold both into that op's launch: each of its blocks recomputes the norm of the
-// few decode rows it reads, one of them writes the sum. Without a residual (rows 0) it is a
-// plain RMSNorm of x. sum must not alias x or residual (decoders alternate two buffers).
-struct AddNorm {
-  Mat x;         // the residual stream before the add [rows, hidden]
-  Mat residual;  // the branch output added to it; data == nullptr: no add (norm of x)
-  Mat sum;       // receives x + residual (ignored without a residual)
-  const float* weight = nullptr;  // [hidden] backend param
-  float eps = 1e-6f, offset = 0.f;
-  Mat normed;    // rmsnorm(x + residual) * (weight + offset): see each op for whether it is written
-  bool has_residual() const { return residual.data != nullptr; }
-  // The rows the norm is taken over: the sum, or x without a residual.
-  const Mat& input() const { return has_residual() ? sum : x; }
-};
-
 // n elements of T in backend memory, shared by whoever holds a copy. data() is a backend
 // pointer: pass it to ops, never dereference it on the host.
 template <typename T>
@@ -291,20 +274,6 @@ class Backend {
     add(x, residual);
     rmsnorm(x, weight, eps, y, weight_offset);
   }
-  // an.sum = an.x + an.residual (when given), then an.normed = rmsnorm(an.sum or an.x). The
-  // default copies x into sum, then runs add_rmsnorm there (CUDA: one launch).
-  virtual void add_rmsnorm_into(const AddNorm& an) {
-    if (!an.has_residual()) return rmsnorm(an.x, an.weight, an.eps, an.normed, an.offset);
-    copy(an.x, an.sum);
-    add_rmsnorm(an.sum, an.residual, an.weight, an.eps, an.normed, an.offset);
-  }
-  // add_rmsnorm_into, then ys[i] = normed ws[i]^T (matmul_shared_input): one launch at decode on
-  // CUDA for Q4_0 weights. Afterwards an.normed holds unspecified values (the fused path never
-  // materializes it); an.sum is written.
-  virtual void add_rmsnorm_matmul(const AddNorm& an, std::span<const Weight* const> ws, std::span<const Mat> ys) {
-    add_rmsnorm_into(an);
-    matmul_shared_input(ws, an.normed, ys);
-  }
   // In-place RoPE (rotate-half layout) over x viewed as [rows, n_heads, head_dim].
   virtual void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t* positions,
                     const float* inv_freq, float attention_factor) = 0;
@@ -361,14 +330,6 @@ class Backend {
                            int32_t* idx, float* weight, const float* expert_scale = nullptr) {
     matmul(router, x, logits);
     router_softmax_topk(logits, k, renormalize, idx, weight, expert_scale);
-  }
-  // add_rmsnorm_into, then router_topk on an.normed: one launch at decode on CUDA. Both an.sum
-  // and an.normed are written (the experts read the normed rows).
-  virtual void add_rmsnorm_router_topk(const AddNorm& an, const Weight& router, const Mat& logits, int k,
-                                       bool renormalize, int32_t* idx, float* weight,
-                                       const float* expert_scale = nullptr) {
-    add_rmsnorm_into(an);
-    router_topk(router, an.normed, logits, k, renormalize, idx, weight, expert_scale);
   }
   // Softmax of each row of x into y (may alias): --router-out's probabilities.
   virtual void softmax_rows(const Mat& x, const Mat& y) = 0;

@@ -23,7 +23,6 @@
 
 #include "backends/cpu/mxfp4.h"
 #include "backends/cuda/matmul.h"
-#include "backends/cuda/ops.h"
 #include "core/error.h"
 #include "core/quant.h"
 #include "core/quant_grouped.h"
@@ -388,79 +387,6 @@ TEST(CudaMatmul, SharedInputEqualsSeparateMatmulsBitForBit) {
             << f.name() << " + " << f3.name() << " rows " << rows << " job " << i;
     }
   }
-}
-
-// add_rmsnorm_matmul (a decoder's residual add and input norm folded into the q/k/v or gate/up
-// GEMV: Q4_0 planes on the whole-block dp4a kernel) gives the very bits of add_rmsnorm_into
-// followed by matmul_shared_input, outputs and sum alike: both norm row paths (a warp per row up
-// to 1024 columns, a block above), decode row counts, ragged output sizes over 1..3 jobs, with
-// and without a residual, strided rows, (1 + w) norms. Formats the fold does not take (bf16,
-// ggml-layout Q4_0) run the two ops and must agree the same way.
-TEST(CudaMatmul, FoldedInputNormEqualsNormThenMatmulBitForBit) {
-  cuda::WeightMatmul mm;
-  uint32_t seed = 8100;
-  const Format q4p{DType::Q4_0, DType::U8, 0, true}, q4{DType::Q4_0}, bf16{DType::BF16};
-  for (const Format& f : {q4p, q4, bf16})
-    for (int64_t in : {int64_t(160), int64_t(1024), int64_t(2048), int64_t(4096)})
-      for (int64_t rows : {int64_t(1), int64_t(3), int64_t(8)})
-        for (int n_jobs : {1, 3})
-          for (bool residual : {false, true}) {
-            SCOPED_TRACE(f.name() + " in " + std::to_string(in) + " rows " + std::to_string(rows) + " jobs " +
-                         std::to_string(n_jobs) + " residual " + std::to_string(residual));
-            const int64_t outs[3] = {n_jobs == 1 ? 500 : 129, 7, 1000};
-            std::vector<HostWeight> hws;
-            std::vector<DevWeight> dws;
-            hws.reserve(3);
-            dws.reserve(3);
-            for (int i = 0; i < n_jobs; ++i) {
-              hws.push_back(make_weight(f, outs[i], in, seed++));
-              dws.push_back(upload(hws.back(), f.planes));
-            }
-            const float offset = residual ? 0.f : 1.f;
-            DevMat dx(rows, in, in + 4), dr(rows, in, in + 8), dw(1, in, in);
-            dx.upload(random_floats(size_t(rows * in), seed++, -2.f, 2.f));
-            dr.upload(random_floats(size_t(rows * in), seed++));
-            dw.upload(random_floats(size_t(in), seed++, 0.5f, 1.5f));
-            DevMat sum_f(rows, in, in + 4), sum_s(rows, in, in + 4), normed_f(rows, in, in), normed_s(rows, in, in);
-            for (DevMat* m : {&sum_f, &sum_s, &normed_f, &normed_s}) m->buf.poison();
-            std::vector<DevMat> yf, ys;
-            for (int i = 0; i < n_jobs; ++i) {
-              yf.emplace_back(rows, outs[i], outs[i] + 3);
-              ys.emplace_back(rows, outs[i], outs[i]);
-              yf.back().buf.poison();
-              ys.back().buf.poison();
-            }
-            AddNorm an;
-            an.x = dx.mat;
-            if (residual) an.residual = dr.mat, an.sum = sum_f.mat;
-            an.weight = dw.mat.data;
-            an.eps = 1e-6f;
-            an.offset = offset;
-            an.normed = normed_f.mat;
-            std::vector<const WeightView*> ws;
-            std::vector<Mat> yf_mats, ys_mats;
-            for (int i = 0; i < n_jobs; ++i) {
-              ws.push_back(&dws[size_t(i)].view);
-              yf_mats.push_back(yf[size_t(i)].mat);
-              ys_mats.push_back(ys[size_t(i)].mat);
-            }
-            const bool folded = cuda::launch_gemv_add_norm(an, ws, yf_mats, mm.num_sms(), nullptr);
-            EXPECT_EQ(folded, f.planes) << "the fold takes Q4_0 planes, and only them";
-            if (!folded) mm.add_rmsnorm_matmul(an, ws, yf_mats, nullptr);
-            // The two launches.
-            if (residual) {
-              cuda::add_rmsnorm_into(dx.mat, dr.mat, sum_s.mat, dw.mat.data, 1e-6f, normed_s.mat, offset, nullptr);
-            } else {
-              cuda::rmsnorm(dx.mat, dw.mat.data, 1e-6f, normed_s.mat, offset, nullptr);
-            }
-            mm.matmul_shared_input(ws, normed_s.mat, ys_mats, nullptr);
-            for (int i = 0; i < n_jobs; ++i) {
-              const std::vector<float> got = yf[size_t(i)].download(), want = ys[size_t(i)].download();
-              EXPECT_EQ(got, want) << "job " << i;
-              EXPECT_TRUE(std::all_of(want.begin(), want.end(), [](float v) { return std::isfinite(v); }));
-            }
-            if (residual) EXPECT_EQ(sum_f.download(), sum_s.download());
-          }
 }
 
 TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {

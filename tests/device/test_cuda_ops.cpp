@@ -448,69 +448,6 @@ TEST(CudaOps, RouterGemvTopKMatchesGemvThenTopK) {
                                       nullptr, ticket.get(), stream()));
 }
 
-// add_rmsnorm_router_topk folded into the router launch (every block recomputes the input norm,
-// block 0 writes the sum and the normed rows for the experts): logits, routing, sum and normed
-// rows all bit-identical to add_rmsnorm_into followed by router_gemv_topk, on both norm row paths
-// (a warp per row up to 1024 columns, a block above) and with and without a residual.
-TEST(CudaOps, RouterFoldedNormEqualsNormThenRouterBitForBit) {
-  REQUIRE_GPU();
-  DeviceBuffer<unsigned> ticket(std::vector<unsigned>{0u});
-  uint32_t seed = 9300;
-  for (auto [n, cols] : {std::pair<int, int64_t>{128, 2048}, {60, 96}, {128, 1024}, {16, 4096}})
-    for (int64_t rows : {int64_t(1), int64_t(3), int64_t(8)})
-      for (bool residual : {false, true}) {
-        SCOPED_TRACE("experts " + std::to_string(n) + " cols " + std::to_string(cols) + " rows " +
-                     std::to_string(rows) + " residual " + std::to_string(residual));
-        const int k = std::min(n, 8);
-        const float offset = residual ? 0.f : 1.f;
-        DeviceBuffer<float> dwr(random_floats(size_t(n * cols), seed++, -0.5f, 0.5f));
-        WeightView view;
-        view.dtype = DType::F32;
-        view.data = dwr.get();
-        view.rows = n;
-        view.cols = cols;
-        view.row_bytes = cols * 4;
-        Strided x(rows, cols, 4, seed++, -2.f, 2.f), r(rows, cols, 8, seed++), sum_f(rows, cols, 4, 1),
-            sum_s(rows, cols, 4, 2), normed_f(rows, cols, 0, 3), normed_s(rows, cols, 0, 4);
-        DeviceBuffer<float> dw(random_floats(size_t(cols), seed++, 0.5f, 1.5f));
-        for (Strided* m : {&sum_f, &sum_s, &normed_f, &normed_s}) m->poison();
-        DeviceBuffer<float> lf(size_t(rows * n)), ls(size_t(rows * n)), wf(size_t(rows * k)), ws(size_t(rows * k));
-        DeviceBuffer<int32_t> idf(size_t(rows * k)), ids(size_t(rows * k));
-        AddNorm an;
-        an.x = x.d();
-        if (residual) an.residual = r.d(), an.sum = sum_f.d();
-        an.weight = dw.get();
-        an.eps = 1e-6f;
-        an.offset = offset;
-        an.normed = normed_f.d();
-        ASSERT_TRUE(cuda::add_rmsnorm_router_gemv_topk(an, view, Mat(lf.get(), rows, n), k, true, idf.get(), wf.get(),
-                                                       nullptr, ticket.get(), stream()));
-        if (residual) {
-          cuda::add_rmsnorm_into(x.d(), r.d(), sum_s.d(), dw.get(), 1e-6f, normed_s.d(), offset, stream());
-        } else {
-          cuda::rmsnorm(x.d(), dw.get(), 1e-6f, normed_s.d(), offset, stream());
-        }
-        ASSERT_TRUE(cuda::router_gemv_topk(view, normed_s.d(), Mat(ls.get(), rows, n), k, true, ids.get(), ws.get(),
-                                           nullptr, ticket.get(), stream()));
-        sync();
-        EXPECT_EQ(lf.download(), ls.download());
-        EXPECT_EQ(idf.download(), ids.download());
-        EXPECT_EQ(wf.download(), ws.download());
-        EXPECT_EQ(normed_f.dev_dense(), normed_s.dev_dense());
-        if (residual) EXPECT_EQ(sum_f.dev_dense(), sum_s.dev_dense());
-        // And the normed rows against the CPU backend's add + rmsnorm.
-        std::vector<float> xh = x.host_dense(), wh(size_t(cols));
-        const std::vector<float> rh = r.host_dense();
-        if (residual)
-          for (size_t i = 0; i < xh.size(); ++i) xh[i] += rh[i];
-        cudaMemcpy(wh.data(), dw.get(), size_t(cols) * 4, cudaMemcpyDeviceToHost);
-        std::vector<float> want(xh.size());
-        cpu().rmsnorm(Mat(xh.data(), rows, cols), wh.data(), 1e-6f, Mat(want.data(), rows, cols), offset);
-        EXPECT_LT(normalized_error(normed_f.dev_dense(), want), 1e-6);
-        EXPECT_EQ(ticket.download()[0], 0u);
-      }
-}
-
 TEST(CudaOps, RouterRefusesTooManyExperts) {
   REQUIRE_GPU();
   DeviceBuffer<float> l(513);

@@ -18,7 +18,6 @@
 #include <cstring>
 #include <unistd.h>
 
-#include "backends/cuda/add_norm.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/matmul.h"
 #include "backends/cuda/ops.h"
@@ -329,23 +328,6 @@ class CudaBackend final : public Backend {
   void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y,
                    float weight_offset) override {
     cuda::add_rmsnorm(x, residual, weight, eps, y, weight_offset, stream_);
-  }
-  void add_rmsnorm_into(const AddNorm& an) override {
-    if (!an.has_residual()) return cuda::rmsnorm(an.x, an.weight, an.eps, an.normed, an.offset, stream_);
-    cuda::add_rmsnorm_into(an.x, an.residual, an.sum, an.weight, an.eps, an.normed, an.offset, stream_);
-  }
-  void add_rmsnorm_matmul(const AddNorm& an, std::span<const Weight* const> ws, std::span<const Mat> ys) override {
-    TS_CHECK(ws.size() <= 8, "add_rmsnorm_matmul: {} weights (at most 8)", ws.size());
-    std::array<const WeightView*, 8> views{};
-    for (size_t i = 0; i < ws.size(); ++i) views[i] = &ws[i]->view;
-    matmul_->add_rmsnorm_matmul(an, std::span<const WeightView* const>(views.data(), ws.size()), ys, stream_);
-  }
-  void add_rmsnorm_router_topk(const AddNorm& an, const Weight& router, const Mat& logits, int k, bool renormalize,
-                               int32_t* idx, float* weight, const float* expert_scale) override {
-    if (cuda::fold_input_norm() && cuda::add_rmsnorm_router_gemv_topk(an, router.view, logits, k, renormalize, idx,
-                                                                      weight, expert_scale, router_ticket_, stream_))
-      return;
-    Backend::add_rmsnorm_router_topk(an, router, logits, k, renormalize, idx, weight, expert_scale);
   }
   void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t* positions, const float* inv_freq,
             float attention_factor) override {

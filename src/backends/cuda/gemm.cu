@@ -19,9 +19,7 @@
 
 #include <algorithm>
 
-#include "backends/cuda/add_norm.cuh"
 #include "backends/cuda/matmul.h"
-#include "backends/cuda/ops.h"
 #include "backends/cuda/quant.cuh"
 
 namespace turbospark::cuda {
@@ -294,21 +292,6 @@ void WeightMatmul::matmul_shared_input(std::span<const WeightView* const> ws, co
     }
   }
   for (size_t i = 0; i < ws.size(); ++i) matmul(*ws[i], x, ys[i], stream);
-}
-
-void WeightMatmul::add_rmsnorm_matmul(const AddNorm& an, std::span<const WeightView* const> ws,
-                                      std::span<const Mat> ys, cudaStream_t stream) {
-  TS_CHECK(ws.size() == ys.size(), "add_rmsnorm_matmul: {} weights, {} outputs", ws.size(), ys.size());
-  if (fold_input_norm()) {
-    for (const WeightView* w : ws) check_weight(*w, "matmul");
-    if (launch_gemv_add_norm(an, ws, ys, num_sms_, stream)) return;
-  }
-  if (an.has_residual()) {
-    add_rmsnorm_into(an.x, an.residual, an.sum, an.weight, an.eps, an.normed, an.offset, stream);
-  } else {
-    rmsnorm(an.x, an.weight, an.eps, an.normed, an.offset, stream);
-  }
-  matmul_shared_input(ws, an.normed, ys, stream);
 }
 
 }  // namespace turbospark::cuda

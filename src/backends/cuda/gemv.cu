@@ -25,7 +25,6 @@
 // is two dp4a on the raw codes and one scale, fewer instructions than the f32 dequantize.
 // K-quants, MXFP4 and INT4-affine keep the f32 variant for now (the CPU quantizes their
 // activations per 256 or not at all; a dp4a path for them must match that).
-#include "backends/cuda/add_norm.cuh"
 #include "backends/cuda/matmul.h"
 #include "backends/cuda/q8.cuh"
 #include "backends/cuda/quant.cuh"
@@ -236,14 +235,10 @@ __global__ void __launch_bounds__(kGemvThreads)
 // 2048- or 4096-wide row every block of it is loaded before the wait.
 constexpr int kQ4Warps = kGemvThreads / kWarp;
 
-//
-// kNorm (Backend::add_rmsnorm_matmul): x is the norm of an's rows, which every block recomputes
-// while it quantizes them (add_norm.cuh: the bits add_rmsnorm_into gives, so the codes and the
-// outputs are those of the two launches); block 0 writes an's sum.
-template <class F, int kMaxRows, int kRowsW, bool kNorm>
+template <class F, int kMaxRows, int kRowsW>
 __global__ void __launch_bounds__(kGemvThreads)
     gemv_q4_dp4a_kernel(GemvJobs jobs, const float* __restrict__ x, int64_t x_stride, int n_rows,
-                        int64_t prefetch_bytes, AddNormDev an) {
+                        int64_t prefetch_bytes) {
   constexpr int kPre = kRowsW == 1 ? 4 : 2;
   const GemvJob job(jobs);
   const DeviceWeight& w = job.w;
@@ -269,17 +264,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   }
   pdl_begin();
   extern __shared__ int4 q8_smem[];
-  Q8x32Rows xq;
-  if constexpr (kNorm) {
-    __shared__ float s_inv[kMaxRows];
-    __shared__ float s_part[kMaxRows * kWarp];
-    add_norm_inv_rms(an, n_rows, s_inv, s_part);
-    const bool writer = blockIdx.x == 0;
-    xq = quantize_q8x32_rows_from([&](int r, int c) { return add_norm_load4(an, r, c, s_inv[r], writer); }, n_rows,
-                                  w.cols, q8_smem);
-  } else {
-    xq = quantize_q8x32_rows(x, x_stride, n_rows, w.cols, q8_smem);
-  }
+  const Q8x32Rows xq = quantize_q8x32_rows(x, x_stride, n_rows, w.cols, q8_smem);
   __syncthreads();
   float acc[kMaxRows][kRowsW] = {};
   auto accumulate = [&](int64_t b, const uint4 (&cb)[kRowsW], const float (&db)[kRowsW]) {
@@ -369,9 +354,9 @@ int q4_rows_per_warp(int64_t out_rows, int num_sms) {
   return out_rows >= int64_t(std::max(num_sms, 1)) * kQ4Warps * 2 * 2 ? 2 : 1;
 }
 
-template <class F, int kMaxRows, bool kNorm = false>
+template <class F, int kMaxRows>
 void run_q4_dp4a(std::span<const WeightView* const> ws, const float* x, int64_t x_stride, std::span<const Mat> ys,
-                 int num_sms, cudaStream_t stream, const AddNormDev& an = AddNormDev{}) {
+                 int num_sms, cudaStream_t stream) {
   int64_t total_rows = 0;
   for (const WeightView* w : ws) total_rows += w->rows;
   const int rows_per_warp = q4_rows_per_warp(total_rows, num_sms);
@@ -393,16 +378,15 @@ void run_q4_dp4a(std::span<const WeightView* const> ws, const float* x, int64_t 
   const size_t smem = size_t(q8x32_bytes(rows, cols));
   const int64_t prefetch = gemv_prefetch_bytes(blocks, num_sms);
   if (rows_per_warp == 2) {
-    launch(gemv_q4_dp4a_kernel<F, kMaxRows, 2, kNorm>, dim3(unsigned(blocks)), kGemvThreads, smem, stream, jobs, x,
-           x_stride, int(rows), prefetch, an);
+    launch(gemv_q4_dp4a_kernel<F, kMaxRows, 2>, dim3(unsigned(blocks)), kGemvThreads, smem, stream, jobs, x, x_stride,
+           int(rows), prefetch);
   } else {
-    launch(gemv_q4_dp4a_kernel<F, kMaxRows, 1, kNorm>, dim3(unsigned(blocks)), kGemvThreads, smem, stream, jobs, x,
-           x_stride, int(rows), prefetch, an);
+    launch(gemv_q4_dp4a_kernel<F, kMaxRows, 1>, dim3(unsigned(blocks)), kGemvThreads, smem, stream, jobs, x, x_stride,
+           int(rows), prefetch);
   }
-  TS_CUDA_LAUNCH_CHECK("gemv {} (int8 activations, whole blocks{}) x {} jobs [{}, {}] ... x {} rows ({} blocks, {} "
+  TS_CUDA_LAUNCH_CHECK("gemv {} (int8 activations, whole blocks) x {} jobs [{}, {}] ... x {} rows ({} blocks, {} "
                        "rows/warp)",
-                       dtype_name(ws[0]->dtype), kNorm ? ", input norm folded in" : "", jobs.n, ws[0]->rows, cols,
-                       rows, blocks, rows_per_warp);
+                       dtype_name(ws[0]->dtype), jobs.n, ws[0]->rows, cols, rows, blocks, rows_per_warp);
 }
 
 // One job's launch geometry.
@@ -516,24 +500,6 @@ bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float
     done = true;
   });
   return done;
-}
-
-bool launch_gemv_add_norm(const AddNorm& an, std::span<const WeightView* const> ws, std::span<const Mat> ys,
-                          int num_sms, cudaStream_t stream) {
-  const int64_t rows = an.x.rows;
-  if (ws.empty() || ws.size() > size_t(kMaxGemvJobs) || ws.size() != ys.size() || rows < 1 || rows > kGemvMaxRows)
-    return false;
-  for (size_t i = 0; i < ws.size(); ++i) {
-    const WeightView& w = *ws[i];
-    if (!is_q4_0_planes(w) || w.rows == 0 || w.cols != an.x.cols || ys[i].cols != w.rows || ys[i].rows != rows ||
-        !use_q4_dp4a(true, rows, w.cols))
-      return false;
-  }
-  AddNormDev dev;
-  if (!add_norm_device(an, /*write_normed=*/false, &dev)) return false;
-  if (rows == 1) run_q4_dp4a<FmtQ4_0Planes, 1, true>(ws, an.x.data, an.x.stride, ys, num_sms, stream, dev);
-  else run_q4_dp4a<FmtQ4_0Planes, kGemvMaxRows, true>(ws, an.x.data, an.x.stride, ys, num_sms, stream, dev);
-  return true;
 }
 
 void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,

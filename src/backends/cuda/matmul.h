@@ -74,12 +74,6 @@ void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Ma
 // 1..kGemvMaxRows): the caller then launches them one by one.
 bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float* x, int64_t x_stride,
                               std::span<const Mat> ys, int num_sms, cudaStream_t stream);
-// gemv.cu: launch_gemv_shared_input over the norm of an's rows with the norm (and the residual
-// add) folded in (Backend::add_rmsnorm_matmul), the outputs bit-identical to add_rmsnorm_into
-// followed by launch_gemv_shared_input; an.sum written, an.normed not. Q4_0 planes on the
-// whole-block dp4a kernel only: false, launching nothing, for anything else.
-bool launch_gemv_add_norm(const AddNorm& an, std::span<const WeightView* const> ws, std::span<const Mat> ys,
-                          int num_sms, cudaStream_t stream);
 // Whether a GEMV of a [out_rows, cols] weight of this format over `rows` activation rows
 // quantizes the activations to int8 per 32 (q8.cuh's dp4a paths: Q4_0 in either layout while
 // the codes fit a block's shared memory; ggml-layout Q4_1/Q5_0/Q5_1/Q8_0 for matrices with rows
@@ -122,10 +116,6 @@ class WeightMatmul {
   // one matmul each.
   void matmul_shared_input(std::span<const WeightView* const> ws, const Mat& x, std::span<const Mat> ys,
                            cudaStream_t stream);
-  // an's add and norm, then ys[i] = normed ws[i]^T: one launch where launch_gemv_add_norm can,
-  // else add_rmsnorm_into and matmul_shared_input.
-  void add_rmsnorm_matmul(const AddNorm& an, std::span<const WeightView* const> ws, std::span<const Mat> ys,
-                          cudaStream_t stream);
   // out[t, :] = scale * dequantized row ids[t] of table, t < n (ids int32, device memory).
   void embedding(const WeightView& table, const int32_t* ids, int64_t n, float scale, const Mat& out,
                  cudaStream_t stream);

@@ -27,10 +27,6 @@ void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float w
 // x += residual, then y = rmsnorm(x) (one launch; Backend::add_rmsnorm).
 void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y, float weight_offset,
                  cudaStream_t stream);
-// sum = x + residual, then y = rmsnorm(sum) (one launch; Backend::add_rmsnorm_into). The decode
-// rows' vector path rounds exactly as the kernels that fold the norm in (add_norm.cuh).
-void add_rmsnorm_into(const Mat& x, const Mat& residual, const Mat& sum, const float* weight, float eps, const Mat& y,
-                      float weight_offset, cudaStream_t stream);
 
 // ---- elementwise.cu ----
 void add(const Mat& y, const Mat& x, cudaStream_t stream);                // y += x
@@ -66,12 +62,6 @@ void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* id
 // `ticket` is a device counter at 0 that the launch leaves at 0 (one per stream).
 bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
                       float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream);
-// Backend::add_rmsnorm_router_topk in one launch: router_gemv_topk on the norm of an's rows,
-// which every block recomputes; an.sum and an.normed written. False (nothing launched) where
-// router_gemv_topk or the folding (add_norm.cuh) does not apply.
-bool add_rmsnorm_router_gemv_topk(const AddNorm& an, const WeightView& w, const Mat& logits, int k, bool renormalize,
-                                  int32_t* idx, float* weight, const float* expert_scale, unsigned* ticket,
-                                  cudaStream_t stream);
 void softmax_rows(const Mat& x, const Mat& y, cudaStream_t stream);  // y may alias x
 // ids int32 [rows]: lowest index on ties, -1 for a row holding a NaN (as the CPU backend).
 void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream);

@@ -92,7 +92,7 @@ __device__ __forceinline__ SmemQ8 quantize_q8_rows(const float* __restrict__ x, 
     const bool ok = i < total;
     const uint32_t r = rows == 1 || !ok ? 0 : i / words, w = ok ? i - r * words : 0;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (ok) v = load(int(r), int(w));
+    if (ok) v = __ldg(reinterpret_cast<const float4*>(x + int64_t(r) * x_stride) + w);
     const Q8Word qw = quantize_q8_word(v);
     const int sum = qw.sum + __shfl_xor_sync(0xffffffffu, qw.sum, 1);  // the other half of this 8-element unit
     if (ok) {
@@ -151,9 +151,8 @@ __host__ __device__ inline Q8x32Rows q8x32_view(void* base, int64_t rows, int64_
 // aligned, shared or global memory) with all of the block's threads; eight threads share a
 // block (one float4 each), so the trip count is uniform and the shuffles full-warp. The caller
 // synchronises before reading (shared memory: __syncthreads).
-// load(r, w) gives float4 w of row r (the rows' values, however the caller makes them).
-template <class Load>
-__device__ __forceinline__ Q8x32Rows quantize_q8x32_rows_from(Load load, int rows, int64_t cols, void* dst) {
+__device__ __forceinline__ Q8x32Rows quantize_q8x32_rows(const float* __restrict__ x, int64_t x_stride, int rows,
+                                                         int64_t cols, void* dst) {
   auto* q = static_cast<int32_t*>(dst);
   auto* ds = reinterpret_cast<float2*>(static_cast<int8_t*>(dst) + rows * cols);
   // 32-bit index arithmetic (the codes fit shared memory): a 64-bit division per float4 cost
@@ -164,7 +163,7 @@ __device__ __forceinline__ Q8x32Rows quantize_q8x32_rows_from(Load load, int row
     const bool ok = i < total;
     const uint32_t r = rows == 1 || !ok ? 0 : i / words, w = ok ? i - r * words : 0;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (ok) v = load(int(r), int(w));
+    if (ok) v = __ldg(reinterpret_cast<const float4*>(x + int64_t(r) * x_stride) + w);
     const Q8Word qw = quantize_q8_word(v);
     int sum = qw.sum;
 #pragma unroll
@@ -175,13 +174,6 @@ __device__ __forceinline__ Q8x32Rows quantize_q8x32_rows_from(Load load, int row
     }
   }
   return {reinterpret_cast<const int8_t*>(dst), ds, cols};
-}
-
-__device__ __forceinline__ Q8x32Rows quantize_q8x32_rows(const float* __restrict__ x, int64_t x_stride, int rows,
-                                                         int64_t cols, void* dst) {
-  return quantize_q8x32_rows_from(
-      [&](int r, int w) { return __ldg(reinterpret_cast<const float4*>(x + int64_t(r) * x_stride) + w); }, rows, cols,
-      dst);
 }
 
 // One warp quantizes 32 consecutive values, one a lane (v), into block b of row r of dst:

@@ -12,7 +12,6 @@
 //
 // Bounds: all three are memory-bound on their input row (the router and softmax on
 // [rows, n_experts], tiny; argmax on [rows, vocab], 1 MB per row at vocab 262144).
-#include "backends/cuda/add_norm.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
 
@@ -155,42 +154,29 @@ __device__ __forceinline__ void load_router_chunk(const uint8_t* __restrict__ ro
   }
 }
 
-// kNorm (Backend::add_rmsnorm_router_topk): x is the norm of an's rows, recomputed by every
-// block (add_norm.cuh: the bits add_rmsnorm_into gives); block 0 also writes an's sum and
-// normed rows for the experts.
-template <bool kBf16, bool kNorm>
+template <bool kBf16>
 __global__ void __launch_bounds__(kRouterGemvThreads)
     router_gemv_topk_kernel(const uint8_t* __restrict__ w, int64_t w_row_bytes, int64_t cols,
                             const float* __restrict__ x, int64_t x_stride, int rows, float* __restrict__ logits,
                             int64_t l_stride, int k, bool renormalize, const float* __restrict__ expert_scale,
-                            int32_t* __restrict__ idx, float* __restrict__ weight, unsigned* __restrict__ ticket,
-                            AddNormDev an) {
+                            int32_t* __restrict__ idx, float* __restrict__ weight, unsigned* __restrict__ ticket) {
   __shared__ float partial[kRouterGemvThreads / kWarp][kRouterMaxRows];
   __shared__ float row_logits[kRouteMaxExperts];
   __shared__ RouteSmem route;
   __shared__ bool last;
-  __shared__ float s_inv[kNorm ? kRouterMaxRows : 1];
-  __shared__ float s_part[kNorm ? kRouterMaxRows * kWarp : 1];
   const int e = blockIdx.x, n_experts = gridDim.x;
   const uint8_t* wr = w + int64_t(e) * w_row_bytes;
   const int64_t c0 = int64_t(threadIdx.x) * 8, step = int64_t(kRouterGemvThreads) * 8;
   float first[8] = {};
   if (c0 < cols) load_router_chunk<kBf16>(wr, c0, first);
   pdl_begin();
-  if constexpr (kNorm) add_norm_inv_rms(an, rows, s_inv, s_part);
   float acc[kRouterMaxRows] = {};
   auto accumulate = [&](int64_t c, const float (&wv)[8]) {
 #pragma unroll
     for (int r = 0; r < kRouterMaxRows; ++r) {
       if (r < rows) {
-        float4 a, b;
-        if constexpr (kNorm) {
-          a = add_norm_load4(an, r, int(c / 4), s_inv[r], e == 0);
-          b = add_norm_load4(an, r, int(c / 4) + 1, s_inv[r], e == 0);
-        } else {
-          a = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c));
-          b = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c) + 1);
-        }
+        const float4 a = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c) + 1);
         float v = acc[r];
         v = fmaf(wv[0], a.x, v), v = fmaf(wv[1], a.y, v), v = fmaf(wv[2], a.z, v), v = fmaf(wv[3], a.w, v);
         v = fmaf(wv[4], b.x, v), v = fmaf(wv[5], b.y, v), v = fmaf(wv[6], b.z, v), v = fmaf(wv[7], b.w, v);
@@ -318,47 +304,20 @@ void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* id
   TS_CUDA_LAUNCH_CHECK("router_softmax_topk [{}, {}] k {}", logits.rows, logits.cols, k);
 }
 
-namespace {
-
-// The shape checks router_gemv_topk and its folded-norm form share (x: the activation rows).
-bool router_gemv_fits(const WeightView& w, const Mat& x, const Mat& logits, int k) {
-  const bool bf16 = w.dtype == DType::BF16;
-  const int64_t elem = bf16 ? 2 : 4;
-  return (bf16 || w.dtype == DType::F32) && !w.scales && x.rows >= 1 && x.rows <= kRouterMaxRows && w.rows >= 1 &&
-         w.rows <= kRouteMaxExperts && k >= 1 && k <= kRouteMaxK && k <= w.rows && w.cols % 8 == 0 &&
-         x.cols == w.cols && logits.cols == w.rows && logits.rows == x.rows && aligned16(w.data) &&
-         w.row_bytes % 16 == 0 && w.row_bytes >= w.cols * elem && aligned16(x.data) && x.stride % 4 == 0;
-}
-
-template <bool kNorm>
-void launch_router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int k, bool renormalize,
-                             int32_t* idx, float* weight, const float* expert_scale, unsigned* ticket,
-                             const AddNormDev& an, cudaStream_t stream) {
-  auto kernel =
-      w.dtype == DType::BF16 ? router_gemv_topk_kernel<true, kNorm> : router_gemv_topk_kernel<false, kNorm>;
-  launch(kernel, unsigned(w.rows), kRouterGemvThreads, 0, stream, static_cast<const uint8_t*>(w.data), w.row_bytes,
-         w.cols, static_cast<const float*>(x.data), x.stride, int(x.rows), logits.data, logits.stride, k, renormalize,
-         expert_scale, idx, weight, ticket, an);
-  TS_CUDA_LAUNCH_CHECK("router gemv + top-{}{} {} [{}, {}] x {} rows", k, kNorm ? " with the input norm" : "",
-                       dtype_name(w.dtype), w.rows, w.cols, x.rows);
-}
-
-}  // namespace
-
 bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
                       float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream) {
-  if (!router_gemv_fits(w, x, logits, k)) return false;
-  launch_router_gemv_topk<false>(w, x, logits, k, renormalize, idx, weight, expert_scale, ticket, AddNormDev{},
-                                 stream);
-  return true;
-}
-
-bool add_rmsnorm_router_gemv_topk(const AddNorm& an, const WeightView& w, const Mat& logits, int k, bool renormalize,
-                                  int32_t* idx, float* weight, const float* expert_scale, unsigned* ticket,
-                                  cudaStream_t stream) {
-  AddNormDev dev;
-  if (!router_gemv_fits(w, an.x, logits, k) || !add_norm_device(an, /*write_normed=*/true, &dev)) return false;
-  launch_router_gemv_topk<true>(w, an.x, logits, k, renormalize, idx, weight, expert_scale, ticket, dev, stream);
+  const bool bf16 = w.dtype == DType::BF16;
+  const int64_t elem = bf16 ? 2 : 4;
+  if ((!bf16 && w.dtype != DType::F32) || w.scales || x.rows < 1 || x.rows > kRouterMaxRows ||
+      w.rows < 1 || w.rows > kRouteMaxExperts || k < 1 || k > kRouteMaxK || k > w.rows || w.cols % 8 != 0 ||
+      x.cols != w.cols || logits.cols != w.rows || logits.rows != x.rows || !aligned16(w.data) ||
+      w.row_bytes % 16 != 0 || w.row_bytes < w.cols * elem || !aligned16(x.data) || x.stride % 4 != 0)
+    return false;
+  auto kernel = bf16 ? router_gemv_topk_kernel<true> : router_gemv_topk_kernel<false>;
+  launch(kernel, unsigned(w.rows), kRouterGemvThreads, 0, stream, static_cast<const uint8_t*>(w.data), w.row_bytes,
+         w.cols, static_cast<const float*>(x.data), x.stride, int(x.rows), logits.data, logits.stride, k, renormalize,
+         expert_scale, idx, weight, ticket);
+  TS_CUDA_LAUNCH_CHECK("router gemv + top-{} {} [{}, {}] x {} rows", k, dtype_name(w.dtype), w.rows, w.cols, x.rows);
   return true;
 }
 

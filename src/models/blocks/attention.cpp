@@ -7,11 +7,15 @@ static void project(Backend& be, const Weight& w, const Param& bias, const Mat& 
   if (!bias.empty()) be.add_bias(y, bias.data());
 }
 
-namespace {
-
-// The projections' outputs onwards: biases, norms, RoPE, cache write, attention, o_proj.
-void attend(Backend& be, const AttentionParams& p, const AttentionWeights& w, const Mat& q, const Mat& k,
-            const Mat& v, const int64_t* positions, const KvLayerView& kv, const Mat& attn, const Mat& out) {
+void attention_block(Backend& be, const AttentionParams& p, const AttentionWeights& w, const Mat& x,
+                     const int64_t* positions, const KvLayerView& kv, const AttentionScratch& s, const Mat& out) {
+  const int64_t rows = x.rows;
+  Mat q = s.q.rows_slice(0, rows), k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows);
+  Mat attn = s.attn.rows_slice(0, rows);
+  // q, k and v read the same x: one call (one GEMV launch at decode on CUDA), then the biases.
+  const Weight* qkv_w[3] = {&w.q, &w.k, &w.v};
+  const Mat qkv_y[3] = {q, k, v};
+  be.matmul_shared_input(qkv_w, x, qkv_y);
   if (!w.q_bias.empty()) be.add_bias(q, w.q_bias.data());
   if (!w.k_bias.empty()) be.add_bias(k, w.k_bias.data());
   if (!w.v_bias.empty()) be.add_bias(v, w.v_bias.data());
@@ -28,29 +32,6 @@ void attend(Backend& be, const AttentionParams& p, const AttentionWeights& w, co
   prep.attention_factor = p.attention_factor;
   be.prep_attention(q, k, v, prep, positions, kv, p.scale, p.window, w.sinks.empty() ? nullptr : w.sinks.data(), attn);
   project(be, w.o, w.o_bias, attn, out);
-}
-
-}  // namespace
-
-void attention_block(Backend& be, const AttentionParams& p, const AttentionWeights& w, const Mat& x,
-                     const int64_t* positions, const KvLayerView& kv, const AttentionScratch& s, const Mat& out) {
-  const int64_t rows = x.rows;
-  Mat q = s.q.rows_slice(0, rows), k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows);
-  // q, k and v read the same x: one call (one GEMV launch at decode on CUDA), then the biases.
-  const Weight* qkv_w[3] = {&w.q, &w.k, &w.v};
-  const Mat qkv_y[3] = {q, k, v};
-  be.matmul_shared_input(qkv_w, x, qkv_y);
-  attend(be, p, w, q, k, v, positions, kv, s.attn.rows_slice(0, rows), out);
-}
-
-void attention_block(Backend& be, const AttentionParams& p, const AttentionWeights& w, const AddNorm& in,
-                     const int64_t* positions, const KvLayerView& kv, const AttentionScratch& s, const Mat& out) {
-  const int64_t rows = in.x.rows;
-  Mat q = s.q.rows_slice(0, rows), k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows);
-  const Weight* qkv_w[3] = {&w.q, &w.k, &w.v};
-  const Mat qkv_y[3] = {q, k, v};
-  be.add_rmsnorm_matmul(in, qkv_w, qkv_y);
-  attend(be, p, w, q, k, v, positions, kv, s.attn.rows_slice(0, rows), out);
 }
 
 }  // namespace turbospark

@@ -34,9 +34,5 @@ struct AttentionScratch {
 // out = o_proj(attention(x)); x is the normalized input [rows, hidden].
 void attention_block(Backend& be, const AttentionParams& p, const AttentionWeights& w, const Mat& x,
                      const int64_t* positions, const KvLayerView& kv, const AttentionScratch& s, const Mat& out);
-// The same with the input norm (and the residual add before it) folded into the q/k/v
-// projection (Backend::add_rmsnorm_matmul): in.sum is written, in.normed left unspecified.
-void attention_block(Backend& be, const AttentionParams& p, const AttentionWeights& w, const AddNorm& in,
-                     const int64_t* positions, const KvLayerView& kv, const AttentionScratch& s, const Mat& out);
 
 }  // namespace turbospark

@@ -4,10 +4,11 @@
 
 namespace turbospark {
 
-namespace {
-
-// act(gate) * up, then the down projection.
-void mlp_tail(Backend& be, const DenseMlpWeights& w, const Mat& gate, const Mat& up, const Mat& out) {
+void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out) {
+  const int64_t rows = x.rows;
+  Mat gate = s.gate.rows_slice(0, rows), up = s.up.rows_slice(0, rows);
+  be.matmul(w.gate, x, gate);
+  be.matmul(w.up, x, up);
   if (w.act == Act::kSilu) {
     be.swiglu(gate, up, gate);
   } else {
@@ -15,25 +16,6 @@ void mlp_tail(Backend& be, const DenseMlpWeights& w, const Mat& gate, const Mat&
     be.mul_act(gate, up, Act::kIdentity);
   }
   be.matmul(w.down, gate, out);
-}
-
-}  // namespace
-
-void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out) {
-  const int64_t rows = x.rows;
-  Mat gate = s.gate.rows_slice(0, rows), up = s.up.rows_slice(0, rows);
-  be.matmul(w.gate, x, gate);
-  be.matmul(w.up, x, up);
-  mlp_tail(be, w, gate, up, out);
-}
-
-void dense_mlp(Backend& be, const DenseMlpWeights& w, const AddNorm& in, FfnScratch& s, const Mat& out) {
-  const int64_t rows = in.x.rows;
-  Mat gate = s.gate.rows_slice(0, rows), up = s.up.rows_slice(0, rows);
-  const Weight* gate_up_w[2] = {&w.gate, &w.up};
-  const Mat gate_up_y[2] = {gate, up};
-  be.add_rmsnorm_matmul(in, gate_up_w, gate_up_y);
-  mlp_tail(be, w, gate, up, out);
 }
 
 namespace {
@@ -58,15 +40,6 @@ void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, c
   check_routing_buffers(logits, top_k, idx, weight);
   be.router_softmax_topk(logits, top_k, renormalize, idx.data(), weight.data(), expert_scale);
   emit_router_probs(be, logits, router_probs);
-}
-
-void moe_ffn(Backend& be, const MoeWeights& w, const AddNorm& in, FfnScratch& s, const Mat& out, float* router_probs) {
-  const int64_t rows = in.x.rows;
-  Mat logits = s.router_logits.rows_slice(0, rows);
-  check_routing_buffers(logits, w.top_k, s.topk_idx, s.topk_weight);
-  be.add_rmsnorm_router_topk(in, w.router, logits, w.top_k, w.renormalize, s.topk_idx.data(), s.topk_weight.data());
-  emit_router_probs(be, logits, router_probs);
-  be.moe_experts(w.experts, in.normed, s.topk_idx.data(), s.topk_weight.data(), w.top_k, out);
 }
 
 void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs) {

@@ -34,9 +34,6 @@ struct FfnScratch {
 };
 
 void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out);
-// The same with the input norm (and the residual add before it) folded into the gate and up
-// projections (Backend::add_rmsnorm_matmul): in.sum is written, in.normed left unspecified.
-void dense_mlp(Backend& be, const DenseMlpWeights& w, const AddNorm& in, FfnScratch& s, const Mat& out);
 
 // Routing from router logits [rows, n_experts]: the top_k experts of each row and their
 // softmax weights (renormalized over the k when asked, then scaled per expert when
@@ -49,8 +46,5 @@ void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, c
 
 // When router_probs is non-null it receives softmax(router logits) [rows, n_experts].
 void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs);
-// The same with the input norm (and the residual add before it) folded into the router
-// (Backend::add_rmsnorm_router_topk); the experts read in.normed.
-void moe_ffn(Backend& be, const MoeWeights& w, const AddNorm& in, FfnScratch& s, const Mat& out, float* router_probs);
 
 }  // namespace turbospark
