@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <array>
 #include <cmath>
 
 #include "core/error.h"
@@ -233,15 +232,7 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
       dense_mlp(be, L.mlp, xn, ws.ffn, branch);
     } else {
       float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
-      // While the experts run, the next layer's attention and router weights may move closer.
-      std::array<const Weight*, 5> next{};
-      size_t n_next = 0;
-      if (i + 1 < hp_.n_layers) {
-        const Layer& N = layers_[size_t(i) + 1];
-        for (const Weight* w : {&N.attn.q, &N.attn.k, &N.attn.v, &N.attn.o}) next[n_next++] = w;
-        if (N.ffn != FfnKind::kDense) next[n_next++] = &N.moe.router;
-      }
-      moe_ffn(be, L.moe, xn, ws.ffn, branch, probs, std::span<const Weight* const>(next.data(), n_next));
+      moe_ffn(be, L.moe, xn, ws.ffn, branch, probs);
     }
     if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_ffn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace(L.ffn == FfnKind::kDense ? "mlp" : "moe", i, branch);

@@ -372,15 +372,6 @@ class Backend {
                                   const int32_t* selected, const int32_t* counts, int max_selected,
                                   const Mat& out) = 0;
 
-  // Hints that never change results (the default ignores them). prefetch: `ws` are read soon
-  // (a decoder names the next layer's attention and router weights while this layer's experts
-  // run; CUDA: the MoE decode down pass asks L2 for them before its wait, so the next layer's
-  // GEMVs meet them there). prefetch_routed: the next routing (router_topk and
-  // add_rmsnorm_router_topk) picks among `experts` (CUDA: the router's last block asks L2 for the
-  // chosen experts' gate and up rows as soon as it has picked them).
-  virtual void prefetch(std::span<const Weight* const> ws) {}
-  virtual void prefetch_routed(const std::vector<ExpertWeights>& experts) {}
-
   // out[t] = sum_j weight[t, j] * expert_{idx[t, j]}(x[t]). Routing stays on the backend:
   // resident experts need no host round trip (the streaming path will sync here, by design).
   virtual void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,

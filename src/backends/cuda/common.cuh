@@ -133,22 +133,6 @@ inline bool l2_prefetch_enabled() {
   return on;
 }
 
-// Byte ranges a kernel asks L2 for before its wait, on behalf of kernels that come after it
-// (Backend::prefetch: the next layer's weights). Block b issues ranges b, b + blocks, ... (one
-// thread each); empty when n == 0.
-struct L2Ranges {
-  static constexpr int kMax = 12;
-  const void* p[kMax];
-  int64_t bytes[kMax];
-  int n = 0;
-};
-__device__ __forceinline__ void prefetch_ranges(const L2Ranges& r) {
-  if (r.n == 0 || threadIdx.x != 0) return;
-  const int blocks = int(gridDim.x * gridDim.y * gridDim.z);
-  const int b = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-  for (int i = b; i < r.n; i += blocks) prefetch_l2(r.p[i], r.bytes[i]);
-}
-
 // L2 bytes of the current device (cached: one device per process).
 inline int64_t device_l2_bytes() {
   static const int64_t bytes = [] {

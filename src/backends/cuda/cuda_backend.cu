@@ -16,12 +16,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <utility>
 #include <unistd.h>
 
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/matmul.h"
-#include "backends/cuda/moe_desc.cuh"
 #include "backends/cuda/ops.h"
 #include "core/error.h"
 #include "core/quant.h"
@@ -66,13 +64,6 @@ struct CudaStepGraph final : StepGraph {
     for (const auto& d : downloads) cudaFreeHost(d.pinned);
   }
 };
-
-// Backend::prefetch and prefetch_routed (TURBOSPARK_CUDA_PREFETCH_NEXT=0 / _PREFETCH_EXPERTS=0
-// ignore them, for measuring each).
-bool env_off(const char* name) {
-  const char* v = std::getenv(name);
-  return v && std::string(v) == "0";
-}
 
 bool graphs_from_env() {
   const char* v = std::getenv("TURBOSPARK_CUDA_GRAPHS");
@@ -373,7 +364,7 @@ class CudaBackend final : public Backend {
   void router_topk(const Weight& router, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
                    float* weight, const float* expert_scale) override {
     if (!cuda::router_gemv_topk(router.view, x, logits, k, renormalize, idx, weight, expert_scale, router_ticket_,
-                                stream_, take_routed(x.rows, k)))
+                                stream_))
       Backend::router_topk(router, x, logits, k, renormalize, idx, weight, expert_scale);
   }
   void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
@@ -392,39 +383,7 @@ class CudaBackend final : public Backend {
   void copy(const Mat& src, const Mat& dst) override { cuda::copy(src, dst, stream_); }
   void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
                    int k, const Mat& out) override {
-    const cuda::L2Ranges ahead = std::exchange(ahead_, cuda::L2Ranges{});
-    matmul_->moe_experts(experts, x, idx, weight, k, out, stream_, &ahead);
-  }
-  // The next MoE decode down pass carries these (their planes, while they fit half the L2).
-  void prefetch(std::span<const Weight* const> ws) override {
-    static const bool off = env_off("TURBOSPARK_CUDA_PREFETCH_NEXT");
-    ahead_ = cuda::L2Ranges{};
-    if (off || !cuda::l2_prefetch_enabled()) return;
-    int64_t total = 0;
-    auto add = [&](const void* p, int64_t bytes) {
-      if (!p || bytes <= 0 || ahead_.n == cuda::L2Ranges::kMax) return;
-      ahead_.p[ahead_.n] = p;
-      ahead_.bytes[ahead_.n++] = bytes;
-      total += bytes;
-    };
-    for (const Weight* w : ws) {
-      const WeightView& v = w->view;
-      add(v.data, v.rows * v.row_bytes);
-      if (v.scales) add(v.scales, v.rows * v.scales_row_bytes);
-      if (v.biases) add(v.biases, v.rows * v.biases_row_bytes);
-    }
-    if (total > cuda::device_l2_bytes() / 2) ahead_ = cuda::L2Ranges{};
-  }
-  // The next router launch's last block asks L2 for the experts it picks.
-  void prefetch_routed(const std::vector<ExpertWeights>& experts) override {
-    static const bool off = env_off("TURBOSPARK_CUDA_PREFETCH_EXPERTS");
-    routed_ = off ? nullptr : &experts;
-  }
-  // The pending prefetch_routed for a routing of `rows` rows, top-k (null: none).
-  const cuda::ExpertPrefetch* take_routed(int64_t rows, int k) {
-    const std::vector<ExpertWeights>* experts = std::exchange(routed_, nullptr);
-    if (!experts || !matmul_->expert_prefetch(*experts, rows, k, stream_, &routed_ep_)) return nullptr;
-    return &routed_ep_;
+    matmul_->moe_experts(experts, x, idx, weight, k, out, stream_);
   }
 
   // Qwen4-Exp's hybrid ops come with the next CUDA issue; the registry refuses the family on
@@ -525,9 +484,6 @@ class CudaBackend final : public Backend {
   void* repack_src_ = nullptr;  // Q4_0 blocks on their way into planes (resident)
   int64_t repack_src_bytes_ = 0;
   unsigned* router_ticket_ = nullptr;  // router_gemv_topk's last-block counter (left at 0)
-  cuda::L2Ranges ahead_;                                // Backend::prefetch, for the next MoE down pass
-  const std::vector<ExpertWeights>* routed_ = nullptr;  // Backend::prefetch_routed, for the next router
-  cuda::ExpertPrefetch routed_ep_;
   void* staging_ = nullptr;
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
   int staging_half_ = 0;

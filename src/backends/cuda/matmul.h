@@ -32,9 +32,6 @@ struct cublasLtContext;  // cublasLt.h's handle type (cublasLtHandle_t), kept ou
 
 namespace turbospark::cuda {
 
-struct ExpertPrefetch;  // moe_desc.cuh
-struct L2Ranges;        // common.cuh
-
 // Up to this many activation rows a matmul is a GEMV that reads each weight once for all
 // rows, dequantizing in registers with f32 accumulation (gemv.cu); above it the weight is
 // dequantized to bf16 and multiplied on tensor cores by cuBLASLt (gemm.cu). At 8 rows the
@@ -126,15 +123,8 @@ class WeightMatmul {
   // memory, never read on the host. `experts` is the layer's host-side list of device views;
   // its descriptor table is uploaded at the first call for that vector (address and size)
   // and reused, re-uploaded only when a view changed (outside capture).
-  // ahead (decode): byte ranges the down pass asks L2 for before its wait (Backend::prefetch).
   void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
-                   int k, const Mat& out, cudaStream_t stream, const L2Ranges* ahead = nullptr);
-  // What the router needs to ask L2 for the experts it picks among `experts` for `rows` rows of
-  // top-k (Backend::prefetch_routed): false where their gate and up rows would not fit half the
-  // L2, or prefetching is off. Uploads the experts' descriptor table if it is new (not while
-  // capturing: a step's first, eager run uploads it).
-  bool expert_prefetch(const std::vector<ExpertWeights>& experts, int64_t rows, int k, cudaStream_t stream,
-                       ExpertPrefetch* ep);
+                   int k, const Mat& out, cudaStream_t stream);
 
   int num_sms() const { return num_sms_; }
 

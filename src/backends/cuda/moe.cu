@@ -42,12 +42,23 @@
 #include <cstring>
 
 #include "backends/cuda/matmul.h"
-#include "backends/cuda/moe_desc.cuh"
 #include "backends/cuda/q8.cuh"
 #include "backends/cuda/quant.cuh"
 
 namespace turbospark::cuda {
 namespace {
+
+// One expert as kernels see it. No padding: tables are compared bytewise to notice changes.
+struct MoeExpertDesc {
+  DeviceWeight gate;  // [inter, hidden]
+  DeviceWeight up;    // [inter, hidden]
+  DeviceWeight down;  // [hidden, inter]
+  const float* gate_bias;  // [inter] or null
+  const float* up_bias;    // [inter] or null
+  const float* down_bias;  // [hidden] or null
+};
+static_assert(sizeof(MoeExpertDesc) == 3 * sizeof(DeviceWeight) + 3 * sizeof(void*));
+static_assert(sizeof(DeviceWeight) == 6 * 8 + 2 * 8 + 2 * 4);
 
 enum class Glu : int32_t { kSilu, kGeluTanh, kClamped };
 
@@ -159,9 +170,8 @@ template <class F>
 __global__ void __launch_bounds__(kDecodeThreads)
     moe_down_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
                          int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
-                         float* __restrict__ out, int64_t out_stride, L2Ranges ahead) {
+                         float* __restrict__ out, int64_t out_stride) {
   constexpr int kE = kDownExpertsInFlight;
-  prefetch_ranges(ahead);
   pdl_begin();
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
@@ -412,8 +422,7 @@ template <class F>
 __global__ void __launch_bounds__(kDownBlockThreads)
     moe_down_q4_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const void* __restrict__ hq,
                        int64_t n_pairs, const int32_t* __restrict__ idx, const float* __restrict__ weight,
-                       float* __restrict__ out, int64_t out_stride, L2Ranges ahead) {
-  prefetch_ranges(ahead);
+                       float* __restrict__ out, int64_t out_stride) {
   pdl_begin();
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
@@ -809,23 +818,8 @@ bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k) {
          q8x32_bytes(1, hidden) <= kQ8SmemMax;
 }
 
-bool WeightMatmul::expert_prefetch(const std::vector<ExpertWeights>& experts, int64_t rows, int k,
-                                   cudaStream_t stream, ExpertPrefetch* ep) {
-  if (experts.empty() || rows < 1 || k < 1 || !l2_prefetch_enabled()) return false;
-  const WeightView& g = experts[0].gate.view;
-  const WeightView& u = experts[0].up.view;
-  auto plane_bytes = [](const WeightView& w) {
-    return w.rows * (w.row_bytes + (w.scales ? w.scales_row_bytes : 0) + (w.biases ? w.biases_row_bytes : 0));
-  };
-  if (rows * k * (plane_bytes(g) + plane_bytes(u)) > device_l2_bytes() / 2) return false;
-  *ep = ExpertPrefetch{static_cast<const MoeExpertDesc*>(moe_table(experts, stream).device),
-                       int32_t(experts.size())};
-  return true;
-}
-
 void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
-                               const float* weight, int k, const Mat& out, cudaStream_t stream,
-                               const L2Ranges* ahead) {
+                               const float* weight, int k, const Mat& out, cudaStream_t stream) {
   TS_CHECK(!experts.empty() && k >= 1, "moe_experts: {} experts, top-k {}", experts.size(), k);
   const ExpertWeights& e0 = experts[0];
   const int64_t hidden = e0.gate.view.cols, inter = e0.gate.view.rows;
@@ -904,7 +898,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
         constexpr int64_t rows_per_block = kDownBlockThreads / kWarp * 2;
         const dim3 grid(unsigned((hidden + rows_per_block - 1) / rows_per_block), unsigned(rows));
         launch(moe_down_q4_kernel<F>, grid, kDownBlockThreads, 0, stream, descs, p, static_cast<const void*>(hq),
-               n_pairs, idx, weight, out.data, out.stride, ahead ? *ahead : L2Ranges{});
+               n_pairs, idx, weight, out.data, out.stride);
         TS_CUDA_LAUNCH_CHECK("moe down q4 dp4a [{}, {}] x {} rows x top-{}", hidden, inter, rows, k);
       }
     });
@@ -952,7 +946,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
           } else {
             const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
             launch(moe_down_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh, idx, weight, out.data,
-                   out.stride, ahead ? *ahead : L2Ranges{});
+                   out.stride);
           }
           TS_CUDA_LAUNCH_CHECK("moe down gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
                                inter, rows, k);

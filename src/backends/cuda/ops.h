@@ -20,8 +20,6 @@
 
 namespace turbospark::cuda {
 
-struct ExpertPrefetch;  // moe_desc.cuh
-
 // ---- norm.cu ----
 // y = x * rsqrt(mean(x^2) + eps) * (weight + weight_offset) per row, f32; y may alias x.
 // Also run on [rows * heads, head_dim] views for per-head q/k norms.
@@ -62,11 +60,8 @@ void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* id
 // launch; returns false, launching nothing, outside its shapes (rows 1..8, n_experts <= 512,
 // cols % 8 == 0, 16-byte-aligned rows): the caller then runs the GEMV and the top-k.
 // `ticket` is a device counter at 0 that the launch leaves at 0 (one per stream).
-// ep (moe_desc.cuh; WeightMatmul::expert_prefetch): the last block also asks L2 for the picked
-// experts' gate and up rows (Backend::prefetch_routed).
 bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
-                      float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream,
-                      const ExpertPrefetch* ep = nullptr);
+                      float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream);
 void softmax_rows(const Mat& x, const Mat& y, cudaStream_t stream);  // y may alias x
 // ids int32 [rows]: lowest index on ties, -1 for a row holding a NaN (as the CPU backend).
 void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream);

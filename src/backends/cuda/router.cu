@@ -13,7 +13,6 @@
 // Bounds: all three are memory-bound on their input row (the router and softmax on
 // [rows, n_experts], tiny; argmax on [rows, vocab], 1 MB per row at vocab 262144).
 #include "backends/cuda/common.cuh"
-#include "backends/cuda/moe_desc.cuh"
 #include "backends/cuda/ops.h"
 
 namespace turbospark::cuda {
@@ -160,8 +159,7 @@ __global__ void __launch_bounds__(kRouterGemvThreads)
     router_gemv_topk_kernel(const uint8_t* __restrict__ w, int64_t w_row_bytes, int64_t cols,
                             const float* __restrict__ x, int64_t x_stride, int rows, float* __restrict__ logits,
                             int64_t l_stride, int k, bool renormalize, const float* __restrict__ expert_scale,
-                            int32_t* __restrict__ idx, float* __restrict__ weight, unsigned* __restrict__ ticket,
-                            ExpertPrefetch ep) {
+                            int32_t* __restrict__ idx, float* __restrict__ weight, unsigned* __restrict__ ticket) {
   __shared__ float partial[kRouterGemvThreads / kWarp][kRouterMaxRows];
   __shared__ float row_logits[kRouteMaxExperts];
   __shared__ RouteSmem route;
@@ -219,13 +217,9 @@ __global__ void __launch_bounds__(kRouterGemvThreads)
       idx[r * k + threadIdx.x] = route.idx[threadIdx.x];
       weight[r * k + threadIdx.x] = route.w[threadIdx.x];
     }
-    __syncthreads();  // route and row_logits are rewritten for the next row (and idx is visible)
+    __syncthreads();  // route and row_logits are rewritten for the next row
   }
   if (threadIdx.x == 0) *ticket = 0u;
-  // The picked experts' gate and up rows toward L2 for the MoE pass that follows (this block's
-  // own idx writes, ordered by the barrier above).
-  if (ep.table)
-    for (int i = threadIdx.x; i < rows * k * 2; i += kRouterGemvThreads) prefetch_expert_half(ep, idx[i / 2], i % 2);
 }
 
 constexpr int kSoftmaxThreads = 256;
@@ -311,8 +305,7 @@ void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* id
 }
 
 bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
-                      float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream,
-                      const ExpertPrefetch* ep) {
+                      float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream) {
   const bool bf16 = w.dtype == DType::BF16;
   const int64_t elem = bf16 ? 2 : 4;
   if ((!bf16 && w.dtype != DType::F32) || w.scales || x.rows < 1 || x.rows > kRouterMaxRows ||
@@ -323,7 +316,7 @@ bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int 
   auto kernel = bf16 ? router_gemv_topk_kernel<true> : router_gemv_topk_kernel<false>;
   launch(kernel, unsigned(w.rows), kRouterGemvThreads, 0, stream, static_cast<const uint8_t*>(w.data), w.row_bytes,
          w.cols, static_cast<const float*>(x.data), x.stride, int(x.rows), logits.data, logits.stride, k, renormalize,
-         expert_scale, idx, weight, ticket, ep ? *ep : ExpertPrefetch{});
+         expert_scale, idx, weight, ticket);
   TS_CUDA_LAUNCH_CHECK("router gemv + top-{} {} [{}, {}] x {} rows", k, dtype_name(w.dtype), w.rows, w.cols, x.rows);
   return true;
 }

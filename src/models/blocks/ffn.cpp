@@ -42,15 +42,12 @@ void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, c
   emit_router_probs(be, logits, router_probs);
 }
 
-void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs,
-             std::span<const Weight* const> read_next) {
+void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs) {
   const int64_t rows = x.rows;
   Mat logits = s.router_logits.rows_slice(0, rows);
   check_routing_buffers(logits, w.top_k, s.topk_idx, s.topk_weight);
-  be.prefetch_routed(w.experts);
   be.router_topk(w.router, x, logits, w.top_k, w.renormalize, s.topk_idx.data(), s.topk_weight.data());
   emit_router_probs(be, logits, router_probs);
-  if (!read_next.empty()) be.prefetch(read_next);
   be.moe_experts(w.experts, x, s.topk_idx.data(), s.topk_weight.data(), w.top_k, out);
 }
 

@@ -45,9 +45,6 @@ void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, c
                   const BackendArray<float>& weight, float* router_probs, const float* expert_scale = nullptr);
 
 // When router_probs is non-null it receives softmax(router logits) [rows, n_experts].
-// `read_next` (the next layer's weights) goes to Backend::prefetch once the routing is queued,
-// and the experts to Backend::prefetch_routed before it.
-void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs,
-             std::span<const Weight* const> read_next = {});
+void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs);
 
 }  // namespace turbospark
