@@ -8,6 +8,10 @@
 //                        gpt-oss layout); everything else stays as it is.
 // Which tensors are weight matrices is not guessed from names: the model is loaded first and
 // the checkpoint reports what it was asked for (Checkpoint::matrix_uses).
+//
+// --expert-store DIR instead writes the model's routed experts (safetensors or GGUF, any stored
+// format) into an expert store (experts/expert_store.h): one aligned, CRC-checked record per
+// (layer, expert), which `--expert-store DIR` on the running commands streams from.
 #include <fmt/format.h>
 
 #include <atomic>
@@ -25,6 +29,7 @@
 #include "core/quant.h"
 #include "core/quant_grouped.h"
 #include "core/thread_pool.h"
+#include "experts/expert_store.h"
 #include "formats/gguf_model.h"
 #include "formats/safetensors.h"
 #include "models/registry.h"
@@ -123,21 +128,45 @@ int64_t dir_bytes(const fs::path& dir) {
 
 void add_convert_command(CLI::App& app) {
   struct Opts {
-    std::string model, quant, out;
+    std::string model, quant, out, expert_store;
     int64_t group_size = 64;
     bool experts_only = false;
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
-  CLI::App* cmd = app.add_subcommand("convert", "Quantize a safetensors checkpoint (int4-affine or mxfp4) into a new directory");
-  cmd->add_option("--model,-m", o->model, "Checkpoint directory (config.json + *.safetensors)")->required();
-  cmd->add_option("--quant", o->quant, "int4-affine (all weight matrices) or mxfp4 (routed experts)")->required();
+  CLI::App* cmd = app.add_subcommand(
+      "convert", "Quantize a safetensors checkpoint (int4-affine or mxfp4) into a new directory, or write a MoE model's "
+                 "routed experts into an expert store for streaming (--expert-store)");
+  cmd->add_option("--model,-m", o->model, "Checkpoint directory (config.json + *.safetensors), or a GGUF with --expert-store")
+      ->required();
+  cmd->add_option("--quant", o->quant, "int4-affine (all weight matrices) or mxfp4 (routed experts)");
+  cmd->add_option("--expert-store", o->expert_store,
+                  "Write the routed experts, as stored, into this directory (created; must not hold files): one aligned "
+                  "record per expert for --expert-store on run/generate/logits/bench/serve");
   cmd->add_option("--group-size", o->group_size, "int4-affine: columns per scale/bias (32, 64 or 128)")->capture_default_str();
   cmd->add_flag("--experts-only", o->experts_only,
                 "int4-affine: quantize the routed experts only (attention, shared layers and the head stay as they are)");
   cmd->add_option("--threads,-t", o->threads, "Quantizing threads (0: all cores)")->capture_default_str();
-  cmd->add_option("--out,-o", o->out, "Output directory (created; must not hold files)")->required();
+  cmd->add_option("--out,-o", o->out, "Output directory of --quant (created; must not hold files)");
   cmd->callback([o] {
+    if (!o->expert_store.empty()) {
+      if (!o->quant.empty() || !o->out.empty() || o->experts_only)
+        fail("convert: --expert-store writes only the expert store: it does not go with --quant, --out or --experts-only");
+      LoadedModel loaded = load_model(o->model);
+      int64_t next_report = 0;
+      const ExpertStoreWriteStats st = write_expert_store(*loaded.model, o->expert_store, [&](int64_t done, int64_t total) {
+        if (done * 10 >= next_report * total || done == total) {
+          fmt::print(stderr, "\rwriting expert store: {}/{} experts", done, total);
+          next_report = done * 10 / total + 1;
+          if (done == total) fmt::print(stderr, "\n");
+        }
+      });
+      fmt::print(stderr, "wrote {}: {} experts, {:.2f} GiB in {:.1f} s ({:.2f} GB/s)\n", o->expert_store, st.records,
+                 double(st.bytes) / (1 << 30), st.seconds, st.seconds > 0 ? double(st.bytes) / 1e9 / st.seconds : 0.0);
+      return;
+    }
+    if (o->quant.empty()) fail("convert: give --quant int4-affine|mxfp4 (with --out) or --expert-store DIR");
+    if (o->out.empty()) fail("convert: --quant needs --out DIR");
     const bool int4 = o->quant == "int4-affine";
     if (!int4 && o->quant != "mxfp4") fail("convert: --quant {} is not supported (int4-affine, mxfp4)", o->quant);
     if (!int4 && o->experts_only) fail("convert: --experts-only goes with --quant int4-affine (mxfp4 quantizes experts only)");

@@ -98,6 +98,9 @@ void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& f) {
   cmd->add_option("--expert-cache-gb", f.gb, "MoE: stream routed experts through a cache of this many GiB");
   cmd->add_option("--expert-cache-policy", f.policy, "Expert cache eviction: lru, lfu or freq-lru")->capture_default_str();
   cmd->add_option("--expert-prefetch", f.prefetch, "Expert loads kept in flight ahead of compute")->capture_default_str();
+  cmd->add_option("--expert-store", f.store,
+                  "MoE: stream routed experts from this expert store (written by turbospark convert --expert-store): "
+                  "one aligned, CRC-checked read per expert; implies streaming");
 }
 
 // Turns expert streaming on when asked (or when the weights exceed memory on the CPU), with
@@ -108,6 +111,7 @@ static void validate_expert_cache_flags(const ExpertCacheFlags& f) {
   if (!(f.gb >= 0) || !std::isfinite(f.gb)) fail("--expert-cache-gb must be a finite size >= 0, got {}", f.gb);
   if (f.prefetch < 0 || f.prefetch > 64) fail("--expert-prefetch must be in [0, 64], got {}", f.prefetch);
   if (f.slots > 0 && f.gb > 0) fail("--expert-cache-slots and --expert-cache-gb: give one of them");
+  if (!f.store.empty() && f.slots == 0) fail("--expert-store streams experts: it cannot go with --expert-cache-slots 0");
   try {
     parse_eviction_policy(f.policy);
   } catch (const Error& e) {
@@ -119,11 +123,11 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
   const EvictionPolicy policy = parse_eviction_policy(f.policy);
   const Model& model = *rt.model.model;
   const ModelInfo& info = model.info();
-  const bool asked = f.slots > 0 || f.gb > 0;
+  const bool asked = f.slots > 0 || f.gb > 0 || !f.store.empty();
   const int k = model.experts_per_token();
   if (asked && k == 0) {
-    fail("{}: {} is a dense model (no routed experts to stream)", f.slots > 0 ? "--expert-cache-slots" : "--expert-cache-gb",
-         info.architecture);
+    fail("{}: {} is a dense model (no routed experts to stream)",
+         f.slots > 0 ? "--expert-cache-slots" : f.gb > 0 ? "--expert-cache-gb" : "--expert-store", info.architecture);
   }
   if (f.slots == 0 || k == 0 || info.expert_bytes <= 0) return;
   int64_t slots = f.slots;
@@ -134,16 +138,23 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
     if (slots < k) fail("--expert-cache-gb {}: holds {} experts of {:.2f} MiB, fewer than the {} a token uses", f.gb, slots,
                         double(info.expert_bytes) / (1 << 20), k);
   } else if (f.slots < 0) {
-    // Not asked: stream only when the weights do not fit, on the CPU (the CUDA tier is not built yet).
-    if (rt.backend->name() != "cpu") return;
+    // Not asked: stream only when the weights do not fit (or a store is named), on the CPU
+    // (the CUDA tier is not built yet).
+    if (rt.backend->name() != "cpu") {
+      if (!f.store.empty()) fail("--expert-store: expert streaming is not supported on --device {} yet", rt.backend->name());
+      return;
+    }
     const int64_t avail = available_memory_bytes();
-    if (avail <= 0 || info.weight_bytes <= avail * 9 / 10) return;
+    if (f.store.empty() && (avail <= 0 || info.weight_bytes <= avail * 9 / 10)) return;
     const int64_t resident = info.weight_bytes - info.routed_weight_bytes;
-    const int64_t budget = avail * 8 / 10 - resident;
+    const int64_t budget = (avail > 0 ? avail : 0) * 8 / 10 - resident;
     slots = std::max<int64_t>(budget / info.expert_bytes, 2 * k);
-    why = fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, experts "
-                      "streamed into 80% of what is left",
-                      double(info.weight_bytes) / (1 << 30), double(avail) / (1 << 30), double(resident) / (1 << 30));
+    why = f.store.empty() || info.weight_bytes > avail * 9 / 10
+              ? fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, experts "
+                            "streamed into 80% of what is left",
+                            double(info.weight_bytes) / (1 << 30), double(avail) / (1 << 30),
+                            double(resident) / (1 << 30))
+              : std::string("--expert-store, sized from 80% of available memory");
   } else {
     why = "--expert-cache-slots";
   }
@@ -154,6 +165,12 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
   o.top_k = k;
   o.policy = policy;
   o.prefetch_depth = f.prefetch;
+  if (!f.store.empty()) {
+    o.store = ExpertStore::open(f.store);
+    if (o.store->architecture() != info.architecture)
+      fail("--expert-store {}: written from a {} model, this is {}", f.store, o.store->architecture(), info.architecture);
+    check_expert_store_source(*o.store, model);
+  }
   rt.experts = std::make_unique<ExpertStreamer>(o);
   rt.backend->set_expert_provider(rt.experts.get());  // refused by name where the backend has no tier
   if (!quiet) {
@@ -161,6 +178,7 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
                "({})\n",
                slots, double(info.expert_bytes) / (1 << 20), double(slots * info.expert_bytes) / (1 << 30), n_routed,
                double(info.routed_weight_bytes) / (1 << 30), eviction_policy_name(policy), why);
+    if (o.store) fmt::print(stderr, "expert streaming: reading from the expert store {} ({} records)\n", f.store, o.store->records());
   }
 }
 

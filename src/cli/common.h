@@ -26,6 +26,7 @@ struct ExpertCacheFlags {
   double gb = 0;       // a budget in GiB instead of a slot count
   std::string policy = "lru";
   int prefetch = 2;    // loads in flight ahead of compute
+  std::string store;   // read streamed experts from this expert store (convert --expert-store)
 };
 void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& flags);
 

@@ -30,35 +30,6 @@ int64_t align_down(int64_t v) { return v / kAlign * kAlign; }
 int64_t align_up(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// One pointer field of an expert's views and the bytes it spans (rows may be strided).
-struct PlaneField {
-  const void** field;
-  int64_t bytes;
-};
-
-int64_t span_bytes(int64_t rows, int64_t stride, int64_t packed) { return rows <= 0 ? 0 : (rows - 1) * stride + packed; }
-
-void add_planes(WeightView& w, std::vector<PlaneField>& out) {
-  int64_t packed = 0;
-  if (is_grouped(w.dtype)) packed = grouped_row_bytes(w.dtype, w.cols);
-  else if (is_quantized(w.dtype)) packed = row_bytes(w.dtype, w.cols);
-  else packed = w.cols * int64_t(dtype_size(w.dtype));
-  out.push_back({&w.data, span_bytes(w.rows, w.row_bytes, packed)});
-  const int64_t groups = w.group_size > 0 ? w.cols / w.group_size : 0;
-  if (w.scales) {
-    const int64_t each = w.dtype == DType::MXFP4 ? 1 : int64_t(dtype_size(w.scales_dtype));
-    out.push_back({&w.scales, span_bytes(w.rows, w.scales_row_bytes, groups * each)});
-  }
-  if (w.biases) out.push_back({&w.biases, span_bytes(w.rows, w.biases_row_bytes, groups * int64_t(dtype_size(w.scales_dtype)))});
-}
-
-// Every plane of the expert, gate then up then down: the order Layout::plane_at follows.
-std::vector<PlaneField> planes_of(ExpertWeights& ew) {
-  std::vector<PlaneField> p;
-  for (Weight* w : {&ew.gate, &ew.up, &ew.down}) add_planes(w->view, p);
-  return p;
-}
-
 int64_t mtime_ns(const struct stat& st) { return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec; }
 
 }  // namespace
@@ -113,7 +84,32 @@ const ExpertStreamer::Layout& ExpertStreamer::layout_of(const ExpertWeights& sto
   if (it != layouts_.end()) return it->second;
   Layout L;
   ExpertWeights copy = stored;
-  const std::vector<PlaneField> planes = planes_of(copy);
+  const std::vector<PlaneField> planes = expert_planes(copy);
+  if (opt_.store) {
+    // One read of the expert's record; its planes must be the model's, byte for byte in size.
+    const ExpertStore& st = *opt_.store;
+    const ExpertStoreRecord* rec = st.find(stored.gate.layer, stored.gate.expert);
+    if (!rec)
+      fail("expert store {}: no record for layer {} expert {} (written from another model than {}?)", st.dir(),
+           stored.gate.layer, stored.gate.expert, stored.gate.name);
+    if (rec->plane_at.size() != planes.size())
+      fail("expert store {}: layer {} expert {} has {} planes, the model's expert has {} (written from another model "
+           "or format)", st.dir(), rec->layer, rec->expert, rec->plane_at.size(), planes.size());
+    for (size_t i = 0; i < planes.size(); ++i) {
+      const int64_t at = rec->plane_at[i];
+      if ((planes[i].bytes == 0) != (at < 0) || (at >= 0 && at + planes[i].bytes > rec->bytes))
+        fail("expert store {}: layer {} expert {} plane {} ({} bytes in the model) does not fit its record of {} "
+             "bytes at {} (written from another model or format)", st.dir(), rec->layer, rec->expert, i,
+             planes[i].bytes, rec->bytes, at);
+    }
+    const int64_t read = (rec->bytes + kAlign - 1) / kAlign * kAlign;
+    L.spans.push_back({file_index(st.data_path(), st.data_bytes()), rec->offset, rec->offset + read, 0});
+    L.plane_at = rec->plane_at;
+    L.bytes = read;
+    L.record = rec;
+    slot_bytes_ = std::max(slot_bytes_, L.bytes);
+    return layouts_.emplace(key, std::move(L)).first->second;
+  }
   struct Located {
     int file;
     int64_t offset, bytes;
@@ -300,7 +296,7 @@ void ExpertStreamer::run_reads(std::vector<Read>& reads) {
 
 void ExpertStreamer::bind(Slot& s, const ExpertWeights& stored, const Layout& layout) {
   s.weights = stored;
-  const std::vector<PlaneField> planes = planes_of(s.weights);
+  const std::vector<PlaneField> planes = expert_planes(s.weights);
   for (size_t i = 0; i < planes.size(); ++i)
     if (layout.plane_at[i] >= 0) *planes[i].field = s.buffer + layout.plane_at[i];
 }
@@ -351,6 +347,7 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
       run_reads(reads);
       for (const Read& r : reads)
         if (!r.error.empty()) fail("{}", r.error);
+      verify(layout, s.buffer);
     } catch (...) {
       cache_.invalidate(slot);
       lock.lock();
@@ -451,13 +448,24 @@ void ExpertStreamer::io_loop() {
       for (auto& e : errors)
         if (!e) e = std::current_exception();
     }
-    const double dt = seconds_since(t0);
-    lock.lock();
-    stats_.read_seconds += dt;
+    // Each load's first read error, else its store record's CRC (outside the lock: the
+    // compute thread's acquire() needs it meanwhile).
     for (size_t i = 0; i < jobs.size(); ++i) {
       for (size_t r = first[i]; r < first[i + 1] && !errors[i]; ++r) {
         if (!reads[r].error.empty()) errors[i] = std::make_exception_ptr(Error(reads[r].error));
       }
+      if (!errors[i]) {
+        try {
+          verify(*jobs[i].layout, buffers[i]);
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      }
+    }
+    const double dt = seconds_since(t0);
+    lock.lock();
+    stats_.read_seconds += dt;
+    for (size_t i = 0; i < jobs.size(); ++i) {
       Slot& s = slots_[size_t(jobs[i].slot)];
       if (!errors[i]) stats_.bytes_read += jobs[i].layout->bytes;
       s.state = errors[i] ? SlotState::kFailed : SlotState::kReady;
@@ -468,7 +476,28 @@ void ExpertStreamer::io_loop() {
   }
 }
 
+void ExpertStreamer::verify(const Layout& layout, const uint8_t* buffer) const {
+  if (!layout.record) return;
+  const ExpertStoreRecord& r = *layout.record;
+  const uint32_t crc = expert_store_crc32(buffer, r.bytes);
+  if (crc != r.crc32)
+    fail("expert store {}: the record of layer {} expert {} ({} bytes at {} in {}) fails its CRC-32 ({:08x}, the index "
+         "says {:08x}): the file is damaged or was rewritten", opt_.store->dir(), r.layer, r.expert, r.bytes, r.offset,
+         opt_.store->data_path(), crc, r.crc32);
+}
+
 std::vector<ExpertStreamer::FileRange> ExpertStreamer::file_ranges(const ExpertWeights& stored) {
+  if (opt_.store) {
+    // Read from the store: the ranges the expert occupies in the model's own files, which are
+    // then never read at all.
+    ExpertWeights copy = stored;
+    std::vector<FileRange> out;
+    for (const PlaneField& p : expert_planes(copy)) {
+      if (p.bytes == 0) continue;
+      if (auto loc = locate_mapped(*p.field, p.bytes)) out.push_back({loc->path, loc->offset, loc->offset + p.bytes});
+    }
+    return out;
+  }
   const Layout& L = layout_of(stored);
   std::vector<FileRange> out;
   for (const Span& s : L.spans) out.push_back({files_[size_t(s.file)].path, s.begin, s.end});

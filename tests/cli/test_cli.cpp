@@ -262,6 +262,42 @@ TEST(Cli, ExpertCacheSlotsGiveResidentLogitsAndRefuseBadValues) {
   expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-slots 2 --expert-cache-gb 1"), "give one of them");
 }
 
+// convert --expert-store, then streaming from the store: resident logits bit for bit, the store
+// named on stderr; a dense model, a non-empty directory and a store of another model are
+// refused by name.
+TEST(Cli, ExpertStoreRoundTripGivesResidentLogits) {
+  TempDir tmp;
+  const std::string moe = fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-q4_0.gguf";
+  const std::string store = tmp.str() + "/store";
+  auto c = run_cli("convert --model " + moe + " --expert-store " + store);
+  ASSERT_EQ(c.exit_code, 0) << c.out;
+  EXPECT_NE(c.out.find("wrote " + store), std::string::npos) << c.out;
+  const std::string ids = tokens_csv(golden_tokens("qwen3_moe_gguf_tiny"));
+  ASSERT_EQ(run_cli("logits -m " + moe + " --tokens " + ids + " --out " + tmp.str() + "/a.npy").exit_code, 0);
+  for (const char* flags : {"--expert-store STORE --expert-cache-slots 2", "--expert-store STORE"}) {
+    std::string f = flags;
+    f.replace(f.find("STORE"), 5, store);
+    auto r = run_cli("logits -m " + moe + " --tokens " + ids + " --out " + tmp.str() + "/b.npy " + f);
+    ASSERT_EQ(r.exit_code, 0) << f << ": " << r.out;
+    EXPECT_NE(r.out.find("reading from the expert store " + store), std::string::npos) << r.out;
+    EXPECT_EQ(read_file(tmp.path / "a.npy"), read_file(tmp.path / "b.npy")) << f;
+  }
+  const std::string lg = "logits --tokens 1,2 --out " + tmp.str() + "/c.npy -m ";
+  expect_one_line_error(run_cli("convert --model " + fixture("qwen3_tiny") + " --expert-store " + tmp.str() + "/d"),
+                        "Qwen3ForCausalLM is a dense model");
+  expect_one_line_error(run_cli("convert --model " + moe + " --expert-store " + store), "is not empty");
+  expect_one_line_error(run_cli("convert --model " + moe + " --expert-store " + tmp.str() + "/e --quant mxfp4"),
+                        "does not go with --quant");
+  expect_one_line_error(run_cli("convert --model " + moe), "give --quant");
+  // The bf16 file's experts are bigger than the Q4_0 store's records.
+  expect_one_line_error(run_cli(lg + fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-bf16.gguf --expert-store " +
+                                store),
+                        "differs from the model's");
+  expect_one_line_error(run_cli(lg + moe + " --expert-store " + tmp.str() + "/missing"), "not a directory");
+  expect_one_line_error(run_cli(lg + moe + " --expert-store " + store + " --expert-cache-slots 0"),
+                        "cannot go with --expert-cache-slots 0");
+}
+
 }  // namespace
 }  // namespace turbospark
 
