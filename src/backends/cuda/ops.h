@@ -91,11 +91,9 @@ void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, in
 // to summation order); kTensorCores insists (refused outside its shapes).
 enum class DecodeMath { kAuto, kF32, kTensorCores };
 bool attention_decode_tc_supports(int head_dim, int group);
-// Where kAuto switches: measured on the H200 (Qwen3-30B-A3B shape Q4_0, bench --decode 64 after
-// prompts of 256..3072, tensor cores always vs never: 390.6 vs 392.0 tok/s at 256, 389.4 vs
-// 382.4 at 512, 387.9 vs 349.3 at 1024, 369.0 vs 287.7 at 3072); the environment's
+// Where kAuto switches: measured on the H200 (Qwen3-30B-A3B shape, README); the environment's
 // TURBOSPARK_CUDA_DECODE_TC_MIN_SPAN overrides it.
-constexpr int64_t kDecodeTcMinSpan = 512;
+constexpr int64_t kDecodeTcMinSpan = 1024;
 int64_t attention_decode_tc_min_span();
 void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                       int window, const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats,
