@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -21,6 +22,14 @@ namespace turbospark::testing {
 
 inline std::string source_dir() { return TS_SOURCE_DIR; }
 inline std::string fixture(const std::string& name) { return source_dir() + "/tests/data/fixtures/" + name; }
+// A model inside a fixture folder: `file` there, or the folder itself when file is empty.
+inline std::string fixture_model(const std::string& name, const std::string& file) {
+  return file.empty() ? fixture(name) : fixture(name) + "/" + file;
+}
+// Same length and the same bits (NaNs included).
+inline bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
 
 inline nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_text_file(path)); }
 

@@ -30,13 +30,8 @@ struct StoreCase {
   const char* file;  // inside the fixture folder; "" = the folder itself (safetensors)
 };
 
-std::string model_path(const StoreCase& c) {
-  return std::string(c.file).empty() ? fixture(c.fixture) : fixture(c.fixture) + "/" + c.file;
-}
-
-bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+std::string model_path(const StoreCase& c) { return testing::fixture_model(c.fixture, c.file); }
+using testing::bitwise_equal;
 
 class ExpertStoreRoundTrip : public ::testing::TestWithParam<StoreCase> {};
 

@@ -30,13 +30,8 @@ struct StreamCase {
   bool streams;      // false: the family keeps its experts in memory it owns (served in place)
 };
 
-std::string model_path(const StreamCase& c) {
-  return std::string(c.file).empty() ? fixture(c.fixture) : fixture(c.fixture) + "/" + c.file;
-}
-
-bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+std::string model_path(const StreamCase& c) { return testing::fixture_model(c.fixture, c.file); }
+using testing::bitwise_equal;
 
 class ExpertStreaming : public ::testing::TestWithParam<StreamCase> {};
 
