@@ -279,9 +279,12 @@ TEST(Cli, ExpertStoreRoundTripGivesResidentLogits) {
     f.replace(f.find("STORE"), 5, store);
     auto r = run_cli("logits -m " + moe + " --tokens " + ids + " --out " + tmp.str() + "/b.npy " + f);
     ASSERT_EQ(r.exit_code, 0) << f << ": " << r.out;
-    EXPECT_NE(r.out.find("reading from the expert store " + store), std::string::npos) << r.out;
     EXPECT_EQ(read_file(tmp.path / "a.npy"), read_file(tmp.path / "b.npy")) << f;
   }
+  auto g = run_cli("generate -m " + moe + " --tokens " + ids + " -n 2 --format ids --temperature 0 --expert-store " + store);
+  ASSERT_EQ(g.exit_code, 0) << g.out;
+  EXPECT_NE(g.out.find("reading from the expert store " + store + " (16 records)"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("expert cache:"), std::string::npos) << g.out;
   const std::string lg = "logits --tokens 1,2 --out " + tmp.str() + "/c.npy -m ";
   expect_one_line_error(run_cli("convert --model " + fixture("qwen3_tiny") + " --expert-store " + tmp.str() + "/d"),
                         "Qwen3ForCausalLM is a dense model");
