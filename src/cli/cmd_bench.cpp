@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <chrono>
 #include <random>
 
@@ -14,13 +15,14 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "engine/sampler.h"
+#include "engine/router_stats.h"
 #include "engine/session.h"
 
 namespace turbospark::cli {
 
 void add_bench_command(CLI::App& app) {
   struct Opts {
-    std::string model, device = "auto";
+    std::string model, device = "auto", router_stats;
     int64_t prompt = 128, decode = 32, ubatch = 0;
     int threads = 0, repeat = 3;
     bool no_membw = false, profile = false, random_decode = false;
@@ -43,6 +45,10 @@ void add_bench_command(CLI::App& app) {
   cmd->add_flag("--random-decode", o->random_decode,
                 "Feed a random token at each decode step (as llama-bench's tg does) instead of the greedy one: "
                 "routing no longer repeats with the random weights' repetitive output");
+  cmd->add_option("--router-stats", o->router_stats,
+                  "MoE: in one extra run, count how often each expert of each layer is picked over the prompt and over "
+                  "the decode steps; print a summary of each and write the decode steps' histogram as CSV "
+                  "layer,expert,count,share (what an expert cache sees)");
   add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     using Clock = std::chrono::steady_clock;
@@ -122,6 +128,25 @@ void add_bench_command(CLI::App& app) {
       }
       session.trace = nullptr;
     }
+    // Router histogram: one more run capturing the router probabilities (a download per layer
+    // and step, so not timed).
+    std::optional<RouterStats> prompt_routes, decode_routes;
+    if (!o->router_stats.empty()) {
+      if (model.n_experts() == 0) fail("--router-stats: {} has no routed experts", info.architecture);
+      prompt_routes.emplace(info.n_layers, model.n_experts(), model.experts_per_token());
+      decode_routes.emplace(info.n_layers, model.n_experts(), model.experts_per_token());
+      std::vector<float> router;
+      session.reset();
+      std::vector<float> logits = session.feed(prompt, 0, /*all_logits=*/false, &router);
+      prompt_routes->add(router, o->prompt);
+      std::mt19937 decode_rng(11);
+      for (int64_t i = 0; i < o->decode; ++i) {
+        int32_t next[1] = {o->random_decode ? pick(decode_rng) : argmax(logits.data(), info.vocab_size)};
+        logits = session.feed(next, 0, /*all_logits=*/false, &router);
+        decode_routes->add(router, 1);
+      }
+      decode_routes->write_csv(o->router_stats);
+    }
     const double gbs = dc * double(info.active_weight_bytes) / 1e9;
     fmt::print("model        {} ({}), {:.1f}M params, {:.1f} MiB weights, {:.1f} MiB read per token\n", info.architecture,
                o->model, double(info.n_params) / 1e6, double(info.weight_bytes) / (1 << 20),
@@ -135,6 +160,10 @@ void add_bench_command(CLI::App& app) {
                  double(decode_read) / double(decode_tokens) / (1 << 20),
                  decode_acquires > 0 ? 100.0 * (1.0 - double(decode_loads) / double(decode_acquires)) : 0.0);
       fmt::print("{}\n", rt.experts->summary());
+    }
+    if (prompt_routes) {
+      fmt::print("prompt {}\n", prompt_routes->summary());
+      fmt::print("decode {} (histogram: {})\n", decode_routes->summary(), o->router_stats);
     }
     if (o->profile) {
       auto table = [&](const char* title, const std::map<std::string, double>& blocks, double tokens) {

@@ -10,13 +10,14 @@
 #include "cli/common.h"
 #include "core/error.h"
 #include "core/npy.h"
+#include "engine/router_stats.h"
 #include "engine/session.h"
 
 namespace turbospark::cli {
 
 void add_logits_command(CLI::App& app) {
   struct Opts {
-    std::string model, tokens, out, router_out, trace_out, device = "auto";
+    std::string model, tokens, out, router_out, router_stats, trace_out, device = "auto";
     int64_t chunk = 0;
     int threads = 0;
     ExpertCacheFlags experts;
@@ -28,6 +29,9 @@ void add_logits_command(CLI::App& app) {
   cmd->add_option("--out", o->out, "Output .npy: row t = logits after tokens[0..t]")->required();
   cmd->add_option("--chunk", o->chunk, "Feed the prompt as prefill chunks of N tokens (default 0: largest micro-batch)");
   cmd->add_option("--router-out", o->router_out, "Also write router probabilities [layers, T, n_experts] .npy (MoE models)");
+  cmd->add_option("--router-stats", o->router_stats,
+                  "Also write how often each expert of each layer was picked (CSV layer,expert,count,share; MoE models) "
+                  "and print a one-line summary");
   cmd->add_option("--trace-out", o->trace_out,
                   "Also write every traced activation as DIR/<name>_<layer>.npy [T, cols] (dump-and-diff)");
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
@@ -39,9 +43,10 @@ void add_logits_command(CLI::App& app) {
     std::vector<int32_t> tokens = parse_token_list(o->tokens);
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true, o->experts);
     const Model& model = *rt.model.model;
-    if (!o->router_out.empty() && model.n_experts() == 0) {
-      fail("--router-out: {} has no routed experts", model.info().architecture);
-    }
+    for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--router-out", &o->router_out},
+                                      {"--router-stats", &o->router_stats}})
+      if (!value->empty() && model.n_experts() == 0) fail("{}: {} has no routed experts", flag, model.info().architecture);
+    const bool capture = !o->router_out.empty() || !o->router_stats.empty();
     SessionOptions so;
     so.max_context = model.info().max_context;
     Session session(model, *rt.backend, so);
@@ -57,7 +62,7 @@ void add_logits_command(CLI::App& app) {
       };
     }
     std::vector<float> router;
-    std::vector<float> logits = session.feed(tokens, o->chunk, /*all_logits=*/true, o->router_out.empty() ? nullptr : &router);
+    std::vector<float> logits = session.feed(tokens, o->chunk, /*all_logits=*/true, capture ? &router : nullptr);
     const int64_t T = int64_t(tokens.size());
     write_npy_f32(o->out, {T, model.info().vocab_size}, logits.data());
     for (const auto& [key, value] : traced) {
@@ -66,6 +71,12 @@ void add_logits_command(CLI::App& app) {
     }
     if (!o->router_out.empty()) {
       write_npy_f32(o->router_out, {model.info().n_layers, T, model.n_experts()}, router.data());
+    }
+    if (!o->router_stats.empty()) {
+      RouterStats stats(model.info().n_layers, model.n_experts(), model.experts_per_token());
+      stats.add(router, T);
+      stats.write_csv(o->router_stats);
+      fmt::print(stderr, "{}\n", stats.summary());
     }
   });
 }

@@ -2,7 +2,12 @@
 // naming the culprit and a non-zero exit, never a crash.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
+#include <cstdio>
 #include <fstream>
+#include <map>
+#include <numeric>
 
 #include "core/npy.h"
 #include "test_util.h"
@@ -70,6 +75,68 @@ TEST(Cli, LogitsRouterOutHasLayersTokensExperts) {
     }
   }
   for (int e = 0; e < 8 * 4; ++e) EXPECT_EQ(router.data[size_t(8 * 4 + e)], 0.f);  // layer 1 is dense
+}
+
+// --router-stats: the histogram of each MoE layer's top-k picks, equal to the top-k of the
+// router probabilities --router-out writes; dense layers left out; refused on a dense model.
+TEST(Cli, LogitsRouterStatsCountTheTopKOfTheRouterOut) {
+  TempDir tmp;
+  const std::string moe = fixture("qwen3_moe_tiny");
+  const auto tokens = golden_tokens("qwen3_moe_tiny");
+  const int k = testing::read_json(moe + "/config.json")["num_experts_per_tok"].get<int>();
+  auto r = run_cli("logits --model " + moe + " --tokens " + tokens_csv(tokens) + " --out " + tmp.str() +
+                   "/l.npy --router-out " + tmp.str() + "/r.npy --router-stats " + tmp.str() + "/s.csv");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find(fmt::format("router: {} tokens over 2 MoE layers of 8 experts (top-{})", tokens.size(), k)),
+            std::string::npos)
+      << r.out;
+  const NpyArray router = read_npy_f32(tmp.str() + "/r.npy");
+  const int64_t T = router.shape[1], E = router.shape[2];
+  std::map<std::pair<int64_t, int64_t>, int64_t> want;
+  for (int64_t l : {0, 2})
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int64_t> order(static_cast<size_t>(E));
+      std::iota(order.begin(), order.end(), int64_t(0));
+      const float* p = router.data.data() + (l * T + t) * E;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+      for (int j = 0; j < k; ++j) ++want[{l, order[size_t(j)]}];
+    }
+  std::ifstream csv(tmp.path / "s.csv");
+  std::string line;
+  std::getline(csv, line);
+  EXPECT_EQ(line, "layer,expert,count,share");
+  int rows = 0;
+  while (std::getline(csv, line)) {
+    int64_t l = 0, e = 0, c = 0;
+    ASSERT_EQ(std::sscanf(line.c_str(), "%ld,%ld,%ld", &l, &e, &c), 3) << line;
+    EXPECT_NE(l, 1) << "layer 1 is dense";
+    EXPECT_EQ(c, (want[{l, e}])) << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 2 * 8);
+  expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens 1,2 --out " + tmp.str() +
+                                "/x.npy --router-stats " + tmp.str() + "/x.csv"),
+                        "--router-stats: Qwen3ForCausalLM has no routed experts");
+}
+
+TEST(Cli, BenchRouterStatsSummarizesPromptAndDecode) {
+  TempDir tmp;
+  auto r = run_cli("bench --model " + fixture("qwen3_moe_tiny") + " --prompt 6 --decode 5 --repeat 1 --no-membw "
+                   "--router-stats " + tmp.str() + "/s.csv");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("prompt router: 6 tokens over 2 MoE layers"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("decode router: 5 tokens over 2 MoE layers"), std::string::npos) << r.out;
+  const int k = testing::read_json(fixture("qwen3_moe_tiny") + "/config.json")["num_experts_per_tok"].get<int>();
+  std::ifstream csv(tmp.path / "s.csv");
+  std::string line;
+  std::getline(csv, line);
+  std::map<int64_t, int64_t> per_layer;
+  while (std::getline(csv, line)) {
+    int64_t l = 0, e = 0, c = 0;
+    ASSERT_EQ(std::sscanf(line.c_str(), "%ld,%ld,%ld", &l, &e, &c), 3) << line;
+    per_layer[l] += c;
+  }
+  EXPECT_EQ(per_layer, (std::map<int64_t, int64_t>{{0, 5 * k}, {2, 5 * k}}));  // the decode steps' picks
 }
 
 TEST(Cli, GenerateIdsMatchesTransformersGreedy) {
