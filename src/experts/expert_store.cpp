@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,6 +11,8 @@
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#define XXH_INLINE_ALL  // header-only: no library to carry to the GPU machines
+#include <xxhash.h>
 #include <set>
 
 #include "core/error.h"
@@ -114,17 +115,20 @@ std::vector<PlaneField> expert_planes(ExpertWeights& ew) {
   return p;
 }
 
-uint32_t expert_store_crc32(const void* data, int64_t bytes) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  const auto* p = static_cast<const Bytef*>(data);
-  while (bytes > 0) {  // zlib takes 32-bit lengths
-    const uInt n = uInt(std::min<int64_t>(bytes, int64_t(1) << 30));
-    crc = crc32(crc, p, n);
-    p += n;
-    bytes -= n;
-  }
-  return uint32_t(crc);
+uint64_t expert_store_checksum(const void* data, int64_t bytes) {
+  return uint64_t(XXH3_64bits(data, size_t(bytes)));
 }
+
+namespace {
+
+std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
+
+uint64_t parse_hex64(const std::string& s, bool* ok) {
+  *ok = s.size() == 16 && s.find_first_not_of("0123456789abcdef") == std::string::npos;
+  return *ok ? std::stoull(s, nullptr, 16) : 0;
+}
+
+}  // namespace
 
 std::shared_ptr<const ExpertStore> ExpertStore::open(const std::string& dir) {
   auto store = std::make_shared<ExpertStore>();
@@ -162,8 +166,9 @@ std::shared_ptr<const ExpertStore> ExpertStore::open(const std::string& dir) {
     const json& records = index.at("records");
     if (!records.is_array()) bad_index(index_path, "records is not an array");
     for (const json& r : records) {
-      // [layer, expert, offset, bytes, crc32, [plane offsets]]
-      if (!r.is_array() || r.size() != 6 || !r[5].is_array()) bad_index(index_path, "a record is not [layer, expert, offset, bytes, crc32, [planes]]");
+      // [layer, expert, offset, bytes, "xxh3 as 16 hex digits", [plane offsets]]
+      if (!r.is_array() || r.size() != 6 || !r[5].is_array())
+        bad_index(index_path, "a record is not [layer, expert, offset, bytes, checksum, [planes]]");
       ExpertStoreRecord rec;
       const int64_t layer = r[0].get<int64_t>(), expert = r[1].get<int64_t>();
       if (layer < 0 || layer > std::numeric_limits<int32_t>::max() || expert < 0 ||
@@ -173,10 +178,10 @@ std::shared_ptr<const ExpertStore> ExpertStore::open(const std::string& dir) {
       rec.expert = int32_t(expert);
       rec.offset = r[2].get<int64_t>();
       rec.bytes = r[3].get<int64_t>();
-      const int64_t crc = r[4].get<int64_t>();
       const std::string where = fmt::format("record (layer {}, expert {})", rec.layer, rec.expert);
-      if (crc < 0 || crc > int64_t(UINT32_MAX)) bad_index(index_path, where + ": CRC out of range");
-      rec.crc32 = uint32_t(crc);
+      bool hex_ok = false;
+      rec.checksum = parse_hex64(r[4].get<std::string>(), &hex_ok);
+      if (!hex_ok) bad_index(index_path, where + ": the checksum is not 16 lowercase hex digits");
       if (rec.offset < 0 || rec.offset % kExpertStoreAlign != 0 || rec.bytes <= 0 ||
           rec.offset > store->data_bytes_ - align_up(rec.bytes, kExpertStoreAlign))
         bad_index(index_path, fmt::format("{}: bytes [{}, {}) are not an aligned range inside the {} bytes of {}", where,
@@ -216,7 +221,7 @@ void check_expert_store_source(const ExpertStore& store, const Model& model) {
            e.gate.expert);
     const RecordPlan plan = build_record(e, buf);
     if (plan.bytes != rec->bytes || plan.plane_at != rec->plane_at ||
-        expert_store_crc32(buf.data(), plan.bytes) != rec->crc32)
+        expert_store_checksum(buf.data(), plan.bytes) != rec->checksum)
       fail("expert store {}: layer {} expert {} differs from the model's (written from another checkpoint or format: "
            "rewrite it with turbospark convert --expert-store)", store.dir(), e.gate.layer, e.gate.expert);
   }
@@ -257,12 +262,12 @@ ExpertStoreWriteStats write_expert_store(const Model& model, const std::string& 
       max_expert = std::max(max_expert, expert);
       const RecordPlan plan = build_record(ew, buf);
       TS_CHECK(plan.bytes > 0, "convert --expert-store: layer {} expert {} has no bytes", layer, expert);
-      const uint32_t crc = expert_store_crc32(buf.data(), plan.bytes);
+      const uint64_t sum = expert_store_checksum(buf.data(), plan.bytes);
       if (std::fwrite(buf.data(), 1, buf.size(), f) != buf.size())
         fail("convert --expert-store: writing {}: {}", data_path, std::strerror(errno));
       json at = json::array();
       for (int64_t a : plan.plane_at) at.push_back(a);
-      records.push_back(json::array({layer, expert, offset, plan.bytes, crc, at}));
+      records.push_back(json::array({layer, expert, offset, plan.bytes, hex64(sum), at}));
       offset += int64_t(buf.size());
       if (progress) progress(int64_t(n) + 1, int64_t(experts.size()));
     }

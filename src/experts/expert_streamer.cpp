@@ -448,7 +448,7 @@ void ExpertStreamer::io_loop() {
       for (auto& e : errors)
         if (!e) e = std::current_exception();
     }
-    // Each load's first read error, else its store record's CRC (outside the lock: the
+    // Each load's first read error, else its store record's checksum (outside the lock: the
     // compute thread's acquire() needs it meanwhile).
     for (size_t i = 0; i < jobs.size(); ++i) {
       for (size_t r = first[i]; r < first[i + 1] && !errors[i]; ++r) {
@@ -479,11 +479,11 @@ void ExpertStreamer::io_loop() {
 void ExpertStreamer::verify(const Layout& layout, const uint8_t* buffer) const {
   if (!layout.record) return;
   const ExpertStoreRecord& r = *layout.record;
-  const uint32_t crc = expert_store_crc32(buffer, r.bytes);
-  if (crc != r.crc32)
-    fail("expert store {}: the record of layer {} expert {} ({} bytes at {} in {}) fails its CRC-32 ({:08x}, the index "
-         "says {:08x}): the file is damaged or was rewritten", opt_.store->dir(), r.layer, r.expert, r.bytes, r.offset,
-         opt_.store->data_path(), crc, r.crc32);
+  const uint64_t sum = expert_store_checksum(buffer, r.bytes);
+  if (sum != r.checksum)
+    fail("expert store {}: the record of layer {} expert {} ({} bytes at {} in {}) fails its checksum (XXH3-64 {:016x}, "
+         "the index says {:016x}): the file is damaged or was rewritten", opt_.store->dir(), r.layer, r.expert, r.bytes,
+         r.offset, opt_.store->data_path(), sum, r.checksum);
 }
 
 std::vector<ExpertStreamer::FileRange> ExpertStreamer::file_ranges(const ExpertWeights& stored) {

@@ -70,7 +70,7 @@ struct ExpertStreamOptions {
   int prefetch_depth = 2;  // loads prefetch() may have in flight (capped at slots - 1)
   bool direct_io = true;   // O_DIRECT where the file system supports it
   bool io_uring = true;    // io_uring with every span of the loads at hand in flight; else pread
-  // Read experts from this store (one aligned read per expert, CRC-checked) instead of the
+  // Read experts from this store (one aligned read per expert, checksummed) instead of the
   // model's own files.
   std::shared_ptr<const ExpertStore> store;
   // Test hooks for injected faults. pread_fn replaces the read primitive (and selects the
@@ -115,7 +115,7 @@ class ExpertStreamer final : public ExpertProvider {
   };
   struct Layout {
     bool in_place = false;
-    const ExpertStoreRecord* record = nullptr;  // read from the store: checked against its CRC
+    const ExpertStoreRecord* record = nullptr;  // read from the store: checked against its checksum
     std::vector<Span> spans;
     int64_t bytes = 0;
     // Plane offsets in the slot, in the order collect_planes() lists them.
@@ -167,7 +167,7 @@ class ExpertStreamer final : public ExpertProvider {
   // An O_DIRECT read came back EINVAL: this read and every later one of its file go buffered.
   void refuse_direct(Read& r);
   void bind(Slot& s, const ExpertWeights& stored, const Layout& layout);
-  // A store record's CRC-32 against the bytes read into buffer; throws naming the record.
+  // A store record's checksum against the bytes read into buffer; throws naming the record.
   void verify(const Layout& layout, const uint8_t* buffer) const;
   // The slot for (layer, expert) by the cache's policy, never one being loaded, awaiting its
   // acquire or in use; *load when its bytes must be read there.

@@ -2,6 +2,7 @@
 // through ExpertStreamer, it gives the resident logits bit for bit (one aligned read per expert,
 // the owned float stacks of bf16 gpt-oss included); a damaged, truncated, rewritten or foreign
 // store is refused naming the store and what is wrong, never read into wrong logits.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -149,7 +150,7 @@ struct StoreFixture {
   }
 };
 
-TEST(ExpertStoreFaults, DamagedRecordFailsItsCrcNamingTheRecord) {
+TEST(ExpertStoreFaults, DamagedRecordFailsItsChecksumNamingTheRecord) {
   StoreFixture f;
   ASSERT_EQ(f.stream_error(), "");
   // One flipped byte inside the second record.
@@ -164,7 +165,7 @@ TEST(ExpertStoreFaults, DamagedRecordFailsItsCrcNamingTheRecord) {
     data.write(&b, 1);
   }
   const std::string msg = f.stream_error();
-  EXPECT_NE(msg.find("fails its CRC-32"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fails its checksum"), std::string::npos) << msg;
   EXPECT_NE(msg.find(f.dir), std::string::npos) << msg;
 }
 
@@ -196,6 +197,9 @@ TEST(ExpertStoreFaults, TruncatedDataAndBrokenIndexAreRefusedAtOpen) {
   j["records"][0][5][0] = 1 << 30;
   expect_open_error(j, "plane offset");
   j = good;
+  j["records"][0][4] = "not-hex";
+  expect_open_error(j, "not 16 lowercase hex digits");
+  j = good;
   j["data"] = "../elsewhere.bin";
   expect_open_error(j, "not a plain name");
   j = good;
@@ -216,7 +220,7 @@ TEST(ExpertStoreFaults, TruncatedDataAndBrokenIndexAreRefusedAtOpen) {
 }
 
 // A store of another checkpoint with the very same shapes (here: one record's bytes changed and
-// its CRC updated to match, as a store written from other weights would be) is refused before
+// its checksum updated to match, as a store written from other weights would be) is refused before
 // any forward, as is one of another format.
 TEST(ExpertStoreFaults, StoreOfAnotherCheckpointIsRefused) {
   StoreFixture f;
@@ -231,7 +235,7 @@ TEST(ExpertStoreFaults, StoreOfAnotherCheckpointIsRefused) {
     data.seekp(rec[2].get<int64_t>());
     data.write(bytes.data(), std::streamsize(bytes.size()));
   }
-  j["records"][0][4] = expert_store_crc32(bytes.data(), int64_t(bytes.size()));
+  j["records"][0][4] = fmt::format("{:016x}", expert_store_checksum(bytes.data(), int64_t(bytes.size())));
   f.write_index(j);
   const auto store = ExpertStore::open(f.dir);
   try {
