@@ -10,7 +10,7 @@
 // the checkpoint reports what it was asked for (Checkpoint::matrix_uses).
 //
 // --expert-store DIR instead writes the model's routed experts (safetensors or GGUF, any stored
-// format) into an expert store (experts/expert_store.h): one aligned, CRC-checked record per
+// format) into an expert store (experts/expert_store.h): one aligned, checksummed record per
 // (layer, expert), which `--expert-store DIR` on the running commands streams from.
 #include <fmt/format.h>
 

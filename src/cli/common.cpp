@@ -100,7 +100,7 @@ void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& f) {
   cmd->add_option("--expert-prefetch", f.prefetch, "Expert loads kept in flight ahead of compute")->capture_default_str();
   cmd->add_option("--expert-store", f.store,
                   "MoE: stream routed experts from this expert store (written by turbospark convert --expert-store): "
-                  "one aligned, CRC-checked read per expert; implies streaming");
+                  "one aligned, checksummed read per expert; implies streaming");
 }
 
 // Turns expert streaming on when asked (or when the weights exceed memory on the CPU), with
@@ -144,17 +144,16 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
       if (!f.store.empty()) fail("--expert-store: expert streaming is not supported on --device {} yet", rt.backend->name());
       return;
     }
-    const int64_t avail = available_memory_bytes();
-    if (f.store.empty() && (avail <= 0 || info.weight_bytes <= avail * 9 / 10)) return;
+    const int64_t avail = std::max<int64_t>(available_memory_bytes(), 0);
+    const bool exceeds = avail > 0 && info.weight_bytes > avail * 9 / 10;
+    if (!exceeds && f.store.empty()) return;
     const int64_t resident = info.weight_bytes - info.routed_weight_bytes;
-    const int64_t budget = (avail > 0 ? avail : 0) * 8 / 10 - resident;
-    slots = std::max<int64_t>(budget / info.expert_bytes, 2 * k);
-    why = f.store.empty() || info.weight_bytes > avail * 9 / 10
-              ? fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, experts "
-                            "streamed into 80% of what is left",
-                            double(info.weight_bytes) / (1 << 30), double(avail) / (1 << 30),
-                            double(resident) / (1 << 30))
-              : std::string("--expert-store, sized from 80% of available memory");
+    slots = std::max<int64_t>((avail * 8 / 10 - resident) / info.expert_bytes, 2 * k);
+    why = exceeds ? fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, "
+                                "experts streamed into 80% of what is left",
+                                double(info.weight_bytes) / (1 << 30), double(avail) / (1 << 30),
+                                double(resident) / (1 << 30))
+                  : std::string("--expert-store, sized from 80% of available memory");
   } else {
     why = "--expert-cache-slots";
   }

@@ -102,7 +102,7 @@ const ExpertStreamer::Layout& ExpertStreamer::layout_of(const ExpertWeights& sto
              "bytes at {} (written from another model or format)", st.dir(), rec->layer, rec->expert, i,
              planes[i].bytes, rec->bytes, at);
     }
-    const int64_t read = (rec->bytes + kAlign - 1) / kAlign * kAlign;
+    const int64_t read = align_up(rec->bytes);
     L.spans.push_back({file_index(st.data_path(), st.data_bytes()), rec->offset, rec->offset + read, 0});
     L.plane_at = rec->plane_at;
     L.bytes = read;

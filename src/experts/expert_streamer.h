@@ -118,7 +118,7 @@ class ExpertStreamer final : public ExpertProvider {
     const ExpertStoreRecord* record = nullptr;  // read from the store: checked against its checksum
     std::vector<Span> spans;
     int64_t bytes = 0;
-    // Plane offsets in the slot, in the order collect_planes() lists them.
+    // Plane offsets in the slot, in the order expert_planes() lists them (-1: an empty plane).
     std::vector<int64_t> plane_at;
   };
   struct File {
