@@ -23,6 +23,7 @@
 
 #include "backends/cpu/mxfp4.h"
 #include "backends/cuda/matmul.h"
+#include "backends/cuda/ops.h"
 #include "core/error.h"
 #include "core/quant.h"
 #include "core/quant_grouped.h"
@@ -773,6 +774,60 @@ TEST(CudaMoe, InvalidExpertIdGivesNanRowOnly) {
         }
     }
   }
+}
+
+// The Q4_0 decode down kernel reads the routing before its programmatic-launch wait (the
+// router ran before the gate/up kernel it follows). Here the router's top-k rewrites idx and
+// weight right before moe_experts on the same stream, over a different routing left there
+// before; the output must be exactly the one the new routing gives when run alone.
+TEST(CudaMoe, DecodeReadsTheRoutingWrittenJustBefore) {
+  cuda::WeightMatmul mm;
+  const Format f{DType::Q4_0, DType::U8, 0, true};
+  const int E = 16;
+  const int64_t hidden = 256, inter = 64;
+  std::vector<HostWeight> hw;
+  std::vector<DevWeight> dw;
+  std::vector<ExpertWeights> dev(E);
+  for (int e = 0; e < E; ++e)
+    for (int m = 0; m < 3; ++m)
+      hw.push_back(make_weight(f, m == 2 ? hidden : inter, m == 2 ? inter : hidden, 60 + 3 * e + m));
+  for (const HostWeight& h : hw) dw.push_back(upload(h, f.planes));
+  for (int e = 0; e < E; ++e) {
+    dev[size_t(e)].gate.view = dw[size_t(3 * e)].view;
+    dev[size_t(e)].up.view = dw[size_t(3 * e + 1)].view;
+    dev[size_t(e)].down.view = dw[size_t(3 * e + 2)].view;
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);  // ordered with the uploads and poisoning
+  for (int k : {8, 4, 3})
+    for (int64_t rows : {int64_t(1), int64_t(2)}) {
+      SCOPED_TRACE("k " + std::to_string(k) + " rows " + std::to_string(rows));
+      ASSERT_TRUE(cuda::moe_int8_activations(dev[0], rows, k));
+      DevMat dx(rows, hidden, hidden);
+      dx.upload(random_floats(size_t(rows * hidden), uint32_t(70 + k)));
+      DevMat logits(rows, E, E);
+      logits.upload(random_floats(size_t(rows * E), uint32_t(80 + k), -3.f, 3.f));
+      // Left over: the last k experts in reverse order with flat weights (never the router's pick
+      // as a whole: it sorts by probability).
+      std::vector<int32_t> stale(size_t(rows * k));
+      for (int64_t t = 0; t < rows; ++t)
+        for (int j = 0; j < k; ++j) stale[size_t(t * k + j)] = E - 1 - j;
+      DeviceBuffer<int32_t> didx(stale);
+      DeviceBuffer<float> dwts(std::vector<float>(size_t(rows * k), 1.f / float(k)));
+      DevMat out(rows, hidden, hidden), alone(rows, hidden, hidden);
+      out.buf.poison();
+      alone.buf.poison();
+      cuda::router_softmax_topk(logits.mat, k, true, didx.get(), dwts.get(), nullptr, stream);
+      mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, out.mat, stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      ASSERT_NE(didx.download(), stale);
+      mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, alone.mat, stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const std::vector<float> got = out.download(), want = alone.download();
+      for (float v : want) ASSERT_TRUE(std::isfinite(v));
+      EXPECT_EQ(got, want);
+    }
+  cudaStreamDestroy(stream);
 }
 
 // ---- refusals -------------------------------------------------------------------------------

@@ -1106,6 +1106,74 @@ TEST(CudaOps, AttentionDecodePrepMatchesSeparateOps) {
   }
 }
 
+// One decode row's attention_prep, then attention at once on the stream (programmatic dependent
+// launch, as in a decode step): the decode kernels load the row's other keys before waiting on
+// prep, and its own key only after. The device slot at the row's position starts poisoned with
+// a large key and value, so a key read before prep wrote it moves every output. V is integer
+// and the keys zero or bf16-exact, so the f32 form meets the CPU at kAttentionBound.
+TEST(CudaOps, AttentionDecodeAfterPrepSeesTheNewKey) {
+  REQUIRE_GPU();
+  std::mt19937 rng(98);
+  const int heads = 32, kv_heads = 4, hd = 128;
+  for (int64_t p0 : {int64_t(0), int64_t(7), int64_t(15), int64_t(16), int64_t(63), int64_t(64), int64_t(300),
+                     int64_t(511), int64_t(700)})
+    for (cuda::DecodeMath math : {cuda::DecodeMath::kAuto, cuda::DecodeMath::kF32})
+      for (int seq_id : {0, 1}) {
+        SCOPED_TRACE("pos " + std::to_string(p0) + " math " + std::to_string(int(math)) + " seq " +
+                     std::to_string(seq_id));
+        PagedCache cache(2, 720, kv_heads, hd, uint32_t(rng()));
+        for (float& x : cache.k) x = 0.f;
+        for (float& x : cache.v) x = std::floor(2.f * x);
+        // The device pools keep the poison until prep's kernel writes the slot; the CPU
+        // reference's prep overwrites it in the host copy.
+        const int64_t blk = cache.table[size_t(seq_id * cache.max_blocks + p0 / cache.block_size)];
+        for (int h = 0; h < kv_heads; ++h)
+          for (int d = 0; d < hd; ++d) {
+            const size_t off = size_t(((blk * cache.block_size + p0 % cache.block_size) * kv_heads + h) * hd + d);
+            cache.k[off] = 64.f;
+            cache.v[off] = 4096.f;
+          }
+        cache.upload();
+        Strided q(1, int64_t(heads) * hd, 2 * int64_t(kv_heads) * hd, uint32_t(rng()), -2.f, 2.f);
+        Strided k(1, int64_t(kv_heads) * hd, 0, uint32_t(rng()));
+        Strided v(1, int64_t(kv_heads) * hd, 0, uint32_t(rng()), -0.5f, 1.5f);
+        for (float& x : k.host) x = 0.f;
+        for (float& x : v.host) x = std::floor(2.f * x);
+        k.upload();
+        v.upload();
+        const std::vector<int32_t> seq{seq_id};
+        const std::vector<int64_t> pos{p0};
+        std::vector<float> inv_freq(size_t(hd / 2));
+        for (int i = 0; i < hd / 2; ++i) inv_freq[size_t(i)] = float(std::pow(1e6, -2.0 * i / hd));
+        DeviceBuffer<int32_t> dseq(seq);
+        DeviceBuffer<int64_t> dpos(pos);
+        DeviceBuffer<float> dfreq(inv_freq);
+        AttentionPrep hp;
+        hp.n_heads = heads;
+        hp.n_kv_heads = kv_heads;
+        hp.head_dim = hd;
+        hp.rotary_dim = hd;
+        AttentionPrep dp = hp;
+        hp.inv_freq = inv_freq.data();
+        dp.inv_freq = dfreq.get();
+        const float scale = 1.f / std::sqrt(float(hd));
+        Strided out(1, int64_t(heads) * hd, 3, 101);
+        cpu().prep_attention(q.h(), k.h(), v.h(), hp, pos.data(), cache.host_view(seq.data()), scale, 0, nullptr,
+                             out.h());
+        const int64_t scratch_floats = cuda::attention_scratch_floats(1, heads, hd);
+        DeviceBuffer<float> scratch{size_t(scratch_floats)};
+        scratch.poison();
+        out.poison();
+        const KvLayerView kv = cache.device_view(dseq.get());
+        ASSERT_TRUE(cuda::attention_prep(q.d(), k.d(), v.d(), dp, dpos.get(), kv, stream()));
+        cuda::attention_decode(q.d(), dpos.get(), kv, heads, scale, 0, nullptr, out.d(), scratch.get(),
+                               scratch_floats, stream(), math);
+        EXPECT_TRUE(out.dev_pads_poisoned());
+        EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), kAttentionBound);
+        EXPECT_EQ(cache.device_v(), cache.v);
+      }
+}
+
 TEST(CudaOps, AttentionRefusesUnsupportedHeadDim) {
   REQUIRE_GPU();
   const AttnCase c{4, 2, 288, 1, 4, 0, false, 1};

@@ -126,6 +126,14 @@ __device__ __forceinline__ void finish_block(const float* s_m, const float* s_l,
   }
 }
 
+// Keys read before the PDL wait: with one query row in the launch, every key
+// of the row's span but its own position was written by an earlier forward (the previous
+// kernel, attention_prep or kv_write, writes only that position; positions, row_seq and the
+// block table are uploaded before the step's first kernel), so the f32 form loads its first
+// pass of keys before pdl_begin() and they arrive while the previous kernel drains. With
+// several rows (a short prefill chunk, or rows of one sequence) one row's span holds another's
+// new key, so those launches wait first, as before.
+//
 // Layout: a key is read by kLanes lanes, each holding kChunks 4-element chunks of head_dim
 // (lane sl holds chunks sl, sl + kLanes, ...): 8-byte loads of 4 bf16, one contiguous
 // head_dim * 2 bytes per key (>= 64 B). head_dim 32/64: 4/2 keys per warp at once; 128: one key per warp, one
@@ -139,12 +147,16 @@ struct F32Smem {
   float acc[kDecodeWarps][kGroupTile][kHdMax];
 };
 
+// early: the kernel has not passed pdl_begin() yet (one query row; see above): the
+// first pass's keys other than the row's own position are loaded first, then the wait, then
+// the row's own key (the previous kernel, attention_prep or kv_write, writes it) and q.
 template <int kHdMax, int kGroupTile>
 __device__ __forceinline__ void decode_split_f32(const float* __restrict__ q, int64_t q_stride, const PagedKv& kv,
                                                  int n_heads, int group, int head_chunks, float scale,
                                                  const float* __restrict__ sinks, float* __restrict__ out,
                                                  int64_t out_stride, int n_splits, const Partials& part,
-                                                 const SplitRange& sr, F32Smem<kHdMax, kGroupTile>& sm) {
+                                                 const SplitRange& sr, F32Smem<kHdMax, kGroupTile>& sm,
+                                                 bool early) {
   constexpr int kLanes = kHdMax / 4 < kWarp ? kHdMax / 4 : kWarp;
   constexpr int kChunks = kHdMax / 4 / kLanes;
   constexpr int kKeysPerWarp = kWarp / kLanes;
@@ -164,6 +176,55 @@ __device__ __forceinline__ void decode_split_f32(const float* __restrict__ q, in
 
   const int seq = sr.seq;
   const int64_t begin = sr.begin, end = sr.end;
+  const int32_t* table = kv.block_table + int64_t(seq) * kv.max_blocks;
+  constexpr int64_t kPass = int64_t(kGroups) * kUnroll;  // keys of one pass of the block
+
+  // One pass's keys [base, base + kPass) into registers; `skip` is left zero (valid, loaded later).
+  auto load_pass = [&](int64_t base, float4 (&kk)[kUnroll][kChunks], float4 (&vv)[kUnroll][kChunks],
+                       bool (&valid)[kUnroll], int64_t skip) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = base + int64_t(u) * kGroups + lg;
+      valid[u] = p < end;
+      const uint16_t* kp = nullptr;
+      const uint16_t* vp = nullptr;
+      const bool live = valid[u] && p != skip;
+      if (live) {
+        const int64_t off = pool_offset(kv, table, p, kv_head);
+        kp = kv.k + off;
+        vp = kv.v + off;
+      }
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int ch = sl + c * kLanes;
+        // 8-byte aligned: pools are, and every offset is a multiple of head_dim % 4 == 0 elements.
+        const bool ld = live && ch < hd4;
+        kk[u][c] = ld ? load_bf16x4(kp + 4 * ch) : f4_zero();
+        vv[u][c] = ld ? load_bf16x4(vp + 4 * ch) : f4_zero();
+      }
+    }
+  };
+  float4 kk0[kUnroll][kChunks], vv0[kUnroll][kChunks];
+  bool valid0[kUnroll];
+  load_pass(begin, kk0, vv0, valid0, early ? sr.pos : -1);
+  if (early) {
+    pdl_begin();
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = begin + int64_t(u) * kGroups + lg;
+      if (valid0[u] && p == sr.pos) {
+        const int64_t off = pool_offset(kv, table, p, kv_head);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int ch = sl + c * kLanes;
+          if (ch < hd4) {
+            kk0[u][c] = load_bf16x4(kv.k + off + 4 * ch);
+            vv0[u][c] = load_bf16x4(kv.v + off + 4 * ch);
+          }
+        }
+      }
+    }
+  }
 
   float4 qv[kGroupTile][kChunks];
 #pragma unroll
@@ -188,30 +249,9 @@ __device__ __forceinline__ void decode_split_f32(const float* __restrict__ q, in
     for (int c = 0; c < kChunks; ++c) acc[j][c] = f4_zero();
   }
 
-  const int32_t* table = kv.block_table + int64_t(seq) * kv.max_blocks;
-  for (int64_t base = begin; base < end; base += int64_t(kGroups) * kUnroll) {
-    float4 kk[kUnroll][kChunks], vv[kUnroll][kChunks];
-    bool valid[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t p = base + int64_t(u) * kGroups + lg;
-      valid[u] = p < end;
-      const uint16_t* kp = nullptr;
-      const uint16_t* vp = nullptr;
-      if (valid[u]) {
-        const int64_t off = pool_offset(kv, table, p, kv_head);
-        kp = kv.k + off;
-        vp = kv.v + off;
-      }
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        const int ch = sl + c * kLanes;
-        // 8-byte aligned: pools are, and every offset is a multiple of head_dim % 4 == 0 elements.
-        const bool ld = valid[u] && ch < hd4;
-        kk[u][c] = ld ? load_bf16x4(kp + 4 * ch) : f4_zero();
-        vv[u][c] = ld ? load_bf16x4(vp + 4 * ch) : f4_zero();
-      }
-    }
+  // The online softmax over one pass's keys.
+  auto take_pass = [&](const float4 (&kk)[kUnroll][kChunks], const float4 (&vv)[kUnroll][kChunks],
+                       const bool (&valid)[kUnroll]) {
 #pragma unroll
     for (int j = 0; j < kGroupTile; ++j) {
       float s[kUnroll];
@@ -241,6 +281,13 @@ __device__ __forceinline__ void decode_split_f32(const float* __restrict__ q, in
       }
       m[j] = m_new;
     }
+  };
+  if (begin < end) take_pass(kk0, vv0, valid0);
+  for (int64_t base = begin + kPass; base < end; base += kPass) {
+    float4 kk[kUnroll][kChunks], vv[kUnroll][kChunks];
+    bool valid[kUnroll];
+    load_pass(base, kk, vv, valid, -1);
+    take_pass(kk, vv, valid);
   }
 
   // Merge the lane groups of a warp (head_dim 32/64 only), then the warps through shared memory.
@@ -288,11 +335,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
                             PagedKv kv, int n_heads, int group, int head_chunks, float scale, int window,
                             const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
                             int n_splits, Partials part) {
-  pdl_begin();
+  const bool early = gridDim.z == 1;  // see "Keys read before the PDL wait"
+  if (!early) pdl_begin();
   __shared__ F32Smem<kHdMax, kGroupTile> sm;
   const SplitRange sr = split_range(positions, kv, blockIdx.z, window, blockIdx.x, n_splits, kMinSplitKeys);
   decode_split_f32<kHdMax, kGroupTile>(q, q_stride, kv, n_heads, group, head_chunks, scale, sinks, out, out_stride,
-                                       n_splits, part, sr, sm);
+                                       n_splits, part, sr, sm, early);
 }
 
 // ---- tensor cores (head_dim 64 / 128, GQA groups up to 16) ----
@@ -599,17 +647,19 @@ __global__ void __launch_bounds__(kTcThreads)
                                  const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride,
                                  int n_splits, Partials part, int64_t tc_min_span) {
   static_assert(kTcThreads == kDecodeThreads && kGroupTile <= 8);
-  pdl_begin();
+  const bool early = gridDim.z == 1;  // see "Keys read before the PDL wait"
+  if (!early) pdl_begin();
   __shared__ AutoSmem<kHd, kGroupTile> sm;
   const int64_t t = blockIdx.z;
   if (visible_span(positions[t], window) >= tc_min_span) {
+    if (early) pdl_begin();
     const SplitRange sr = split_range(positions, kv, t, window, blockIdx.x, n_splits, kTcMinSplitKeys);
     decode_split_tc<kHd, false>(q, q_stride, kv, n_heads, group, scale, sinks, out, out_stride, n_splits, part,
                                 DecodePrep{}, sr, sm.tc);
   } else {
     const SplitRange sr = split_range(positions, kv, t, window, blockIdx.x, n_splits, kMinSplitKeys);
     decode_split_f32<kHd, kGroupTile>(q, q_stride, kv, n_heads, group, 1, scale, sinks, out, out_stride, n_splits,
-                                      part, sr, sm.f32);
+                                      part, sr, sm.f32, early);
   }
 }
 

@@ -423,16 +423,20 @@ __global__ void __launch_bounds__(kDownBlockThreads)
     moe_down_q4_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const void* __restrict__ hq,
                        int64_t n_pairs, const int32_t* __restrict__ idx, const float* __restrict__ weight,
                        float* __restrict__ out, int64_t out_stride) {
-  pdl_begin();
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
   const int64_t o0 = (int64_t(blockIdx.x) * (kDownBlockThreads / kWarp) + threadIdx.x / kWarp) * 2;
   if (o0 >= p.hidden) return;  // whole warps: o0 is the warp's
   const int64_t o[2] = {o0, o0 + 1 < p.hidden ? o0 + 1 : o0};
   const Q8x32Rows h = q8x32_view(const_cast<void*>(hq), n_pairs, p.inter);
+  // The routing is read before pdl_begin(): this kernel follows the gate/up kernel of the same
+  // call, and is scheduled only once every gate/up block has passed its own wait, so whatever
+  // wrote idx and weight (the router, before this op) has completed; L2 loads (__ldcg), not
+  // the read-only path, all the same. The expert's first weight blocks follow (weights are
+  // never written by a step's kernels); only h, the gate/up kernel's output, waits.
   // k <= 32 (the host checks): lane j holds expert j's id and routing weight.
-  const int32_t e_lane = lane < p.k ? idx[t * p.k + lane] : 0;
-  const float w_lane = lane < p.k ? weight[t * p.k + lane] : 0.f;
+  const int32_t e_lane = lane < p.k ? __ldcg(idx + t * p.k + lane) : 0;
+  const float w_lane = lane < p.k ? __ldcg(weight + t * p.k + lane) : 0.f;
   const bool bad = __any_sync(0xffffffffu, lane < p.k && !valid_expert(e_lane, p));
   const int32_t nb = int32_t(p.inter / 32), items = p.k * nb;
   float acc[2] = {};
@@ -440,16 +444,41 @@ __global__ void __launch_bounds__(kDownBlockThreads)
     // kWarp / k lanes an expert: each lane's expert is fixed (its descriptor and rows found
     // once), its blocks b = lane % lanes, + lanes, ... (the general loop below spent more on
     // finding each item's expert than on the item: 1.46M instructions a layer, ncu).
+    constexpr int kPre = 2;  // blocks a row loaded before the wait
     const int lanes = kWarp / p.k, j = lane / lanes;
     const int32_t e = __shfl_sync(0xffffffffu, e_lane, j);
     const float wt = __shfl_sync(0xffffffffu, w_lane, j);
-    if (valid_expert(e, p)) {
-      const MoeExpertDesc& d = experts[e];
-      const WeightRow wr[2] = {weight_row(d.down, o[0]), weight_row(d.down, o[1])};
+    const bool live = valid_expert(e, p);
+    const MoeExpertDesc& d = experts[live ? e : 0];
+    const WeightRow wr[2] = {weight_row(d.down, o[0]), weight_row(d.down, o[1])};
+    uint4 c0[kPre][2];
+    float s0[kPre][2];
+#pragma unroll
+    for (int q = 0; q < kPre; ++q)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        c0[q][r] = make_uint4(0, 0, 0, 0);
+        s0[q][r] = 0.f;
+        const int32_t b = lane % lanes + q * lanes;
+        if (live && b < nb) F::codes32(wr[r], b, c0[q][r], s0[q][r]);
+      }
+    pdl_begin();
+    if (live) {
       const int64_t pair = t * p.k + j;
       float y[2] = {};
+#pragma unroll
+      for (int q = 0; q < kPre; ++q) {
+        const int32_t b = lane % lanes + q * lanes;
+        if (b < nb) {
+          int4 lo, hi;
+          float2 dsv;
+          h.block(pair, b, lo, hi, dsv);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) y[r] += q4_dot_q8x32(c0[q][r], s0[q][r], lo, hi, dsv);
+        }
+      }
 #pragma unroll 4
-      for (int32_t b = lane % lanes; b < nb; b += lanes) {
+      for (int32_t b = lane % lanes + kPre * lanes; b < nb; b += lanes) {
         uint4 c[2];
         float s[2];
 #pragma unroll
@@ -467,6 +496,7 @@ __global__ void __launch_bounds__(kDownBlockThreads)
       }
     }
   } else {
+    pdl_begin();
 #pragma unroll 2
     for (int32_t it0 = 0; it0 < items; it0 += kWarp) {  // uniform trip count: full-warp shuffles
       const int32_t it = it0 + lane;
