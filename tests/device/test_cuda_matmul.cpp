@@ -662,6 +662,8 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
     // inter 96 gives the down pass k * 3 (expert, block) items per warp; odd output rows.
     cases.push_back({q40p, q40p, 16, 8, rows, 160, 96, GluKind::kSilu, true, false});
     cases.push_back({q40p, q40p, 12, 3, rows, 96, 32, GluKind::kGelu, false, true});
+    // Top-10 (Qwen4-Exp): the f32 down kernel takes its experts 8 at a time, so two rounds.
+    cases.push_back({bf16, mx, 16, 10, rows, 64, 96, GluKind::kSilu, true, false});
   }
   // The Qwen3-30B-A3B expert shape at half width (hidden 1024, inter 384), decode rows.
   for (int64_t rows : {1, 2}) cases.push_back({q40p, q40p, 9, 8, rows, 1024, 384, GluKind::kSilu, false, false});

@@ -164,15 +164,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
 // loop: a loop over experts one by one made each a chain of dependent loads (id, descriptor,
 // weights), ~1 us apiece, 21 us for the Q4_0 30B-A3B layer's 7 MB (ncu). Same per-lane
 // arithmetic and order as one expert after another, so bit-identical to it.
+// Two blocks an SM (<= 128 registers; one unit an expert in flight per lane, not two): at 194
+// registers one block of 8 warps fitted an SM, so the 256 blocks of a 2048-row down
+// projection ran in two waves (bf16 30B-A3B shape: 18 us a layer at 30% of DRAM peak, ncu).
 constexpr int kDownExpertsInFlight = 8;
 
 template <class F>
-__global__ void __launch_bounds__(kDecodeThreads)
+__global__ void __launch_bounds__(kDecodeThreads, 2)
     moe_down_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
                          int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
                          float* __restrict__ out, int64_t out_stride) {
   constexpr int kE = kDownExpertsInFlight;
-  pdl_begin();
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
   const int64_t o = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
@@ -180,15 +182,21 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float acc = 0.f;
   bool bad = false;
   const int64_t n_units = p.inter / kUnit;
+  bool waited = false;
   for (int j0 = 0; j0 < p.k; j0 += kE) {
     bool live[kE];
     WeightRow wr[kE];
     const float* hr[kE];
     const MoeExpertDesc* dp[kE];
+    // The first kE experts' ids and rows are found before pdl_begin(), as in
+    // moe_down_q4_kernel (the routing was written before the gate/up kernel this one follows;
+    // __ldcg, not the read-only path); h, the gate/up kernel's output, is read after it. (Their
+    // first weight units loaded before the wait as well cost 64 more live registers: spills at
+    // the 128 that keep the whole grid resident.)
 #pragma unroll
     for (int jj = 0; jj < kE; ++jj) {
       const int64_t pair = t * p.k + j0 + jj;
-      const int32_t e = j0 + jj < p.k ? idx[pair] : 0;
+      const int32_t e = j0 + jj < p.k ? __ldcg(idx + pair) : 0;
       live[jj] = j0 + jj < p.k && valid_expert(e, p);
       bad |= j0 + jj < p.k && !live[jj];
       // Absent or invalid: read expert 0's row and this row's h (valid memory), drop the sum.
@@ -197,7 +205,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
       hr[jj] = h + (live[jj] ? pair : t * p.k) * ldh;
     }
     float y[kE] = {};
-#pragma unroll 2
+    if (!waited) {
+      pdl_begin();
+      waited = true;
+    }
+#pragma unroll 1
     for (int64_t u = lane; u < n_units; u += kWarp) {
 #pragma unroll
       for (int jj = 0; jj < kE; ++jj) {
