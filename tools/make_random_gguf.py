@@ -6,9 +6,21 @@ The CUDA benches need a Qwen3-30B-A3B-shape GGUF in Q4_0 or Q4_K. Converting a b
 would need 61 GB of safetensors first (the device machine's disk is 64 GB), so this writes the
 quantized blocks directly: random 4-bit codes with small, finite block scales (weights of about
 fan-in standard deviation, so activations stay bounded through 48 layers), f32 norms and router.
-Random routing is near uniform (codes are drawn symmetric about zero, see random_blocks; files
-written before 2026-12-03 routed every token to nearly the same experts), which benchmarks
-should say beside their numbers.
+Routing (MoE) is by token, near uniform by default: the routers read only dims [32, 96) of the
+hidden state, which hold each token's own random embedding values (no layer writes to them:
+those rows of attn_output and ffn_down_exps are zero), so a token's experts do not depend on its
+context or depth, and random tokens spread evenly over the experts: an expert cache's worst
+case. (Routers over the whole hidden state followed the part that a context's tokens share,
+which attention builds up: at 8 layers and 256 random tokens, 121 of 128 experts were picked at
+layer 0 but 28 at layer 7, `logits --router-stats`; files written earlier route that
+way (before 2026-12-04), and those before 2026-12-03 sent every token to nearly the same experts.)
+--router-skew S (q4_0 / q8_0) adds a popularity skew on top: dims [0, 32) hold one constant
+(ANCHOR_VALUE) for every token, and layer L's router gives expert e a logit bias S * sigma * g_e
+along them, sigma the spread of the token part of the logits and g_e standard-normal quantiles
+in a random order per layer (each layer its own favourites). RMSNorm scales both parts alike,
+so the skew is the same at every depth. Random tokens have no temporal reuse beyond that
+popularity. Measure what a file gives with `turbospark logits --router-stats` and report it
+beside cache hit rates.
 
 Expert and attention blocks of one shape are generated once and written for every layer (each
 layer still gets its own tensors and file offsets, so no layer reads another's bytes); routers
@@ -16,8 +28,9 @@ differ per layer. The vocabulary is the tiny test tokenizer's (tests/data/tiny_t
 from its GGUF fixture) padded to the model's vocabulary with unused tokens: enough for
 llama-bench and `turbospark bench`, which feed token ids, not text.
 
-Needs numpy and llama.cpp's gguf-py (from the llama-cpp-python sdist; see
-bench/build_llama_cpp.sh), e.g. on the device machine:
+Needs numpy and gguf-py: the `gguf` package from PyPI (scripts/setup.sh installs it) or
+llama.cpp's own copy (from the llama-cpp-python sdist; see bench/build_llama_cpp.sh), e.g. on
+the device machine, which has no network:
     PYTHONPATH=/path/to/gguf-py python3 tools/make_random_gguf.py \
         --preset qwen3-30b-a3b --type q4_0 --out /tmp/qwen3-30b-a3b-q4_0.gguf
 """
@@ -36,6 +49,9 @@ VOCAB_SOURCE = os.path.join(ROOT, "tests/data/fixtures/qwen3_moe_gguf_tiny/qwen3
 PRESETS = {
     "qwen3-30b-a3b": dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
                           inter=6144, experts=128, top_k=8, moe_inter=768),
+    # For tests (tests/cli/test_random_gguf.py): the tokenizer's own 512 tokens, 4 layers.
+    "tiny-moe": dict(vocab=512, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32,
+                     inter=256, experts=16, top_k=4, moe_inter=64),
     "qwen3-8b": dict(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
                      inter=12288, experts=0, top_k=0, moe_inter=0),
 }
@@ -72,12 +88,70 @@ def random_blocks(gguf, qtype, rows, cols, rng, extra=()):
     return data.reshape(*extra, rows, (cols // block) * nbytes)
 
 
+# Routed MoE: the routers read dims [ANCHOR_DIMS, CODE_END) (each token's own embedding values)
+# and, with --router-skew, dims [0, ANCHOR_DIMS), which hold ANCHOR_VALUE for every token.
+ANCHOR_DIMS = 32
+CODE_END = 96
+ANCHOR_VALUE = 0.25
+
+
+def set_anchor(gguf, qtype, data, value):
+    """Block 0 (dims 0..31) of every row of a q4_0 / q8_0 array to `value` exactly."""
+    if qtype == gguf.GGMLQuantizationType.Q4_0:  # codes 15 - 8 = 7: d = value / 7
+        data[..., 0:2] = np.full(1, value / 7.0, dtype=np.float16).view(np.uint8)
+        data[..., 2:18] = 0xFF
+    else:  # Q8_0: codes 127
+        data[..., 0:2] = np.full(1, value / 127.0, dtype=np.float16).view(np.uint8)
+        data[..., 2:34] = 127
+
+
+def zero_rows(gguf, qtype, data, rows):
+    """Rows [0, rows) of a block array [..., out rows, bytes] to zero: every block's scales 0
+    (Q4_0 / Q8_0: d; Q4_K: d and dmin)."""
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    scale_bytes = 4 if qtype == gguf.GGMLQuantizationType.Q4_K else 2
+    for b in range(0, data.shape[-1], block_bytes):
+        data[..., :rows, b:b + scale_bytes] = 0
+
+
+def normal_quantiles(n):
+    """The n standard-normal quantiles at (i + 0.5) / n (numpy has no erfinv): bisection."""
+    from math import erf, sqrt
+    out = np.empty(n)
+    for i in range(n):
+        target, lo, hi = (i + 0.5) / n, -10.0, 10.0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if 0.5 * (1 + erf(mid / sqrt(2))) < target else (lo, mid)
+        out[i] = 0.5 * (lo + hi)
+    return out
+
+
+def router_weights(n_experts, h, skew, rng):
+    """[n_experts, h] f32: random rows of length sqrt(code dims) on the token-code dims, the skew's bias on the anchor dims
+    (see the module doc), zero elsewhere. The token part of a logit then has standard deviation
+    sigma = sqrt(CODE_END - ANCHOR_DIMS) / sqrt(h) before the norm's common scale (random_blocks
+    draws values of standard deviation 1 / sqrt(h))."""
+    r = np.zeros((n_experts, h), dtype=np.float32)
+    code = rng.standard_normal((n_experts, CODE_END - ANCHOR_DIMS))
+    # Rows of one length: a longer row would win more often for every token.
+    code *= np.sqrt(CODE_END - ANCHOR_DIMS) / np.linalg.norm(code, axis=1, keepdims=True)
+    r[:, ANCHOR_DIMS:CODE_END] = code
+    if skew > 0:
+        sigma = np.sqrt(CODE_END - ANCHOR_DIMS) * (1.0 / np.sqrt(h))
+        g = normal_quantiles(n_experts)[rng.permutation(n_experts)]
+        r[:, :ANCHOR_DIMS] = (skew * sigma * g / (ANCHOR_DIMS * ANCHOR_VALUE))[:, None]
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
     ap.add_argument("--type", default="q4_0", choices=["q4_0", "q4_k", "q8_0"])
     ap.add_argument("--layers", type=int, default=0, help="override the preset's depth")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--router-skew", type=float, default=0.0,
+                    help="MoE: skew expert popularity by S logit spreads (default 0: near uniform; see above)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -88,6 +162,13 @@ def main():
         s["layers"] = args.layers
     qtype = gguf.GGMLQuantizationType[args.type.upper()]
     moe = s["experts"] > 0
+    skew = args.router_skew
+    if not np.isfinite(skew) or skew < 0:
+        sys.exit(f"make_random_gguf: --router-skew must be a finite number >= 0, got {skew}")
+    if skew > 0 and not moe:
+        sys.exit(f"make_random_gguf: --router-skew needs a MoE preset ({args.preset} has no routed experts)")
+    if skew > 0 and args.type not in ("q4_0", "q8_0"):
+        sys.exit(f"make_random_gguf: --router-skew needs --type q4_0 or q8_0 (an exact 32-dim anchor), got {args.type}")
     arch = "qwen3moe" if moe else "qwen3"
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
@@ -131,7 +212,10 @@ def main():
 
     h, hd, nh, nkv = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"]
     ones = lambda n: np.ones(n, dtype=np.float32)
-    w.add_tensor("token_embd.weight", random_blocks(gguf, qtype, s["vocab"], h, rng), raw_dtype=qtype)
+    embd = random_blocks(gguf, qtype, s["vocab"], h, rng)
+    if skew > 0:
+        set_anchor(gguf, qtype, embd, ANCHOR_VALUE)
+    w.add_tensor("token_embd.weight", embd, raw_dtype=qtype)
     w.add_tensor("output_norm.weight", ones(h))
     w.add_tensor("output.weight", random_blocks(gguf, qtype, s["vocab"], h, rng), raw_dtype=qtype)
     shared = {
@@ -145,6 +229,9 @@ def main():
         shared["ffn_gate_exps"] = random_blocks(gguf, qtype, mi, h, rng, (e,))
         shared["ffn_up_exps"] = random_blocks(gguf, qtype, mi, h, rng, (e,))
         shared["ffn_down_exps"] = random_blocks(gguf, qtype, h, mi, rng, (e,))
+        # No layer writes the dims the routers read (anchor and token code).
+        zero_rows(gguf, qtype, shared["attn_output"], CODE_END)
+        zero_rows(gguf, qtype, shared["ffn_down_exps"], CODE_END)
     else:
         shared["ffn_gate"] = random_blocks(gguf, qtype, s["inter"], h, rng)
         shared["ffn_up"] = random_blocks(gguf, qtype, s["inter"], h, rng)
@@ -156,8 +243,7 @@ def main():
         w.add_tensor(p + "attn_k_norm.weight", ones(hd))
         w.add_tensor(p + "ffn_norm.weight", ones(h))
         if moe:
-            router = rng.standard_normal((s["experts"], h), dtype=np.float32) / np.float32(np.sqrt(h))
-            w.add_tensor(p + "ffn_gate_inp.weight", router)
+            w.add_tensor(p + "ffn_gate_inp.weight", router_weights(s["experts"], h, skew, rng))
         for name, data in shared.items():
             w.add_tensor(p + name + ".weight", data, raw_dtype=qtype)
 

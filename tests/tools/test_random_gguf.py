@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""tools/make_random_gguf.py's routing, measured through turbospark (ctest RandomGgufRouting).
+
+The benchmark files route by token (near uniform: an expert cache's worst case) unless
+--router-skew asks for favourites; both claims are checked here on the tiny-moe preset with
+`turbospark logits --router-out`: the experts each layer picks over 400 random tokens, how many
+take half the routings, and an LRU cache of a quarter of a layer's experts replayed over the
+picks. Also: the skew is the same at every depth, the same seed writes the same file, and bad
+arguments are refused with one line and exit 1.
+"""
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "tools", "make_random_gguf.py")
+TS = os.environ.get("TS_BIN", os.path.join(ROOT, "build", "turbospark"))
+TOKENS = 400
+TOP_K = 4
+
+
+def make(out, *extra):
+    return subprocess.run([sys.executable, TOOL, "--preset", "tiny-moe", "--type", "q4_0", "--out", out, *extra],
+                          capture_output=True, text=True)
+
+
+def picks(gguf_path, tmp):
+    """[layers, tokens, top_k] expert ids the model routes random tokens to (ties to the lower id)."""
+    rng = np.random.default_rng(7)
+    ids = ",".join(str(t) for t in rng.integers(0, 512, TOKENS))
+    probs = os.path.join(tmp, "router.npy")
+    p = subprocess.run([TS, "logits", "-m", gguf_path, "--tokens", ids, "--out", os.path.join(tmp, "l.npy"),
+                        "--router-out", probs, "--threads", "2"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    r = np.load(probs)
+    return np.argsort(-r, axis=2, kind="stable")[:, :, :TOP_K]
+
+
+def half_takers(layer_picks, n_experts=16):
+    counts = np.sort(np.bincount(layer_picks.ravel(), minlength=n_experts))[::-1]
+    return int(np.searchsorted(np.cumsum(counts), counts.sum() / 2) + 1)
+
+
+def lru_hit_rate(layer_picks, capacity):
+    cache, hits, total = collections.OrderedDict(), 0, 0
+    for row in layer_picks:
+        for e in row:
+            total += 1
+            if e in cache:
+                hits += 1
+                cache.move_to_end(e)
+            else:
+                cache[e] = True
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits / total
+
+
+class RandomGgufRouting(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.files = {}
+        for skew in ("0", "2"):
+            out = os.path.join(cls.tmp.name, f"skew{skew}.gguf")
+            p = make(out, "--router-skew", skew)
+            if p.returncode != 0:
+                raise RuntimeError(p.stderr)
+            cls.files[skew] = out
+        cls.uniform = picks(cls.files["0"], cls.tmp.name)
+        cls.skewed = picks(cls.files["2"], cls.tmp.name)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_default_routes_near_uniformly_at_every_depth(self):
+        for layer, lp in enumerate(self.uniform):
+            counts = np.bincount(lp.ravel(), minlength=16)
+            # 1600 picks over 16 experts: 100 each on average; random tokens stay within ~3 sigma.
+            self.assertEqual(int((counts > 0).sum()), 16, f"layer {layer}: {counts}")
+            self.assertLess(counts.max(), 140, f"layer {layer}: {counts}")
+            self.assertGreaterEqual(half_takers(lp), 7, f"layer {layer}: {counts}")
+            # A cache of a quarter of the experts hits about a quarter of the time.
+            self.assertLess(lru_hit_rate(lp, 4), 0.35, f"layer {layer}")
+
+    def test_skew_gives_favourites_at_every_depth(self):
+        rates = []
+        for layer, lp in enumerate(self.skewed):
+            counts = np.bincount(lp.ravel(), minlength=16)
+            self.assertLessEqual(half_takers(lp), 4, f"layer {layer}: {counts}")
+            rates.append(lru_hit_rate(lp, 4))
+            self.assertGreater(rates[-1], 0.5, f"layer {layer}: {counts}")
+        # The same at every depth: RMSNorm scales the bias and the token part alike.
+        self.assertLess(max(rates) - min(rates), 0.2, rates)
+
+    def test_layers_have_their_own_favourites(self):
+        tops = [int(np.bincount(lp.ravel(), minlength=16).argmax()) for lp in self.skewed]
+        self.assertGreater(len(set(tops)), 1, tops)
+
+    def test_same_seed_same_file(self):
+        again = os.path.join(self.tmp.name, "again.gguf")
+        self.assertEqual(make(again, "--router-skew", "2").returncode, 0)
+        with open(again, "rb") as a, open(self.files["2"], "rb") as b:
+            self.assertEqual(a.read(), b.read())
+
+    def test_bad_skew_refused(self):
+        out = os.path.join(self.tmp.name, "bad.gguf")
+        for bad in ("-1", "nan", "inf"):
+            p = make(out, "--router-skew", bad)
+            self.assertEqual(p.returncode, 1, bad)
+            self.assertIn("--router-skew", p.stderr)
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        p = subprocess.run([sys.executable, TOOL, "--preset", "tiny-moe", "--type", "q4_k", "--router-skew", "1",
+                            "--out", out], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("q4_0 or q8_0", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
