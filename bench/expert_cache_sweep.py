@@ -10,8 +10,9 @@ bytes, and writes a CSV and a PNG plot (matplotlib) of decode tok/s and hit rate
 
 Needs matplotlib (PyPI: pip install matplotlib). Decode feeds random tokens (`bench
 --random-decode`, as llama-bench's tg does): a random-weight model's greedy output repeats one
-token, which would make every routing a repeat. Random weights route near uniformly, a cache's
-worst case: say so beside the numbers.
+token, which would make every routing a repeat. tools/make_random_gguf.py's files route near
+uniformly (a cache's worst case) unless written with --router-skew S: say which beside the numbers,
+with the `--router-stats` summary.
 """
 import argparse
 import csv

@@ -1,8 +1,8 @@
 // The router histogram (`--router-stats FILE` on logits and bench): how often each routed
 // expert of each layer was picked, from the router probabilities a forward captures
 // (Session::feed's router_probs, [layers, tokens, n_experts]). What an expert cache sees:
-// a skewed histogram caches well, a flat one (random weights route near uniformly) is the
-// worst case.
+// a skewed histogram caches well, a flat one is the worst case (tools/make_random_gguf.py's
+// files are flat unless --router-skew asks for favourites).
 #pragma once
 
 #include <cstdint>
