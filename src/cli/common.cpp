@@ -101,6 +101,9 @@ void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& f) {
   cmd->add_option("--expert-store", f.store,
                   "MoE: stream routed experts from this expert store (written by turbospark convert --expert-store): "
                   "one aligned, checksummed read per expert; implies streaming");
+  cmd->add_flag("--expert-speculate", f.speculate,
+                "MoE streaming: guess the next layer's experts (its router on this layer's input) and load them "
+                "while this layer computes; the summary says how many guesses were used (needs >= 2 x top-k slots)");
 }
 
 // Turns expert streaming on when asked (or when the weights exceed memory on the CPU), with
@@ -125,11 +128,24 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
   const ModelInfo& info = model.info();
   const bool asked = f.slots > 0 || f.gb > 0 || !f.store.empty();
   const int k = model.experts_per_token();
-  if (asked && k == 0) {
+  if ((asked || f.speculate) && k == 0) {
     fail("{}: {} is a dense model (no routed experts to stream)",
-         f.slots > 0 ? "--expert-cache-slots" : f.gb > 0 ? "--expert-cache-gb" : "--expert-store", info.architecture);
+         f.slots > 0  ? "--expert-cache-slots"
+         : f.gb > 0   ? "--expert-cache-gb"
+         : asked      ? "--expert-store"
+                      : "--expert-speculate",
+         info.architecture);
   }
-  if (f.slots == 0 || k == 0 || info.expert_bytes <= 0) return;
+  auto no_speculation = [&](const std::string& why) {
+    if (f.speculate) fail("--expert-speculate: {}", why);
+  };
+  if (f.speculate && k > 0 && !model.guesses_next_experts())
+    no_speculation(fmt::format("{} does not guess its next layer's experts yet (qwen3_moe and qwen4_exp do)",
+                               info.architecture));
+  if (f.slots == 0 || k == 0 || info.expert_bytes <= 0) {
+    no_speculation("expert streaming is off (give --expert-cache-slots, --expert-cache-gb or --expert-store)");
+    return;
+  }
   int64_t slots = f.slots;
   std::string why;
   if (f.gb > 0) {
@@ -142,11 +158,16 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
     // (the CUDA tier is not built yet).
     if (rt.backend->name() != "cpu") {
       if (!f.store.empty()) fail("--expert-store: expert streaming is not supported on --device {} yet", rt.backend->name());
+      no_speculation(fmt::format("expert streaming is not supported on --device {} yet", rt.backend->name()));
       return;
     }
     const int64_t avail = std::max<int64_t>(available_memory_bytes(), 0);
     const bool exceeds = avail > 0 && info.weight_bytes > avail * 9 / 10;
-    if (!exceeds && f.store.empty()) return;
+    if (!exceeds && f.store.empty()) {
+      no_speculation("the weights fit in memory, so experts are not streamed (give --expert-cache-slots or "
+                     "--expert-cache-gb to stream them anyway)");
+      return;
+    }
     const int64_t resident = info.weight_bytes - info.routed_weight_bytes;
     slots = std::max<int64_t>((avail * 8 / 10 - resident) / info.expert_bytes, 2 * k);
     why = exceeds ? fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, "
@@ -164,6 +185,10 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
   o.top_k = k;
   o.policy = policy;
   o.prefetch_depth = f.prefetch;
+  o.speculate = f.speculate;
+  if (f.speculate && slots < 2 * int64_t(k))
+    fail("--expert-speculate needs at least 2 x top-k = {} cache slots, the cache has {} (a guess would evict what the "
+         "next steps need)", 2 * k, slots);
   if (!f.store.empty()) {
     o.store = ExpertStore::open(f.store);
     if (o.store->architecture() != info.architecture)

@@ -27,6 +27,7 @@ struct ExpertCacheFlags {
   std::string policy = "lru";
   int prefetch = 2;    // loads in flight ahead of compute
   std::string store;   // read streamed experts from this expert store (convert --expert-store)
+  bool speculate = false;  // load the next layer's likely experts while a layer computes
 };
 void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& flags);
 

@@ -39,6 +39,9 @@ ExpertStreamer::ExpertStreamer(ExpertStreamOptions options)
   pread_fn_set_ = bool(opt_.pread_fn);
   if (!opt_.pread_fn) opt_.pread_fn = [](int fd, void* dst, size_t n, off_t off) { return ::pread(fd, dst, n, off); };
   opt_.prefetch_depth = int(std::clamp<int64_t>(opt_.prefetch_depth, 0, opt_.slots - 1));
+  TS_CHECK(!opt_.speculate || opt_.slots >= 2 * int64_t(opt_.top_k),
+           "expert streaming: speculation needs at least 2 x top_k = {} slots, got {} (a guess would evict the "
+           "experts the next steps need)", 2 * opt_.top_k, opt_.slots);
   slots_.resize(size_t(opt_.slots));
   io_ = std::thread([this] { io_loop(); });
 }
@@ -301,17 +304,32 @@ void ExpertStreamer::bind(Slot& s, const ExpertWeights& stored, const Layout& la
     if (layout.plane_at[i] >= 0) *planes[i].field = s.buffer + layout.plane_at[i];
 }
 
-int32_t ExpertStreamer::place(int32_t layer, int32_t expert, bool* load) {
+int32_t ExpertStreamer::place(int32_t layer, int32_t expert, bool* load, bool guess) {
   std::vector<int32_t> protect;
+  int64_t busy = 0;  // slots loading, awaiting their acquire or in use
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < slots_.size(); ++i)
-      if (slots_[i].state == SlotState::kLoading || slots_[i].awaiting || int32_t(i) == in_use_)
-        protect.push_back(int32_t(i));
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const Slot& o = slots_[i];
+      const bool held = o.state == SlotState::kLoading || o.awaiting || int32_t(i) == in_use_;
+      busy += held;
+      const bool demanded =
+          guess && std::find(demand_keys_.begin(), demand_keys_.end(), o.key) != demand_keys_.end();
+      if (held || demanded) protect.push_back(int32_t(i));
+    }
+  }
+  // A guess never takes a slot the demand path may need: that path holds at most depth awaiting
+  // slots and the one in use, and a miss needs one more, so guesses in flight stay within
+  // slots - depth - 2 (with the seed's one-bank lesson in mind: no guess may make a demand
+  // placement find every slot held). No free slot: no guess.
+  if (guess && (busy + 1 > int64_t(slots_.size()) - opt_.prefetch_depth - 2 || protect.size() >= slots_.size())) {
+    *load = false;
+    return -1;
   }
   const int32_t e[1] = {expert};
   const ExpertCache::Plan plan = cache_.plan(layer, e, protect);
   *load = plan.load[0] != 0;
+  if (*load) slots_[size_t(plan.slot[0])].speculative = false;  // an unused guess evicted
   return plan.slot[0];
 }
 
@@ -365,6 +383,10 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
     stats_.bytes_read += layout.bytes;
   } else {
     ++stats_.hits;
+    if (s.speculative) {
+      s.speculative = false;
+      ++stats_.speculated_used;
+    }
     if (s.awaiting) {
       s.awaiting = false;
       --awaiting_;
@@ -391,11 +413,20 @@ const ExpertWeights& ExpertStreamer::acquire(const ExpertWeights& stored) {
 
 void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
   int issued = 0;
+  bool all = true;  // every expert of `next` resident or under way
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    demand_keys_.clear();
+    for (const ExpertWeights* w : next) demand_keys_.push_back(key_of(w->gate.layer, w->gate.expert));
+  }
   for (const ExpertWeights* w : next) {
     std::unique_lock<std::mutex> lock(mu_);
     // Prefetched-but-unused slots are protected: at most depth (<= slots - 1) of them, so a
     // miss still finds a slot.
-    if (awaiting_ >= opt_.prefetch_depth) break;
+    if (awaiting_ >= opt_.prefetch_depth) {
+      all = false;
+      break;
+    }
     lock.unlock();
     const Layout& layout = layout_of(*w);
     if (layout.in_place) continue;
@@ -417,6 +448,41 @@ void ExpertStreamer::prefetch(std::span<const ExpertWeights* const> next) {
     queue_.push_back({slot, &layout});
   }
   if (issued > 0) cv_.notify_all();  // once: the I/O thread takes the whole batch
+  // What the micro-batch needs is all under way: the next layer's guess may start.
+  if (all && !guess_.empty()) release_speculation();
+}
+
+void ExpertStreamer::speculate(std::span<const ExpertWeights* const> likely) {
+  if (!opt_.speculate) return;
+  guess_.assign(likely.begin(), likely.end());
+}
+
+void ExpertStreamer::release_speculation() {
+  std::vector<const ExpertWeights*> guess;
+  guess.swap(guess_);
+  if (guess.size() > size_t(opt_.top_k)) guess.resize(size_t(opt_.top_k));  // a step's worth at most
+  int issued = 0;
+  for (const ExpertWeights* w : guess) {
+    const Layout& layout = layout_of(*w);
+    if (layout.in_place) continue;
+    const int32_t layer = w->gate.layer, expert = w->gate.expert;
+    if (cache_.slot_of(layer, expert)) continue;  // resident or under way
+    bool load = false;
+    const int32_t slot = place(layer, expert, &load, /*guess=*/true);
+    if (!load || slot < 0) continue;
+    Slot& s = slots_[size_t(slot)];
+    ensure_capacity(s, layout.bytes);
+    bind(s, *w, layout);
+    std::lock_guard<std::mutex> lock(mu_);
+    s.state = SlotState::kLoading;
+    s.speculative = true;
+    s.key = key_of(layer, expert);
+    s.error = nullptr;
+    ++stats_.speculated;
+    ++issued;
+    queue_.push_back({slot, &layout});
+  }
+  if (issued > 0) cv_.notify_all();
 }
 
 void ExpertStreamer::io_loop() {
@@ -517,10 +583,13 @@ std::string ExpertStreamer::summary() const {
   const ExpertStreamStats& st = stats_;
   const double hit = 100.0 * st.hit_rate();
   return fmt::format(
-      "expert cache: {} slots of {:.2f} MiB ({}, {}), {} acquires, {:.1f}% hits ({} loads: {} waited for, {} prefetched), "
+      "expert cache: {} slots of {:.2f} MiB ({}, {}), {} acquires, {:.1f}% hits ({} loads: {} waited for, {} prefetched{}), "
       "{:.2f} GiB read at {:.2f} GB/s, {:.3f} s stalled",
       cache_.slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_.policy()),
       uses_io_uring() ? "io_uring" : "pread", st.acquires, hit, st.loads(), st.misses, st.prefetched,
+      opt_.speculate ? fmt::format(", {} of {} guessed used ({:.1f}%)", st.speculated_used, st.speculated,
+                                   st.speculated > 0 ? 100.0 * double(st.speculated_used) / double(st.speculated) : 0.0)
+                     : std::string(),
       double(st.bytes_read) / (1 << 30), st.read_seconds > 0 ? double(st.bytes_read) / 1e9 / st.read_seconds : 0.0, st.stall_seconds);
 }
 

@@ -51,12 +51,15 @@ struct ExpertStreamStats {
   int64_t hits = 0;            // in a slot or on its way there (includes prefetched ones)
   int64_t misses = 0;          // loaded while the backend waited
   int64_t prefetched = 0;      // loads started by prefetch()
+  int64_t speculated = 0;      // loads started by speculate() (a guess)
+  int64_t speculated_used = 0; // of those, acquired before being evicted
   int64_t in_place = 0;        // acquires served from memory the checkpoint owns
   int64_t bytes_read = 0;      // from disk, including 4 KiB alignment
   double read_seconds = 0;     // inside read calls (the I/O thread's and misses')
   double stall_seconds = 0;    // acquire() waiting for bytes
-  // Loads per streamed acquire: the cache's miss rate whether the load was a prefetch or not.
-  int64_t loads() const { return misses + prefetched; }
+  // Loads per streamed acquire: the cache's miss rate whether the load was a prefetch or not
+  // (a speculative load counts once an acquire uses it; unused ones only cost bytes).
+  int64_t loads() const { return misses + prefetched + speculated_used; }
   double hit_rate() const {
     const int64_t streamed = acquires - in_place;
     return streamed > 0 ? std::max(0.0, 1.0 - double(loads()) / double(streamed)) : 0.0;
@@ -68,6 +71,9 @@ struct ExpertStreamOptions {
   int top_k = 1;
   EvictionPolicy policy = EvictionPolicy::kLru;
   int prefetch_depth = 2;  // loads prefetch() may have in flight (capped at slots - 1)
+  // speculate(): load the guessed experts of the next layer once the ones at hand are under
+  // way (refused below 2 x top_k slots: a guess would evict what the next acquires need).
+  bool speculate = false;
   bool direct_io = true;   // O_DIRECT where the file system supports it
   bool io_uring = true;    // io_uring with every span of the loads at hand in flight; else pread
   // Read experts from this store (one aligned read per expert, checksummed) instead of the
@@ -89,6 +95,8 @@ class ExpertStreamer final : public ExpertProvider {
 
   const ExpertWeights& acquire(const ExpertWeights& stored) override;
   void prefetch(std::span<const ExpertWeights* const> next) override;
+  bool speculates() const override { return opt_.speculate; }
+  void speculate(std::span<const ExpertWeights* const> likely) override;
 
   const ExpertStreamStats& stats() const { return stats_; }
   const ExpertCache& cache() const { return cache_; }
@@ -134,6 +142,7 @@ class ExpertStreamer final : public ExpertProvider {
     int64_t capacity = 0;
     SlotState state = SlotState::kEmpty;
     bool awaiting = false;  // prefetched for the micro-batch at hand, not yet acquired: kept
+    bool speculative = false;  // loaded by speculate(), not acquired since
     std::exception_ptr error;
     ExpertWeights weights;  // views into buffer
     int64_t key = -1;
@@ -170,9 +179,12 @@ class ExpertStreamer final : public ExpertProvider {
   // A store record's checksum against the bytes read into buffer; throws naming the record.
   void verify(const Layout& layout, const uint8_t* buffer) const;
   // The slot for (layer, expert) by the cache's policy, never one being loaded, awaiting its
-  // acquire or in use; *load when its bytes must be read there.
-  int32_t place(int32_t layer, int32_t expert, bool* load);
+  // acquire or in use (nor, for a guess, one the last prefetch() list names); *load when its
+  // bytes must be read there.
+  int32_t place(int32_t layer, int32_t expert, bool* load, bool guess = false);
   void clear_awaiting();  // under mu_: after a failure, what was prefetched may never be acquired
+  // Starts the pending guess's loads (prefetch() calls it once its list is all under way).
+  void release_speculation();
   void io_loop();
 
   ExpertStreamOptions opt_;
@@ -189,6 +201,8 @@ class ExpertStreamer final : public ExpertProvider {
   std::condition_variable cv_;
   std::deque<Job> queue_;
   int64_t awaiting_ = 0;  // slots with awaiting set
+  std::vector<const ExpertWeights*> guess_;    // speculate()'s experts, not yet started
+  std::vector<int64_t> demand_keys_;           // the last prefetch() list: guesses never evict these
   bool stop_ = false;
   std::thread io_;
 };

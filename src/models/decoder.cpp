@@ -232,7 +232,10 @@ void DecoderModel::forward(Backend& be, const ForwardBatch& b) const {
       dense_mlp(be, L.mlp, xn, ws.ffn, branch);
     } else {
       float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
-      moe_ffn(be, L.moe, xn, ws.ffn, branch, probs);
+      const MoeWeights* next = nullptr;  // the next MoE layer (expert streaming's guess)
+      for (int j = i + 1; j < hp_.n_layers && !next; ++j)
+        if (layers_[size_t(j)].ffn != FfnKind::kDense) next = &layers_[size_t(j)].moe;
+      moe_ffn(be, L.moe, xn, ws.ffn, branch, probs, next);
     }
     if (hp_.sandwich_norms) be.rmsnorm(branch, L.post_ffn_norm.data(), hp_.rms_eps, branch, hp_.norm_offset);
     trace(L.ffn == FfnKind::kDense ? "mlp" : "moe", i, branch);

@@ -69,6 +69,7 @@ class DecoderModel : public Model {
   std::vector<KvLayerSpec> kv_spec() const override;
   int64_t n_experts() const override { return hp_.n_experts; }
   int experts_per_token() const override { return hp_.n_experts > 0 ? hp_.top_k : 0; }
+  bool guesses_next_experts() const override { return hp_.n_experts > 0; }
   void for_each_routed_expert(const std::function<void(const ExpertWeights&)>& fn) const override {
     for (const Layer& L : layers_)
       for (const ExpertWeights& e : L.moe.experts) fn(e);

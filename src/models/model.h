@@ -102,6 +102,9 @@ class Model {
   virtual int64_t n_experts() const { return 0; }
   // Routed experts each token uses (top-k); 0 for dense models.
   virtual int experts_per_token() const { return 0; }
+  // Whether forward() hands expert streaming the next MoE layer's likely experts
+  // (Backend::speculate_experts; --expert-speculate).
+  virtual bool guesses_next_experts() const { return false; }
   // Every routed expert's weights (expert streaming: which bytes not to page in).
   virtual void for_each_routed_expert(const std::function<void(const ExpertWeights&)>& fn) const { (void)fn; }
   virtual std::unique_ptr<ModelWorkspace> new_workspace(Backend& backend, int64_t max_rows) const = 0;

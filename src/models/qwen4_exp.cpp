@@ -339,6 +339,7 @@ class Qwen4Exp final : public Model {
   const ModelInfo& info() const override { return info_; }
   int64_t n_experts() const override { return hp_.n_experts; }
   int experts_per_token() const override { return hp_.n_experts > 0 ? hp_.top_k : 0; }
+  bool guesses_next_experts() const override { return hp_.n_experts > 0; }
   void for_each_routed_expert(const std::function<void(const ExpertWeights&)>& fn) const override {
     for (const Layer& L : layers_)
       for (const ExpertWeights& e : L.moe.experts) fn(e);
@@ -566,7 +567,8 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     hc_gated_residual(be, L.mlp_hc, streams, ws.hc, mixed, &inject);
     trace("hyper_connection", i, mixed);
     float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
-    moe_ffn(be, L.moe, mixed, ws.ffn, branch, probs);
+    const MoeWeights* next = i + 1 < hp_.n_layers ? &layers_[size_t(i) + 1].moe : nullptr;  // streaming's guess
+    moe_ffn(be, L.moe, mixed, ws.ffn, branch, probs, next);
     Mat shared = ws.shared_out.rows_slice(0, n), gate = ws.shared_gate.rows_slice(0, n);
     dense_mlp(be, L.shared, mixed, ws.ffn, shared);
     be.matmul(L.shared_gate, mixed, gate);

@@ -108,6 +108,13 @@ class ExpertProvider {
   // `stored`'s weights, readable now: the same values at other addresses. Valid until the
   // next acquire() or the end of the moe_experts() call, whichever comes first.
   virtual const ExpertWeights& acquire(const ExpertWeights& stored) = 0;
+  // Whether speculate() does anything (it costs the caller a router product per layer).
+  virtual bool speculates() const { return false; }
+  // Experts likely to be asked for after the ones at hand (the next MoE layer's, from its
+  // router on this layer's input): a guess, loaded once everything prefetch() was given is
+  // under way, into slots nothing at hand needs; never protected afterwards. Replaces the
+  // previous guess.
+  virtual void speculate(std::span<const ExpertWeights* const> likely) { (void)likely; }
 };
 
 // The [2 * inter, hidden] matrix whose even rows are e.gate and odd rows e.up, for an expert
@@ -376,6 +383,13 @@ class Backend {
   // resident experts need no host round trip (the streaming path will sync here, by design).
   virtual void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
                            const float* weight, int k, const Mat& out) = 0;
+  // Expert streaming with speculation: whether speculate_experts() is worth its router product.
+  virtual bool speculates_experts() const { return false; }
+  // The experts idx [rows, k] (backend memory, from router_topk) names, of a later MoE layer,
+  // handed to the provider as a guess (ExpertProvider::speculate). The default ignores them.
+  virtual void speculate_experts(const std::vector<ExpertWeights>& experts, const int32_t* idx, int64_t rows, int k) {
+    (void)experts, (void)idx, (void)rows, (void)k;
+  }
   // Streams routed experts through `provider` (null: read them in place again). Backends
   // without a streaming tier refuse it by name.
   virtual void set_expert_provider(ExpertProvider* provider) {

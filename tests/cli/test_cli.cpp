@@ -329,6 +329,36 @@ TEST(Cli, ExpertCacheSlotsGiveResidentLogitsAndRefuseBadValues) {
   expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-slots 2 --expert-cache-gb 1"), "give one of them");
 }
 
+// --expert-speculate: the next layer's guessed experts loaded ahead change what the cache holds,
+// never the logits; the summary says how many guesses were used; refused by name without
+// streaming, on a dense model, on a family that does not guess and below 2 x top-k slots.
+TEST(Cli, ExpertSpeculationGivesResidentLogitsAndIsRefusedWhereItCannotRun) {
+  TempDir tmp;
+  const std::string moe = fixture("qwen3_moe_gguf_tiny") + "/qwen3_moe_gguf_tiny-q4_0.gguf";
+  const std::string ids = tokens_csv(golden_tokens("qwen3_moe_gguf_tiny"));
+  ASSERT_EQ(run_cli("logits -m " + moe + " --tokens " + ids + " --out " + tmp.str() + "/a.npy").exit_code, 0);
+  for (const char* flags : {"--expert-cache-slots 4 --expert-speculate",
+                            "--expert-cache-slots 6 --expert-speculate --expert-prefetch 0"}) {
+    auto r = run_cli("logits -m " + moe + " --tokens " + ids + " --out " + tmp.str() + "/b.npy " + flags);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.out;
+    EXPECT_EQ(read_file(tmp.path / "a.npy"), read_file(tmp.path / "b.npy")) << flags;
+  }
+  auto g = run_cli("generate -m " + moe + " --tokens " + ids +
+                   " -n 4 --format ids --temperature 0 --expert-cache-slots 4 --expert-speculate");
+  ASSERT_EQ(g.exit_code, 0) << g.out;
+  EXPECT_NE(g.out.find("guessed used ("), std::string::npos) << g.out;
+  const std::string lg = "logits --tokens 1,2 --out " + tmp.str() + "/c.npy -m ";
+  expect_one_line_error(run_cli(lg + moe + " --expert-speculate"), "--expert-speculate: the weights fit in memory");
+  expect_one_line_error(run_cli(lg + moe + " --expert-speculate --expert-cache-slots 0"),
+                        "--expert-speculate: expert streaming is off");
+  expect_one_line_error(run_cli(lg + moe + " --expert-speculate --expert-cache-slots 3"),
+                        "--expert-speculate needs at least 2 x top-k = 4 cache slots, the cache has 3");
+  expect_one_line_error(run_cli(lg + fixture("qwen3_tiny") + " --expert-speculate"),
+                        "--expert-speculate: Qwen3ForCausalLM is a dense model");
+  expect_one_line_error(run_cli(lg + fixture("gpt_oss_tiny") + " --expert-speculate --expert-cache-slots 8"),
+                        "does not guess its next layer's experts yet");
+}
+
 // convert --expert-store, then streaming from the store: resident logits bit for bit, the store
 // named on stderr; a dense model, a non-empty directory and a store of another model are
 // refused by name.

@@ -103,6 +103,80 @@ INSTANTIATE_TEST_SUITE_P(
       return n;
     });
 
+// Speculation (--expert-speculate): the next MoE layer's router on this layer's input names
+// experts loaded ahead as a guess. Guesses change what the cache holds, never the logits; they
+// never take a slot the demand path needs (at 2 x top-k slots a wrong guess still loading once
+// left a miss with every slot held, an error: the seed's one-bank lesson; slow reads keep the
+// guesses in flight here, and the trained fixture, with a dense layer between its MoE layers,
+// guesses wrong often); and they do happen.
+TEST(ExpertStreamingSpeculation, LogitsBitwiseEqualAndGuessesNeverStarveDemand) {
+  const StreamCase cases[] = {{"qwen3_moe_tiny", "", true},
+                              {"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q4_0.gguf", true},
+                              {"qwen3_moe_trained_tiny", "", true},
+                              {"qwen4_exp_tiny", "", true}};
+  auto slow_pread = [](int fd, void* dst, size_t n, off_t off) -> ssize_t {
+    ::usleep(200);
+    return ::pread(fd, dst, n, off);
+  };
+  for (const StreamCase& c : cases) {
+    auto be = make_cpu_backend(2);
+    LoadedModel m = load_model(model_path(c), *be);
+    ASSERT_TRUE(m.model->guesses_next_experts()) << c.fixture;
+    const int k = m.model->experts_per_token();
+    // Trained fixtures keep their tokens in golden.json only (no hidden states to load).
+    const std::vector<int32_t> tokens =
+        testing::read_json(testing::fixture(c.fixture) + "/golden.json")["tokens"].get<std::vector<int32_t>>();
+    const int64_t chunks[] = {0, 1, 2, 3};  // lists of k to 3k experts a layer
+    std::vector<std::vector<float>> resident;
+    for (int64_t chunk : chunks) {
+      Session s(*m.model, *be);
+      resident.push_back(s.feed(tokens, chunk, true));
+    }
+    int64_t guessed = 0, used = 0;
+    for (int64_t slots : {2 * k, 2 * k + 1, 3 * k})
+      for (int depth : {0, 2, 8})
+        for (bool slow : {false, true}) {
+        ExpertStreamOptions o;
+        o.slots = slots;
+        o.top_k = k;
+        o.prefetch_depth = depth;
+        o.speculate = true;
+        if (slow) o.pread_fn = slow_pread;
+        ExpertStreamer streamer(o);
+        be->set_expert_provider(&streamer);
+        ASSERT_TRUE(be->speculates_experts());
+        for (size_t ci = 0; ci < std::size(chunks); ++ci) {
+          Session s(*m.model, *be);
+          const std::vector<float> got = s.feed(tokens, chunks[ci], true);
+          EXPECT_TRUE(bitwise_equal(got, resident[ci]))
+              << c.fixture << " slots " << slots << " depth " << depth << " slow " << slow << " chunk " << chunks[ci];
+        }
+        const ExpertStreamStats& st = streamer.stats();
+        EXPECT_EQ(st.hits + st.misses, st.acquires) << c.fixture;
+        EXPECT_LE(st.speculated_used, st.speculated) << c.fixture;
+        EXPECT_LE(st.loads(), st.acquires) << c.fixture;
+        guessed += st.speculated;
+        used += st.speculated_used;
+        be->set_expert_provider(nullptr);
+      }
+    EXPECT_GT(guessed, 0) << c.fixture << ": no guess was ever loaded";
+    EXPECT_GT(used, 0) << c.fixture << ": no guess was ever used";
+  }
+}
+
+TEST(ExpertStreamingSpeculation, RefusedBelowTwiceTopK) {
+  ExpertStreamOptions o;
+  o.slots = 7;
+  o.top_k = 4;
+  o.speculate = true;
+  try {
+    ExpertStreamer streamer(o);
+    ADD_FAILURE() << "7 slots for top-4 with speculation were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("2 x top_k = 8"), std::string::npos) << e.what();
+  }
+}
+
 // Faults from the disk: each must end the forward with an Error naming the file, and the
 // failed slot must not be reused as if it held the expert.
 std::string expect_stream_error(Backend& be, const Model& model, const std::vector<int32_t>& tokens,

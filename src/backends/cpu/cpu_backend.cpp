@@ -270,6 +270,21 @@ class CpuBackend final : public Backend {
   }
 
   void set_expert_provider(ExpertProvider* provider) override { provider_ = provider; }
+  bool speculates_experts() const override { return provider_ && provider_->speculates(); }
+  void speculate_experts(const std::vector<ExpertWeights>& experts, const int32_t* idx, int64_t rows,
+                         int k) override {
+    if (!provider_) return;
+    // Each picked expert once, in expert order (as moe_experts computes them).
+    std::vector<const ExpertWeights*> likely;
+    std::vector<uint8_t> seen(experts.size(), 0);
+    for (int64_t i = 0; i < rows * k; ++i) {
+      const int32_t e = idx[i];
+      if (e >= 0 && size_t(e) < experts.size()) seen[size_t(e)] = 1;
+    }
+    for (size_t e = 0; e < experts.size(); ++e)
+      if (seen[e]) likely.push_back(&experts[e]);
+    provider_->speculate(likely);
+  }
 
  private:
   ExpertProvider* provider_ = nullptr;

@@ -42,12 +42,22 @@ void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, c
   emit_router_probs(be, logits, router_probs);
 }
 
-void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs) {
+void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs,
+             const MoeWeights* next) {
   const int64_t rows = x.rows;
   Mat logits = s.router_logits.rows_slice(0, rows);
   check_routing_buffers(logits, w.top_k, s.topk_idx, s.topk_weight);
   be.router_topk(w.router, x, logits, w.top_k, w.renormalize, s.topk_idx.data(), s.topk_weight.data());
   emit_router_probs(be, logits, router_probs);
+  if (next && be.speculates_experts() && next->router.view.rows <= s.router_logits.cols &&
+      next->top_k <= w.top_k) {
+    // The guess: the next layer's router on this layer's input (its own input is this x plus
+    // two residual branches away). Read by the provider only; this layer's routing is untouched.
+    const Mat guess_logits = s.router_logits.rows_slice(0, rows).cols_slice(0, next->router.view.rows);
+    be.router_topk(next->router, x, guess_logits, next->top_k, next->renormalize, s.guess_idx.data(),
+                   s.guess_weight.data());
+    be.speculate_experts(next->experts, s.guess_idx.data(), rows, next->top_k);
+  }
   be.moe_experts(w.experts, x, s.topk_idx.data(), s.topk_weight.data(), w.top_k, out);
 }
 

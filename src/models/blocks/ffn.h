@@ -25,11 +25,15 @@ struct FfnScratch {
   Mat router_logits;     // [rows, n_experts]
   BackendArray<int32_t> topk_idx;  // [rows, top_k]
   BackendArray<float> topk_weight; // [rows, top_k]
+  BackendArray<int32_t> guess_idx;   // [rows, top_k]: the next MoE layer's likely experts (streaming)
+  BackendArray<float> guess_weight;  // [rows, top_k]
 
   // The routing buffers for micro-batches of up to `rows` rows.
   void allocate_routing(Backend& be, int64_t rows, int top_k) {
     topk_idx = be.alloc_array<int32_t>(rows * top_k);
     topk_weight = be.alloc_array<float>(rows * top_k);
+    guess_idx = be.alloc_array<int32_t>(rows * top_k);
+    guess_weight = be.alloc_array<float>(rows * top_k);
   }
 };
 
@@ -44,7 +48,11 @@ void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& 
 void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, const BackendArray<int32_t>& idx,
                   const BackendArray<float>& weight, float* router_probs, const float* expert_scale = nullptr);
 
-// When router_probs is non-null it receives softmax(router logits) [rows, n_experts].
-void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs);
+// When router_probs is non-null it receives softmax(router logits) [rows, n_experts]. With
+// `next` (the next MoE layer's weights) and a backend that speculates (expert streaming with
+// --expert-speculate), next's router also runs on x and its picks go to the expert provider as
+// a guess, loaded while this layer computes (the logits scratch is reused for it).
+void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs,
+             const MoeWeights* next = nullptr);
 
 }  // namespace turbospark
