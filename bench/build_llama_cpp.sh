@@ -15,6 +15,7 @@
 #                         (default ${XDG_CACHE_HOME:-~/.cache}/turbospark/llama.cpp-<version>)
 #   JOBS                  parallel build jobs (default: nproc)
 #   LLAMA_WITH_CLI=1      also build llama-cli (needs the server library: much longer build)
+#   LLAMA_WITH_SERVER=1   also build llama-server (the serving peer of bench/serve_bench.py)
 #   FORCE=1               rebuild even if the binaries exist
 #
 # Binaries built (in the printed bin dir):
@@ -52,6 +53,7 @@ bin="$build/bin"
 targets=(llama-completion llama-simple llama-simple-chat llama-bench llama-perplexity
          llama-debug llama-eval-callback llama-tokenize llama-gguf)
 if [[ "${LLAMA_WITH_CLI:-0}" == 1 ]]; then targets+=(llama-cli); fi
+if [[ "${LLAMA_WITH_SERVER:-0}" == 1 ]]; then targets+=(llama-server); fi
 
 log() { echo "build_llama_cpp: $*" >&2; }
 
@@ -90,10 +92,14 @@ fi
 # 3. configure + build (CPU only, native ISA, no network features).
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
+server=OFF
+[[ "${LLAMA_WITH_CLI:-0}" == 1 || "${LLAMA_WITH_SERVER:-0}" == 1 ]] && server=ON
+# An earlier configure without the server library: configure again with it.
+if [[ -f "$build/CMakeCache.txt" && "$server" == ON ]] && ! grep -q "^LLAMA_BUILD_SERVER:BOOL=ON" "$build/CMakeCache.txt"; then
+  rm -f "$build/CMakeCache.txt"
+fi
 if [[ ! -f "$build/CMakeCache.txt" ]]; then
   log "configuring in $build"
-  server=OFF
-  [[ "${LLAMA_WITH_CLI:-0}" == 1 ]] && server=ON
   cmake -S "$src" -B "$build" "${gen[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \

@@ -442,8 +442,11 @@ void add_serve_command(CLI::App& app) {
       engine.shutdown();
       http.stop();
     });
-    fmt::print(stderr, "turbospark serve: listening on http://{}:{} (model '{}', {} slots of {} tokens{})\n", o->host,
-               port, id, o->parallel, ctx, o->api_key.empty() ? "" : ", API key required");
+    fmt::print(stderr, "turbospark serve: listening on http://{}:{} (model '{}', {} slots of {} tokens, steps of up to {} "
+               "rows{}{})\n", o->host, port, id, o->parallel, ctx, engine.step_rows(),
+               engine.batches_sequences() ? "" : fmt::format(", {} runs a forward per sequence (its recurrent state)",
+                                                               model.info().architecture),
+               o->api_key.empty() ? "" : ", API key required");
     std::fflush(stderr);
     const bool ok = http.listen_after_bind();
     const bool by_signal = g_stop.exchange(true);

@@ -17,14 +17,35 @@ namespace turbospark {
 
 constexpr int kKvBlockSize = 16;
 
+// Several sequences sharing one pool (continuous batching): each sequence's table row starts
+// empty and grows from a free list of blocks as it is given positions.
+struct KvPoolOptions {
+  int n_seqs = 1;
+  int64_t max_tokens_per_seq = 0;  // the context of one sequence
+  int64_t pool_tokens = 0;         // positions the pool holds over all sequences
+};
+
 class KvCache {
  public:
+  // One sequence owning the whole pool: logical block i is physical block i.
   KvCache(Backend& backend, std::vector<KvLayerSpec> spec, int64_t max_tokens, int block_size = kKvBlockSize);
+  // A pool shared by o.n_seqs sequences.
+  KvCache(Backend& backend, std::vector<KvLayerSpec> spec, const KvPoolOptions& o, int block_size = kKvBlockSize);
 
-  // Makes positions [0, n_tokens) addressable.
+  // Makes positions [0, n_tokens) addressable (one-sequence caches).
   void reserve(int64_t n_tokens);
+  // Makes positions [0, n_tokens) of sequence seq addressable, taking blocks from the free list
+  // (uploads the table row's new entries); false, with nothing taken, when too few are free.
+  bool grow(int seq, int64_t n_tokens);
+  // Gives sequence seq's blocks back to the free list.
+  void release(int seq);
+  int64_t free_blocks() const { return int64_t(free_.size()); }
+  int64_t total_blocks() const { return n_blocks_; }
+  int block_size() const { return block_size_; }
+  int64_t seq_tokens(int seq) const { return int64_t(owned_[size_t(seq)].size()) * block_size_; }
   KvLayerView layer(int i) const;
   int n_layers() const { return int(spec_.size()); }
+  int n_seqs() const { return n_seqs_; }
   int64_t capacity() const { return max_tokens_; }
   // Bytes of the blocks that hold the positions reserved so far, over every layer.
   int64_t used_bytes() const;
@@ -32,18 +53,24 @@ class KvCache {
   int64_t pool_bytes() const;
 
  private:
+  void allocate_pools(Backend& backend);
+
   struct LayerPools {
     std::shared_ptr<void> k, v;  // [n_blocks, block_size, n_kv_heads, head_dim] of type_, or null
   };
+  Backend& backend_;
   std::vector<KvLayerSpec> spec_;
   KvType type_;  // the backend's (Backend::kv_type)
-  int64_t max_tokens_;
+  int64_t max_tokens_;  // per sequence
   int block_size_;
-  int64_t n_blocks_;
+  int64_t n_blocks_;    // in the pool
+  int n_seqs_ = 1;
+  int max_blocks_ = 0;  // table row length: blocks of one sequence's context
   int64_t used_blocks_ = 0;
   std::vector<LayerPools> layers_;
-  // One sequence: logical block i is physical block i.
-  BackendArray<int32_t> block_table_;  // [n_blocks]
+  BackendArray<int32_t> block_table_;  // [n_seqs, max_blocks]
+  std::vector<std::vector<int32_t>> owned_;  // per sequence, its blocks in logical order (pools)
+  std::vector<int32_t> free_;                 // free physical blocks (pools)
 };
 
 }  // namespace turbospark

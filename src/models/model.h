@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <span>
 #include <vector>
 
 #include "core/error.h"
@@ -70,6 +71,10 @@ struct ForwardBatch {
   int64_t n = 0;                        // micro-batch rows, <= workspace capacity
   std::vector<KvLayerView> kv;          // per layer
   bool all_logits = false;              // logits for every row, else only the last
+  // When non-empty (host, ascending row indices): the outputs of these rows, in this order,
+  // instead of all rows or the last (a step of several sequences wants each one's last row).
+  // Families with sequence state run one sequence a forward and refuse it.
+  std::span<const int64_t> logit_rows;
   float* logits = nullptr;              // host [n or 1, vocab] f32
   // Greedy decoding: when logits is null, the argmax id of each wanted row lands here
   // (host [n or 1]; -1 for a row holding a NaN) and nothing else leaves the backend.
@@ -91,6 +96,9 @@ struct ForwardBatch {
     TS_CHECK(n > 0 && n <= workspace_rows, "micro-batch of {} rows exceeds the workspace ({})", n, workspace_rows);
     TS_CHECK(int(kv.size()) == n_layers, "KV views for {} layers, model has {}", kv.size(), n_layers);
     TS_CHECK((logits != nullptr) != (greedy_ids != nullptr), "a forward wants exactly one of logits or greedy ids");
+    for (size_t i = 0; i < logit_rows.size(); ++i)
+      TS_CHECK(logit_rows[i] >= 0 && logit_rows[i] < n && (i == 0 || logit_rows[i] > logit_rows[i - 1]),
+               "logit row {} of a micro-batch of {} rows (ascending, in range)", logit_rows[i], n);
   }
 };
 

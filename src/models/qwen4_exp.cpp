@@ -578,6 +578,7 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     be.hc_inject(streams, branch, inject, C);
     trace("hyper_connection", i, streams);
   }
+  TS_CHECK(b.logit_rows.empty(), "qwen4_exp: one sequence a forward (its recurrent state), so no logit_rows");
   Mat last_streams = b.all_logits ? streams : streams.rows_slice(n - 1, 1);
   Mat out = mixed.rows_slice(0, last_streams.rows);
   hc_gated_residual(be, exit_mixer_, last_streams, ws.hc, out, nullptr);

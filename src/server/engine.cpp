@@ -67,33 +67,44 @@ size_t stop_prefix_hold(const std::string& text, const std::vector<std::string>&
 }
 
 struct ServeEngine::Slot {
-  Slot(const Model& model, Backend& backend, int64_t ctx) : session(model, backend, options(ctx)) {}
-  static SessionOptions options(int64_t ctx) {
-    SessionOptions so;
-    so.max_context = ctx;
-    return so;
-  }
-
-  Session session;
-  std::vector<int32_t> history;  // tokens the session holds, in order
+  int seq = 0;                   // its row of the KV pool (and state slot)
+  std::vector<int32_t> history;  // tokens its sequence holds, in order
   // Written by the worker, read by metrics() from other threads.
   std::atomic<bool> busy{false};
   std::atomic<int64_t> position{0};
   Pending p;
+  uint64_t order = 0;         // admission order
+  uint64_t last_step = 0;     // the engine step that last ran its rows
   std::optional<Sampler> sampler;
   std::optional<Tokenizer::StreamDecoder> decoder;
-  size_t prompt_fed = 0;      // prompt tokens in the session (reused + fed)
+  size_t prompt_fed = 0;      // prompt tokens in the sequence (reused + fed)
   int64_t completion = 0;     // tokens generated (the stop token not counted)
   int32_t last_token = -1;    // sampled, not yet fed
   std::string held;           // text held back while it may begin a stop string
   double first_token_at = 0, last_token_at = 0;
+  // This step's rows of the slot, [row0, row0 + rows), the last wanted when `wants`.
+  int64_t row0 = 0, rows = 0;
+  bool wants = false;
 };
 
-ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx) : rt_(rt), ctx_(ctx) {
+static BatchOptions batch_options(int parallel, int64_t ctx, int64_t step_rows) {
   TS_CHECK(parallel >= 1 && parallel <= 256, "--parallel must be in 1..256, got {}", parallel);
+  BatchOptions o;
+  o.n_seqs = parallel;
+  o.max_context = ctx;
+  o.max_rows = step_rows;
+  return o;
+}
+
+ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows)
+    : rt_(rt), ctx_(ctx), runner_(*rt.model.model, *rt.backend, batch_options(parallel, ctx, step_rows)) {
   TS_CHECK(rt_.tokenizer.has_value(), "serve needs a model with a tokenizer (tokenizer.json or a GGUF vocabulary)");
-  for (int i = 0; i < parallel; ++i) slots_.push_back(std::make_unique<Slot>(*rt_.model.model, *rt_.backend, ctx_));
-  metrics_.kv_tokens_total = int64_t(parallel) * ctx_;
+  for (int i = 0; i < parallel; ++i) {
+    slots_.push_back(std::make_unique<Slot>());
+    slots_.back()->seq = i;
+  }
+  metrics_.kv_tokens_total = runner_.kv().total_blocks() * runner_.kv().block_size();
+  metrics_.kv_blocks_total = runner_.kv().total_blocks();
   worker_ = std::thread([this] { run(); });
 }
 
@@ -140,10 +151,11 @@ void ServeEngine::admit(Pending p) {
   }
   Slot& s = *best;
   if (best_keep == 0 && !s.history.empty()) {
-    s.session.reset();
+    runner_.release(s.seq);
     s.history.clear();
   }
   s.busy.store(true);
+  s.order = admitted_++;
   s.prompt_fed = best_keep;
   s.completion = 0;
   s.last_token = -1;
@@ -165,7 +177,7 @@ void ServeEngine::finish(Slot& s, Finish why, std::string error, std::string sto
   e.completion_tokens = s.completion;
   if (why == Finish::kError) {
     // A forward that threw may have left the sequence part-written: start it over next time.
-    s.session.reset();
+    runner_.release(s.seq);
     s.history.clear();
   }
   if (s.completion > 1 && s.last_token_at > s.first_token_at) {
@@ -180,11 +192,11 @@ void ServeEngine::finish(Slot& s, Finish why, std::string error, std::string sto
   }
   s.p.handle->push(std::move(e));
   s.p = Pending{};
-  s.position.store(s.session.position());
+  s.position.store(int64_t(s.history.size()));
   s.busy.store(false);
 }
 
-TokenLogprob ServeEngine::token_logprob(const std::vector<float>& logits, int32_t token, int top_n) const {
+TokenLogprob ServeEngine::token_logprob(std::span<const float> logits, int32_t token, int top_n) const {
   // log_softmax in double: log p_i = l_i - max - log(sum exp(l - max)).
   const float mx = *std::max_element(logits.begin(), logits.end());
   double sum = 0;
@@ -204,52 +216,121 @@ TokenLogprob ServeEngine::token_logprob(const std::vector<float>& logits, int32_
   return t;
 }
 
-bool ServeEngine::step(Slot& s) {
+void ServeEngine::step() {
+  const int64_t vocab = rt_.model.model->info().vocab_size;
+  // Requests that went away, and decodes at the end of their context.
+  std::vector<Slot*> live;
+  for (auto& sp : slots_) {
+    Slot& s = *sp;
+    if (!s.busy) continue;
+    if (s.p.handle->cancelled()) {
+      finish(s, Finish::kCancelled);
+      continue;
+    }
+    if (s.prompt_fed == s.p.request.prompt.size() && int64_t(s.history.size()) + 1 >= ctx_) {
+      finish(s, Finish::kLength);
+      continue;
+    }
+    live.push_back(&s);
+  }
+  if (live.empty()) return;
+  // Decode rows first (every running reply advances each step), then prompt chunks first come
+  // first served while the step has room.
+  // (Decodes that waited longest first, should there be more of them than the step holds.)
+  std::sort(live.begin(), live.end(), [](const Slot* a, const Slot* b) {
+    const bool da = a->prompt_fed == a->p.request.prompt.size(), db = b->prompt_fed == b->p.request.prompt.size();
+    if (da != db) return da;
+    if (da && a->last_step != b->last_step) return a->last_step < b->last_step;
+    return a->order < b->order;
+  });
+  ++steps_;
+  std::vector<BatchRow> rows;
+  std::vector<Slot*> stepped;
+  bool need_logits = false;
+  const int64_t budget = runner_.max_rows();
+  for (Slot* sp : live) {
+    Slot& s = *sp;
+    const ServeRequest& req = s.p.request;
+    const int64_t room = budget - int64_t(rows.size());
+    if (room <= 0) break;
+    s.row0 = int64_t(rows.size());
+    const int64_t pos = int64_t(s.history.size());
+    if (s.prompt_fed < req.prompt.size()) {
+      const int64_t n = std::min<int64_t>({room, kPrefillChunk, int64_t(req.prompt.size() - s.prompt_fed)});
+      if (!runner_.reserve(s.seq, pos + n)) continue;  // the pool is full: wait (not with a whole-context pool)
+      for (int64_t i = 0; i < n; ++i) rows.push_back({s.seq, req.prompt[s.prompt_fed + size_t(i)], pos + i, false});
+      s.rows = n;
+      s.wants = s.prompt_fed + size_t(n) == req.prompt.size();
+    } else {
+      if (!runner_.reserve(s.seq, pos + 1)) continue;
+      rows.push_back({s.seq, s.last_token, pos, false});
+      s.rows = 1;
+      s.wants = true;
+    }
+    rows.back().want = s.wants;
+    s.last_step = steps_;
+    if (s.wants) need_logits |= !s.sampler->greedy() || req.top_logprobs >= 0;
+    stepped.push_back(&s);
+  }
+  if (rows.empty()) return;
+  std::vector<float> logits;
+  std::vector<int32_t> greedy;
+  try {
+    // Only the ids leave the backend when every wanted row is greedy without logprobs.
+    runner_.step(rows, need_logits ? &logits : nullptr, need_logits ? nullptr : &greedy);
+  } catch (const std::exception& ex) {
+    for (Slot* sp : stepped) finish(*sp, Finish::kError, ex.what());
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_.steps++;
+    metrics_.step_rows += rows.size();
+    metrics_.step_seqs += stepped.size();
+  }
+  int64_t out = 0;
+  for (Slot* sp : stepped) {
+    Slot& s = *sp;
+    const ServeRequest& req = s.p.request;
+    const bool prefill = s.prompt_fed < req.prompt.size();
+    for (int64_t i = 0; i < s.rows; ++i) s.history.push_back(rows[size_t(s.row0 + i)].token);
+    s.position.store(int64_t(s.history.size()));
+    if (prefill) s.prompt_fed += size_t(s.rows);
+    if (!s.wants) continue;
+    const int64_t k = out++;
+    int32_t token = -1;
+    std::span<const float> row;
+    if (need_logits) {
+      row = std::span<const float>(logits.data() + k * vocab, size_t(vocab));
+      if (!std::all_of(row.begin(), row.end(), [](float v) { return std::isfinite(v); })) {
+        finish(s, Finish::kError, fmt::format("non-finite logit at position {} (NaN or Inf in the forward pass)",
+                                              s.history.size() - 1));
+        continue;
+      }
+      token = s.sampler->sample(row.data(), vocab);
+    } else {
+      token = greedy[size_t(k)];
+      if (token < 0) {
+        finish(s, Finish::kError,
+               fmt::format("non-finite logit at position {} (NaN in the forward pass)", s.history.size() - 1));
+        continue;
+      }
+    }
+    if (prefill) {
+      s.first_token_at = now_seconds();
+      std::lock_guard<std::mutex> lock(mu_);
+      metrics_.ttft.observe(s.first_token_at - s.p.submitted);
+    } else {
+      s.last_token_at = now_seconds();
+    }
+    deliver(s, token, row);
+  }
+}
+
+bool ServeEngine::deliver(Slot& s, int32_t token, std::span<const float> logits) {
   const ServeRequest& req = s.p.request;
   RequestHandle& h = *s.p.handle;
-  if (h.cancelled()) {
-    finish(s, Finish::kCancelled);
-    return false;
-  }
-  const int64_t vocab = rt_.model.model->info().vocab_size;
   const bool want_logprobs = req.top_logprobs >= 0;
-  const bool greedy_fast = s.sampler->greedy() && !want_logprobs;  // only the id leaves the backend
-  std::vector<float> logits;
-  int32_t token = -1;
-  if (s.prompt_fed < req.prompt.size()) {
-    const size_t n = std::min<size_t>(kPrefillChunk, req.prompt.size() - s.prompt_fed);
-    const std::span<const int32_t> chunk(req.prompt.data() + s.prompt_fed, n);
-    const bool last = s.prompt_fed + n == req.prompt.size();
-    if (last && greedy_fast) {
-      token = s.session.feed_greedy(chunk);
-    } else {
-      logits = s.session.feed(chunk);
-      if (last) token = s.sampler->sample(logits.data(), vocab);
-    }
-    s.history.insert(s.history.end(), chunk.begin(), chunk.end());
-    s.position.store(s.session.position());
-    s.prompt_fed += n;
-    if (!last) return true;
-    s.first_token_at = now_seconds();
-    std::lock_guard<std::mutex> lock(mu_);
-    metrics_.ttft.observe(s.first_token_at - s.p.submitted);
-  } else {
-    if (s.session.position() + 1 >= s.session.max_context()) {
-      finish(s, Finish::kLength);
-      return false;
-    }
-    const std::span<const int32_t> one(&s.last_token, 1);
-    if (greedy_fast) {
-      token = s.session.feed_greedy(one);
-    } else {
-      logits = s.session.feed(one);
-      token = s.sampler->sample(logits.data(), vocab);
-    }
-    s.history.push_back(s.last_token);
-    s.position.store(s.session.position());
-    s.last_token_at = now_seconds();
-  }
-
   // The sampled token: a stop id ends the reply; else its text, less what may begin a stop string.
   ServeEvent e;
   const bool is_stop = std::find(rt_.stop_ids.begin(), rt_.stop_ids.end(), token) != rt_.stop_ids.end();
@@ -317,14 +398,7 @@ void ServeEngine::run() {
       }
       if (stopping_) break;
     }
-    for (auto& s : slots_) {
-      if (!s->busy) continue;
-      try {
-        step(*s);
-      } catch (const std::exception& ex) {
-        finish(*s, Finish::kError, ex.what());
-      }
-    }
+    step();
   }
   // Shutting down: everything still here is cancelled.
   for (auto& s : slots_)
@@ -344,11 +418,17 @@ ServeMetrics ServeEngine::metrics() {
   m.queued = int64_t(queue_.size());
   m.running = 0;
   m.kv_tokens_used = 0;
+  m.kv_blocks_used = 0;
   // The worker's atomics: a snapshot may be one step stale.
   for (const auto& s : slots_) {
     if (!s->busy.load()) continue;
     m.running++;
     m.kv_tokens_used += s->position.load();
+  }
+  // Blocks held by sequences, running or kept for prefix reuse (one block per started 16).
+  for (const auto& s : slots_) {
+    const int64_t bs = runner_.kv().block_size();
+    m.kv_blocks_used += (s->position.load() + bs - 1) / bs;
   }
   return m;
 }
@@ -382,7 +462,14 @@ std::string ServeEngine::prometheus() {
   counter("requests_queued", "Requests waiting for a slot.", double(m.queued), "gauge");
   counter("requests_running", "Requests in a slot.", double(m.running), "gauge");
   counter("kv_cache_tokens_used", "KV cache positions held by running requests.", double(m.kv_tokens_used), "gauge");
-  counter("kv_cache_tokens_total", "KV cache positions over all slots.", double(m.kv_tokens_total), "gauge");
+  counter("kv_cache_tokens_total", "KV cache positions of the shared pool.", double(m.kv_tokens_total), "gauge");
+  counter("kv_cache_blocks_used", "KV pool blocks held by sequences (running, or kept for prefix reuse).",
+          double(m.kv_blocks_used), "gauge");
+  counter("kv_cache_blocks_total", "KV pool blocks.", double(m.kv_blocks_total), "gauge");
+  counter("batch_steps_total", "Batched forwards run.", double(m.steps));
+  counter("batch_step_rows_total", "Rows those forwards held (decode rows plus prefill tokens).", double(m.step_rows));
+  counter("batch_step_sequences_total", "Sequences those forwards held (one row or a prompt chunk each).",
+          double(m.step_seqs));
   const double hit = m.prompt_tokens ? double(m.prompt_tokens_cached) / double(m.prompt_tokens) : 0.0;
   counter("prefix_cache_hit_rate", "Share of prompt tokens reused from a slot's previous sequence.", hit, "gauge");
   histogram("time_to_first_token_seconds", "Time from request to its first token.", m.ttft);

@@ -1,12 +1,12 @@
-// The serving engine behind `turbospark serve`: requests queue for one of N sequence slots
-// (each a Session with its own KV cache), and one worker thread advances every running
-// request one step at a time in turn: a prefill chunk of at most kPrefillChunk prompt tokens,
-// or one decode token. So a long prompt never stalls the replies already streaming, and a
-// slot whose previous conversation is a prefix of the new prompt prefills only the new part.
+// The serving engine behind `turbospark serve`: requests queue for one of N sequence slots,
+// and one worker thread runs steps of continuous batching (engine/batch.h): each step holds
+// every decoding request's next row plus prefill chunks of prompts still being read, up to
+// the step's row budget, in one forward, the sequences sharing one paged KV pool. A long
+// prompt is read a chunk a step, so replies already streaming keep their pace; a slot whose
+// previous conversation is a prefix of the new prompt prefills only the new part.
 //
-// Not yet: the rows of several sequences in one forward (continuous batching proper: the
-// backend interface takes per-row positions and block tables for it, the model forward does
-// not yet); until then N slots interleave, they do not batch.
+// Not yet: prefix caching across slots by block hashes, preemption (the pool holds every
+// slot's whole context, so a step never runs out of blocks).
 //
 // Thread safety: submit(), cancel() and metrics are for any thread; a RequestHandle is read by
 // the one thread that submitted it.
@@ -18,11 +18,13 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cli/common.h"
+#include "engine/batch.h"
 #include "engine/sampler.h"
 
 namespace turbospark::server {
@@ -96,14 +98,17 @@ struct ServeMetrics {
   uint64_t prompt_tokens = 0, prompt_tokens_cached = 0, generated_tokens = 0;
   int64_t queued = 0, running = 0;
   int64_t kv_tokens_used = 0, kv_tokens_total = 0;
+  int64_t kv_blocks_used = 0, kv_blocks_total = 0;
+  uint64_t steps = 0, step_rows = 0, step_seqs = 0;  // forwards run, the rows and sequences they held
   Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram tpot{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
 };
 
 class ServeEngine {
  public:
-  // rt outlives the engine. parallel slots of ctx tokens each.
-  ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx);
+  // rt outlives the engine. parallel slots of ctx tokens each; a step holds at most
+  // step_rows rows (0: the backend's micro-batch).
+  ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows = 0);
   ~ServeEngine();
   ServeEngine(const ServeEngine&) = delete;
   ServeEngine& operator=(const ServeEngine&) = delete;
@@ -114,6 +119,8 @@ class ServeEngine {
 
   int64_t context() const { return ctx_; }
   int parallel() const { return int(slots_.size()); }
+  int64_t step_rows() const { return runner_.max_rows(); }
+  bool batches_sequences() const { return runner_.batches_sequences(); }
   ServeMetrics metrics();  // a snapshot
   std::string prometheus();
 
@@ -126,14 +133,19 @@ class ServeEngine {
   };
   void run();
   void admit(Pending p);
-  // One step of a running slot; false when its request finished (the slot is then free).
-  bool step(Slot& s);
+  // One step of every running slot: rows gathered, one batched forward, tokens delivered.
+  void step();
+  // A sampled token to its request; false when that finished it (the slot is then free).
+  bool deliver(Slot& s, int32_t token, std::span<const float> logits);
   void finish(Slot& s, Finish why, std::string error = {}, std::string stop_string = {});
-  TokenLogprob token_logprob(const std::vector<float>& logits, int32_t token, int top_n) const;
+  TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int top_n) const;
 
   cli::LoadedRuntime& rt_;
   int64_t ctx_;
+  BatchRunner runner_;
   std::vector<std::unique_ptr<Slot>> slots_;
+  uint64_t admitted_ = 0;  // admission order, so prefill chunks go first come first served
+  uint64_t steps_ = 0;     // steps run (the worker's)
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> queue_;

@@ -433,6 +433,10 @@ class ServeLoad(unittest.TestCase):
             for gauge in ("requests_running", "requests_queued", "kv_cache_tokens_used"):
                 self.assertRegex(metrics, rf"(?m)^turbospark_{gauge} 0$")
             self.assertRegex(metrics, r"(?m)^turbospark_requests_total 201$")
+            # Continuous batching: with 32 clients on 4 slots, steps held several sequences.
+            steps = float(re.search(r"(?m)^turbospark_batch_steps_total (\S+)$", metrics).group(1))
+            seqs = float(re.search(r"(?m)^turbospark_batch_step_sequences_total (\S+)$", metrics).group(1))
+            self.assertGreater(seqs / steps, 2.0, metrics)
             self.assertRegex(metrics, r"(?m)^turbospark_requests_finished_total 201$")
             self.assertRegex(metrics, r"(?m)^turbospark_requests_failed_total 0$")
             # Resident memory bounded: the slots' KV caches exist from the start; 200 requests

@@ -4,11 +4,17 @@ namespace turbospark {
 
 void output_logits(Backend& be, const ForwardBatch& b, const OutputWeights& w, int n_layers, const Mat& x,
                    const Mat& normed_scratch, const Mat& logits_scratch) {
-  const Mat last = b.all_logits ? x : x.rows_slice(x.rows - 1, 1);
-  const Mat normed = normed_scratch.rows_slice(0, last.rows);
-  be.rmsnorm(last, w.norm->data(), w.eps, normed, w.norm_offset);
+  const int64_t rows = !b.logit_rows.empty() ? int64_t(b.logit_rows.size()) : b.all_logits ? x.rows : 1;
+  const Mat normed = normed_scratch.rows_slice(0, rows);
+  if (!b.logit_rows.empty()) {
+    // The wanted rows gathered by the norm, one row each (a handful: one per sequence).
+    for (int64_t i = 0; i < rows; ++i)
+      be.rmsnorm(x.rows_slice(b.logit_rows[size_t(i)], 1), w.norm->data(), w.eps, normed.rows_slice(i, 1), w.norm_offset);
+  } else {
+    be.rmsnorm(b.all_logits ? x : x.rows_slice(x.rows - 1, 1), w.norm->data(), w.eps, normed, w.norm_offset);
+  }
   b.emit("final_norm", n_layers, normed);
-  const Mat logits = logits_scratch.rows_slice(0, last.rows);
+  const Mat logits = logits_scratch.rows_slice(0, rows);
   be.matmul(*w.lm_head, normed, logits);
   if (w.softcap > 0) be.unary(logits, Act::kTanh, 1.f / w.softcap, w.softcap, logits);
   b.emit("lm_head", n_layers, logits);

@@ -1,0 +1,134 @@
+#include "engine/batch.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace turbospark {
+
+static KvPoolOptions pool_options(const Model& model, const BatchOptions& o) {
+  TS_CHECK(o.n_seqs >= 1, "a batch runner needs at least one sequence, got {}", o.n_seqs);
+  if (o.max_context < 0) fail("context length (--ctx) must be >= 0 (0 = the model's), got {}", o.max_context);
+  KvPoolOptions p;
+  p.n_seqs = o.n_seqs;
+  p.max_tokens_per_seq = o.max_context > 0 ? o.max_context : model.info().max_context;
+  p.pool_tokens = o.pool_tokens > 0 ? o.pool_tokens : p.max_tokens_per_seq * o.n_seqs;
+  return p;
+}
+
+BatchRunner::BatchRunner(const Model& model, Backend& backend, BatchOptions options)
+    : model_(model),
+      backend_(backend),
+      max_context_(pool_options(model, options).max_tokens_per_seq),
+      max_rows_(options.max_rows > 0 ? options.max_rows : backend.preferred_prefill_batch()),
+      kv_(backend, model.kv_spec(), pool_options(model, options)) {
+  workspace_ = model_.new_workspace(backend_, max_rows_);
+  for (int s = 0; s < options.n_seqs; ++s) {
+    std::unique_ptr<SequenceState> st = model_.new_sequence_state(backend_, max_context_);
+    if (!st) break;
+    states_.push_back(std::move(st));
+  }
+  batches_ = states_.empty();
+  tokens_dev_ = backend_.alloc_array<int32_t>(max_rows_);
+  row_seq_dev_ = backend_.alloc_array<int32_t>(max_rows_);
+  greedy_dev_ = backend_.alloc_array<int32_t>(max_rows_);
+  positions_dev_ = backend_.alloc_array<int64_t>(max_rows_);
+}
+
+void BatchRunner::release(int seq) {
+  kv_.release(seq);
+  if (!states_.empty()) states_[size_t(seq)]->reset();
+}
+
+void BatchRunner::step(std::span<const BatchRow> rows, std::vector<float>* logits, std::vector<int32_t>* greedy) {
+  const int64_t n = int64_t(rows.size());
+  const ModelInfo& info = model_.info();
+  TS_CHECK(n > 0 && n <= max_rows_, "a step of {} rows (at most {})", n, max_rows_);
+  TS_CHECK((logits != nullptr) != (greedy != nullptr), "a step wants exactly one of logits or greedy ids");
+  tokens_.resize(size_t(n));
+  row_seq_.resize(size_t(n));
+  positions_.resize(size_t(n));
+  int64_t wanted = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const BatchRow& r = rows[size_t(t)];
+    TS_CHECK(r.seq >= 0 && r.seq < kv_.n_seqs(), "row {}: sequence {} outside [0, {})", t, r.seq, kv_.n_seqs());
+    if (r.token < 0 || r.token >= info.vocab_size)
+      fail("token id {} at row {} is outside the vocabulary (vocab_size {})", r.token, t, info.vocab_size);
+    TS_CHECK(r.position >= 0 && r.position < kv_.seq_tokens(r.seq),
+             "row {}: position {} of sequence {} is not reserved ({} positions are)", t, r.position, r.seq,
+             kv_.seq_tokens(r.seq));
+    if (t > 0 && rows[size_t(t - 1)].seq == r.seq)
+      TS_CHECK(r.position == rows[size_t(t - 1)].position + 1, "row {}: sequence {}'s rows must be consecutive", t, r.seq);
+    tokens_[size_t(t)] = r.token;
+    row_seq_[size_t(t)] = r.seq;
+    positions_[size_t(t)] = r.position;
+    wanted += r.want;
+  }
+  const int64_t V = info.vocab_size;
+  if (logits) logits->assign(size_t(wanted * V), 0.f);
+  if (greedy) greedy->assign(size_t(wanted), -1);
+  backend_.upload_array<int32_t>(tokens_dev_, tokens_);
+  backend_.upload_array<int32_t>(row_seq_dev_, row_seq_);
+  backend_.upload_array<int64_t>(positions_dev_, positions_);
+  if (batches_) {
+    forward(rows, 0, nullptr, logits ? logits->data() : nullptr, greedy ? greedy->data() : nullptr);
+    return;
+  }
+  // One forward per run of one sequence's rows, each with its own state.
+  int64_t out = 0;
+  for (int64_t t0 = 0; t0 < n;) {
+    int64_t t1 = t0 + 1;
+    while (t1 < n && rows[size_t(t1)].seq == rows[size_t(t0)].seq) ++t1;
+    const std::span<const BatchRow> run = rows.subspan(size_t(t0), size_t(t1 - t0));
+    for (int64_t t = t0; t + 1 < t1; ++t)
+      TS_CHECK(!rows[size_t(t)].want, "{}: only a sequence's last row of a step can be wanted (recurrent state)",
+               info.architecture);
+    forward(run, t0, states_[size_t(run.front().seq)].get(), logits ? logits->data() + out * V : nullptr,
+            greedy ? greedy->data() + out : nullptr);
+    out += run.back().want;
+    t0 = t1;
+  }
+}
+
+void BatchRunner::forward(std::span<const BatchRow> rows, int64_t first_row, SequenceState* state, float* logits,
+                          int32_t* greedy) {
+  const int64_t n = int64_t(rows.size());
+  wanted_.clear();
+  for (int64_t t = 0; t < n; ++t)
+    if (rows[size_t(t)].want) wanted_.push_back(t);
+  ForwardBatch b;
+  b.workspace = workspace_.get();
+  b.state = state;
+  b.tokens = tokens_dev_.data() + first_row;
+  b.positions = positions_dev_.data() + first_row;
+  b.host_tokens = tokens_.data() + first_row;
+  b.n = n;
+  for (int i = 0; i < kv_.n_layers(); ++i) {
+    KvLayerView v = kv_.layer(i);
+    v.row_seq = row_seq_dev_.data() + first_row;
+    b.kv.push_back(v);
+  }
+  if (wanted_.empty()) {
+    // Rows that only fill the cache (a prefill chunk that does not end its prompt): the last
+    // row's output is computed and dropped.
+    std::vector<float> drop(size_t(model_.info().vocab_size));
+    b.logits = drop.data();
+    model_.forward(backend_, b);
+    return;
+  }
+  if (state) {
+    // One sequence: its last row (checked by step()).
+    b.all_logits = false;
+  } else {
+    b.logit_rows = wanted_;
+  }
+  if (logits) {
+    b.logits = logits;
+  } else {
+    b.greedy_ids = greedy;
+    b.greedy_ids_backend = greedy_dev_.data();
+  }
+  model_.forward(backend_, b);
+}
+
+}  // namespace turbospark
