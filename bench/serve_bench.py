@@ -71,8 +71,14 @@ def wait_healthy(port, timeout=600):
     sys.exit(f"serve_bench: no healthy server on port {port}")
 
 
+def model_id(port):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/v1/models")
+    return json.loads(c.getresponse().read())["data"][0]["id"]
+
+
 def one_request(port, i, args):
-    body = {"model": "m", "prompt": prompt_for(i, args.prompt_words), "max_tokens": args.max_tokens,
+    body = {"model": args.model_id, "prompt": prompt_for(i, args.prompt_words), "max_tokens": args.max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -125,6 +131,7 @@ def bench_engine(name, cmd, port_re, args):
     proc, port = start(cmd, port_re, name)
     try:
         wait_healthy(port)
+        args.model_id = model_id(port)
         one_request(port, 10_000, args)  # warm up
         out = []
         for k, conc in enumerate(args.concurrency):
