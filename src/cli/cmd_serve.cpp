@@ -339,6 +339,7 @@ void add_serve_command(CLI::App& app) {
     int port = 8080, parallel = 4, threads = 0;
     int64_t ctx = 0;
     double max_body_mb = 8;
+    bool no_prefix_cache = false;
     bool quiet = false;
     ExpertCacheFlags experts;
   };
@@ -357,6 +358,9 @@ void add_serve_command(CLI::App& app) {
                   "Require this key (Authorization: Bearer KEY, or x-api-key) on every endpoint but /health");
   cmd->add_option("--alias", o->alias, "Model id the API reports and requests name (default: the file or folder name)");
   cmd->add_option("--max-body-mb", o->max_body_mb, "Largest request body in MiB (larger: 413)")->capture_default_str();
+  cmd->add_flag("--no-prefix-cache", o->no_prefix_cache,
+                "Compute every prompt in full (by default, full KV blocks of earlier requests that begin a prompt "
+                "the same way are reused)");
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
       ->capture_default_str();
@@ -378,7 +382,7 @@ void add_serve_command(CLI::App& app) {
       while (!p.empty() && p.filename().empty()) p = p.parent_path();  // a trailing '/'
       id = p.extension() == ".gguf" ? p.stem().string() : p.filename().string();
     }
-    server::ServeEngine engine(rt, o->parallel, ctx);
+    server::ServeEngine engine(rt, o->parallel, ctx, 0, !o->no_prefix_cache);
     Server s{rt, engine, id};
 
     httplib::Server http;

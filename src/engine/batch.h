@@ -49,6 +49,15 @@ class BatchRunner {
   bool reserve(int seq, int64_t n_tokens) { return kv_.grow(seq, n_tokens); }
   // Forgets seq: its blocks go back to the pool, its recurrent state (if any) is reset.
   void release(int seq);
+  // Prefix caching (KvCache::attach_prefix / register_prefix), for families without recurrent
+  // state (their state at a block boundary is not kept): off otherwise, attaching nothing.
+  bool caches_prefixes() const { return batches_; }
+  int64_t attach_prefix(int seq, std::span<const int32_t> tokens, int64_t max_tokens) {
+    return batches_ ? kv_.attach_prefix(seq, tokens, max_tokens) : 0;
+  }
+  void register_prefix(int seq, std::span<const int32_t> tokens) {
+    if (batches_) kv_.register_prefix(seq, tokens);
+  }
 
   // Runs `rows` (at most max_rows()). With `logits`, it receives [wanted rows, vocab] in row
   // order; else `greedy` receives each wanted row's argmax (-1 for a row whose logits hold a

@@ -1,6 +1,10 @@
 #include "engine/kv_cache.h"
 
+#include <algorithm>
 #include <numeric>
+
+#define XXH_INLINE_ALL  // header-only, as in the expert store
+#include <xxhash.h>
 
 #include "core/error.h"
 
@@ -32,9 +36,84 @@ KvCache::KvCache(Backend& backend, std::vector<KvLayerSpec> spec, const KvPoolOp
   block_table_ = backend.alloc_array<int32_t>(int64_t(n_seqs_) * max_blocks_);
   backend.upload_array<int32_t>(block_table_, std::vector<int32_t>(size_t(n_seqs_) * size_t(max_blocks_), 0));
   owned_.resize(size_t(n_seqs_));
+  registered_.assign(size_t(n_seqs_), 0);
+  chain_.assign(size_t(n_seqs_), 0);
   free_.resize(size_t(n_blocks_));
   // Popped from the back: block 0 first.
   for (int64_t b = 0; b < n_blocks_; ++b) free_[size_t(b)] = int32_t(n_blocks_ - 1 - b);
+  refs_.assign(size_t(n_blocks_), 0);
+  meta_.resize(size_t(n_blocks_));
+  lru_at_.resize(size_t(n_blocks_), evictable_.end());
+}
+
+int32_t KvCache::take_block() {
+  int32_t b;
+  if (!free_.empty()) {
+    b = free_.back();
+    free_.pop_back();
+  } else {
+    TS_CHECK(!evictable_.empty(), "KV pool: no block to take");
+    b = evictable_.front();
+    evictable_.pop_front();
+    lru_at_[size_t(b)] = evictable_.end();
+    auto it = cache_.find(meta_[size_t(b)].hash);
+    if (it != cache_.end() && it->second == b) cache_.erase(it);
+    meta_[size_t(b)] = Cached{};
+  }
+  refs_[size_t(b)] = 1;
+  return b;
+}
+
+static uint64_t block_hash(uint64_t parent, const int32_t* tokens, int n) {
+  return uint64_t(XXH3_64bits_withSeed(tokens, size_t(n) * sizeof(int32_t), parent));
+}
+
+int64_t KvCache::attach_prefix(int seq, std::span<const int32_t> tokens, int64_t max_tokens) {
+  TS_CHECK(!owned_.empty() && seq >= 0 && seq < n_seqs_, "KV pool: sequence {} outside [0, {})", seq, n_seqs_);
+  std::vector<int32_t>& mine = owned_[size_t(seq)];
+  TS_CHECK(mine.empty(), "KV pool: a prefix attaches to an empty sequence ({} holds {} blocks)", seq, mine.size());
+  const int64_t limit = std::min({int64_t(tokens.size()), max_tokens, max_tokens_});
+  uint64_t h = 0;
+  for (int64_t i = 0; (i + 1) * block_size_ <= limit; ++i) {
+    const int32_t* t = tokens.data() + i * block_size_;
+    const uint64_t next = block_hash(h, t, block_size_);
+    auto it = cache_.find(next);
+    if (it == cache_.end()) break;
+    const int32_t b = it->second;
+    const std::vector<int32_t>& kept = meta_[size_t(b)].tokens;
+    if (!std::equal(kept.begin(), kept.end(), t, t + block_size_)) break;  // a hash collision
+    if (refs_[size_t(b)]++ == 0) {
+      evictable_.erase(lru_at_[size_t(b)]);
+      lru_at_[size_t(b)] = evictable_.end();
+    }
+    mine.push_back(b);
+    h = next;
+  }
+  if (mine.empty()) return 0;
+  used_blocks_ += int64_t(mine.size());
+  registered_[size_t(seq)] = int64_t(mine.size());
+  chain_[size_t(seq)] = h;
+  backend_.upload_array<int32_t>(block_table_, std::span<const int32_t>(mine), int64_t(seq) * max_blocks_);
+  return int64_t(mine.size()) * block_size_;
+}
+
+void KvCache::register_prefix(int seq, std::span<const int32_t> tokens) {
+  TS_CHECK(!owned_.empty() && seq >= 0 && seq < n_seqs_, "KV pool: sequence {} outside [0, {})", seq, n_seqs_);
+  const std::vector<int32_t>& mine = owned_[size_t(seq)];
+  const int64_t full = std::min<int64_t>(int64_t(tokens.size()) / block_size_, int64_t(mine.size()));
+  uint64_t h = chain_[size_t(seq)];
+  for (int64_t i = registered_[size_t(seq)]; i < full; ++i) {
+    const int32_t* t = tokens.data() + i * block_size_;
+    h = block_hash(h, t, block_size_);
+    const int32_t b = mine[size_t(i)];
+    // Another block may hold the same prefix already (two sequences read it at once): the
+    // first stays the cached one, this one is freed on release.
+    if (cache_.emplace(h, b).second) meta_[size_t(b)] = Cached{h, std::vector<int32_t>(t, t + block_size_)};
+  }
+  if (full > registered_[size_t(seq)]) {
+    registered_[size_t(seq)] = full;
+    chain_[size_t(seq)] = h;
+  }
 }
 
 void KvCache::allocate_pools(Backend& backend) {
@@ -61,12 +140,9 @@ bool KvCache::grow(int seq, int64_t n_tokens) {
   std::vector<int32_t>& mine = owned_[size_t(seq)];
   const size_t need = size_t((n_tokens + block_size_ - 1) / block_size_);
   if (need <= mine.size()) return true;
-  if (need - mine.size() > free_.size()) return false;
+  if (int64_t(need - mine.size()) > free_blocks()) return false;
   const size_t first = mine.size();
-  while (mine.size() < need) {
-    mine.push_back(free_.back());
-    free_.pop_back();
-  }
+  while (mine.size() < need) mine.push_back(take_block());
   used_blocks_ += int64_t(need - first);
   backend_.upload_array<int32_t>(block_table_, std::span<const int32_t>(mine.data() + first, need - first),
                                  int64_t(seq) * max_blocks_ + int64_t(first));
@@ -77,9 +153,22 @@ void KvCache::release(int seq) {
   TS_CHECK(!owned_.empty() && seq >= 0 && seq < n_seqs_, "KV pool: sequence {} outside [0, {})", seq, n_seqs_);
   std::vector<int32_t>& mine = owned_[size_t(seq)];
   used_blocks_ -= int64_t(mine.size());
-  // Back in reverse so the next grow takes them in the same order.
-  for (auto it = mine.rbegin(); it != mine.rend(); ++it) free_.push_back(*it);
+  // In reverse: free ones so the next grow takes them in the same order, registered ones so a
+  // sequence's last blocks are evicted before its first (a prefix stays useful without its
+  // tail; a tail is useless without its prefix).
+  for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
+    const int32_t b = *it;
+    if (--refs_[size_t(b)] > 0) continue;
+    if (meta_[size_t(b)].tokens.empty()) {
+      free_.push_back(b);
+    } else {
+      evictable_.push_back(b);
+      lru_at_[size_t(b)] = std::prev(evictable_.end());
+    }
+  }
   mine.clear();
+  registered_[size_t(seq)] = 0;
+  chain_[size_t(seq)] = 0;
 }
 
 KvLayerView KvCache::layer(int i) const {
@@ -106,6 +195,42 @@ int64_t KvCache::pool_bytes() const {
   int64_t total = 0;
   for (const KvLayerSpec& s : spec_) total += 2 * n_blocks_ * block_size_ * s.n_kv_heads * s.head_dim * kv_type_bytes(type_);
   return total;
+}
+
+}  // namespace turbospark
+
+namespace turbospark {
+
+void KvCache::check_invariants() const {
+  if (owned_.empty()) return;
+  std::vector<int32_t> held(size_t(n_blocks_), 0);
+  for (const auto& mine : owned_)
+    for (int32_t b : mine) held[size_t(b)]++;
+  std::vector<int> where(size_t(n_blocks_), 0);  // 1 free, 2 evictable
+  for (int32_t b : free_) {
+    TS_CHECK(where[size_t(b)] == 0, "KV pool: block {} twice in the free list", b);
+    where[size_t(b)] = 1;
+    TS_CHECK(meta_[size_t(b)].tokens.empty(), "KV pool: free block {} is registered", b);
+  }
+  for (int32_t b : evictable_) {
+    TS_CHECK(where[size_t(b)] == 0, "KV pool: block {} both free and evictable (or twice evictable)", b);
+    where[size_t(b)] = 2;
+    TS_CHECK(!meta_[size_t(b)].tokens.empty(), "KV pool: evictable block {} is not registered", b);
+  }
+  for (int64_t b = 0; b < n_blocks_; ++b) {
+    TS_CHECK(refs_[size_t(b)] == held[size_t(b)], "KV pool: block {} has {} references, {} table rows hold it", b,
+             refs_[size_t(b)], held[size_t(b)]);
+    TS_CHECK((held[size_t(b)] > 0) == (where[size_t(b)] == 0), "KV pool: block {} held {} times, in list {}", b,
+             held[size_t(b)], where[size_t(b)]);
+  }
+  for (const auto& [h, b] : cache_)
+    TS_CHECK(meta_[size_t(b)].hash == h && !meta_[size_t(b)].tokens.empty(),
+             "KV pool: the prefix index maps {:016x} to block {}, registered as {:016x}", h, b, meta_[size_t(b)].hash);
+  for (int64_t b = 0; b < n_blocks_; ++b)
+    if (!meta_[size_t(b)].tokens.empty()) {
+      auto it = cache_.find(meta_[size_t(b)].hash);
+      TS_CHECK(it != cache_.end() && it->second == b, "KV pool: block {} registered but not indexed", b);
+    }
 }
 
 }  // namespace turbospark

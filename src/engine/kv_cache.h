@@ -7,7 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <list>
 #include <memory>
+#include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "models/model.h"
@@ -19,6 +22,13 @@ constexpr int kKvBlockSize = 16;
 
 // Several sequences sharing one pool (continuous batching): each sequence's table row starts
 // empty and grows from a free list of blocks as it is given positions.
+//
+// Prefix caching: a full block whose tokens a sequence has written can be registered under
+// the hash of its whole token prefix (the chain of block hashes, the block's tokens kept to
+// rule out collisions); a new sequence whose tokens begin the same way attaches those blocks
+// instead of computing them (reference counted, never written again: a sequence writes only
+// past its attached prefix, into blocks of its own). Released blocks that are registered stay
+// cached until the free list runs dry, then go least recently released first.
 struct KvPoolOptions {
   int n_seqs = 1;
   int64_t max_tokens_per_seq = 0;  // the context of one sequence
@@ -37,9 +47,22 @@ class KvCache {
   // Makes positions [0, n_tokens) of sequence seq addressable, taking blocks from the free list
   // (uploads the table row's new entries); false, with nothing taken, when too few are free.
   bool grow(int seq, int64_t n_tokens);
-  // Gives sequence seq's blocks back to the free list.
+  // Gives sequence seq's blocks back (registered ones stay cached, the rest are free).
   void release(int seq);
-  int64_t free_blocks() const { return int64_t(free_.size()); }
+  // Prefix caching (pools only): an empty sequence seq attaches the cached blocks that hold
+  // the longest prefix of `tokens` made of whole blocks and returns its length in tokens (0
+  // when none). At most max_tokens are matched (a caller that needs the logits of the prompt's
+  // last token passes one less than its length).
+  int64_t attach_prefix(int seq, std::span<const int32_t> tokens, int64_t max_tokens);
+  // Registers sequence seq's full blocks, whose positions hold `tokens` (its tokens so far),
+  // for later attach_prefix calls. Idempotent; cheap when nothing new filled up.
+  void register_prefix(int seq, std::span<const int32_t> tokens);
+  // Blocks a grow can take: free ones plus cached ones no sequence holds.
+  int64_t free_blocks() const { return int64_t(free_.size() + evictable_.size()); }
+  int64_t cached_blocks() const { return int64_t(cache_.size()); }
+  // Checks the pool's bookkeeping (reference counts against the table rows, the free and
+  // eviction lists, the prefix index); throws naming the first inconsistency. For tests.
+  void check_invariants() const;
   int64_t total_blocks() const { return n_blocks_; }
   int block_size() const { return block_size_; }
   int64_t seq_tokens(int seq) const { return int64_t(owned_[size_t(seq)].size()) * block_size_; }
@@ -71,6 +94,19 @@ class KvCache {
   BackendArray<int32_t> block_table_;  // [n_seqs, max_blocks]
   std::vector<std::vector<int32_t>> owned_;  // per sequence, its blocks in logical order (pools)
   std::vector<int32_t> free_;                 // free physical blocks (pools)
+  // Prefix caching.
+  struct Cached {
+    uint64_t hash = 0;            // of the whole prefix through this block
+    std::vector<int32_t> tokens;  // the block's own tokens
+  };
+  int32_t take_block();                        // free first, else the oldest evictable cached one
+  std::vector<int32_t> refs_;                  // per block: sequences holding it
+  std::vector<Cached> meta_;                   // per block: its registration (tokens empty: none)
+  std::unordered_map<uint64_t, int32_t> cache_;  // prefix hash -> block
+  std::list<int32_t> evictable_;               // cached blocks no sequence holds, oldest first
+  std::vector<std::list<int32_t>::iterator> lru_at_;  // per block: its place in evictable_
+  std::vector<int64_t> registered_;            // per sequence: its leading blocks registered
+  std::vector<uint64_t> chain_;                // per sequence: the hash through its last registered block
 };
 
 }  // namespace turbospark

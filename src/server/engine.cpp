@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 
 #include "core/error.h"
@@ -96,8 +97,11 @@ static BatchOptions batch_options(int parallel, int64_t ctx, int64_t step_rows) 
   return o;
 }
 
-ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows)
-    : rt_(rt), ctx_(ctx), runner_(*rt.model.model, *rt.backend, batch_options(parallel, ctx, step_rows)) {
+ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows, bool prefix_cache)
+    : rt_(rt),
+      ctx_(ctx),
+      runner_(*rt.model.model, *rt.backend, batch_options(parallel, ctx, step_rows)),
+      prefix_cache_(prefix_cache && runner_.caches_prefixes()) {
   TS_CHECK(rt_.tokenizer.has_value(), "serve needs a model with a tokenizer (tokenizer.json or a GGUF vocabulary)");
   for (int i = 0; i < parallel; ++i) {
     slots_.push_back(std::make_unique<Slot>());
@@ -105,6 +109,8 @@ ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int6
   }
   metrics_.kv_tokens_total = runner_.kv().total_blocks() * runner_.kv().block_size();
   metrics_.kv_blocks_total = runner_.kv().total_blocks();
+  const char* check = std::getenv("TURBOSPARK_CHECK_KV");  // tests: the pool's bookkeeping after every step
+  check_kv_ = check && *check && std::string(check) != "0";
   worker_ = std::thread([this] { run(); });
 }
 
@@ -150,9 +156,17 @@ void ServeEngine::admit(Pending p) {
     if (!best || keep > best_keep) best = s.get(), best_keep = keep;
   }
   Slot& s = *best;
-  if (best_keep == 0 && !s.history.empty()) {
-    runner_.release(s.seq);
-    s.history.clear();
+  if (best_keep == 0) {
+    if (!s.history.empty()) {
+      runner_.release(s.seq);
+      s.history.clear();
+    }
+    // Blocks another request left holding the same prefix (a shared system prompt); the last
+    // prompt token is always computed (its logits start the reply).
+    const std::vector<int32_t>& prompt = p.request.prompt;
+    best_keep = prefix_cache_ ? size_t(runner_.attach_prefix(s.seq, prompt, int64_t(prompt.size()) - 1)) : 0;
+    s.history.assign(prompt.begin(), prompt.begin() + int64_t(best_keep));
+    s.position.store(int64_t(best_keep));
   }
   s.busy.store(true);
   s.order = admitted_++;
@@ -168,6 +182,12 @@ void ServeEngine::admit(Pending p) {
   s.p = std::move(p);
 }
 
+void ServeEngine::publish_kv() {
+  const KvCache& kv = runner_.kv();
+  kv_blocks_held_.store(kv.total_blocks() - kv.free_blocks());
+  kv_blocks_cached_.store(kv.cached_blocks());
+}
+
 void ServeEngine::finish(Slot& s, Finish why, std::string error, std::string stop_string) {
   ServeEvent e;
   e.finish = why;
@@ -179,7 +199,13 @@ void ServeEngine::finish(Slot& s, Finish why, std::string error, std::string sto
     // A forward that threw may have left the sequence part-written: start it over next time.
     runner_.release(s.seq);
     s.history.clear();
+  } else if (prefix_cache_) {
+    // Its full blocks stay cached for whoever shares the prefix; the slot holds nothing.
+    runner_.register_prefix(s.seq, s.history);
+    runner_.release(s.seq);
+    s.history.clear();
   }
+  publish_kv();
   if (s.completion > 1 && s.last_token_at > s.first_token_at) {
     std::lock_guard<std::mutex> lock(mu_);
     metrics_.tpot.observe((s.last_token_at - s.first_token_at) / double(s.completion - 1));
@@ -282,6 +308,8 @@ void ServeEngine::step() {
     for (Slot* sp : stepped) finish(*sp, Finish::kError, ex.what());
     return;
   }
+  publish_kv();
+  if (check_kv_) runner_.kv().check_invariants();
   {
     std::lock_guard<std::mutex> lock(mu_);
     metrics_.steps++;
@@ -295,6 +323,7 @@ void ServeEngine::step() {
     const bool prefill = s.prompt_fed < req.prompt.size();
     for (int64_t i = 0; i < s.rows; ++i) s.history.push_back(rows[size_t(s.row0 + i)].token);
     s.position.store(int64_t(s.history.size()));
+    if (prefix_cache_) runner_.register_prefix(s.seq, s.history);  // blocks this step filled, for later requests
     if (prefill) s.prompt_fed += size_t(s.rows);
     if (!s.wants) continue;
     const int64_t k = out++;
@@ -418,18 +447,14 @@ ServeMetrics ServeEngine::metrics() {
   m.queued = int64_t(queue_.size());
   m.running = 0;
   m.kv_tokens_used = 0;
-  m.kv_blocks_used = 0;
   // The worker's atomics: a snapshot may be one step stale.
   for (const auto& s : slots_) {
     if (!s->busy.load()) continue;
     m.running++;
     m.kv_tokens_used += s->position.load();
   }
-  // Blocks held by sequences, running or kept for prefix reuse (one block per started 16).
-  for (const auto& s : slots_) {
-    const int64_t bs = runner_.kv().block_size();
-    m.kv_blocks_used += (s->position.load() + bs - 1) / bs;
-  }
+  m.kv_blocks_used = kv_blocks_held_.load();
+  m.kv_blocks_cached = kv_blocks_cached_.load();
   return m;
 }
 
@@ -456,7 +481,8 @@ std::string ServeEngine::prometheus() {
   counter("requests_cancelled_total", "Requests cancelled (client gone or shutdown).", double(m.requests_cancelled));
   counter("requests_failed_total", "Requests that failed in the engine.", double(m.requests_failed));
   counter("prompt_tokens_total", "Prompt tokens of admitted requests.", double(m.prompt_tokens));
-  counter("prompt_tokens_cached_total", "Prompt tokens reused from a slot's previous sequence.",
+  counter("prompt_tokens_cached_total", "Prompt tokens reused from the KV cache (cached prefix blocks, or a slot's "
+          "previous sequence where the family keeps no blocks).",
           double(m.prompt_tokens_cached));
   counter("generation_tokens_total", "Tokens generated.", double(m.generated_tokens));
   counter("requests_queued", "Requests waiting for a slot.", double(m.queued), "gauge");
@@ -466,12 +492,14 @@ std::string ServeEngine::prometheus() {
   counter("kv_cache_blocks_used", "KV pool blocks held by sequences (running, or kept for prefix reuse).",
           double(m.kv_blocks_used), "gauge");
   counter("kv_cache_blocks_total", "KV pool blocks.", double(m.kv_blocks_total), "gauge");
+  counter("kv_cache_blocks_cached", "KV pool blocks registered for prefix caching (held or not).",
+          double(m.kv_blocks_cached), "gauge");
   counter("batch_steps_total", "Batched forwards run.", double(m.steps));
   counter("batch_step_rows_total", "Rows those forwards held (decode rows plus prefill tokens).", double(m.step_rows));
   counter("batch_step_sequences_total", "Sequences those forwards held (one row or a prompt chunk each).",
           double(m.step_seqs));
   const double hit = m.prompt_tokens ? double(m.prompt_tokens_cached) / double(m.prompt_tokens) : 0.0;
-  counter("prefix_cache_hit_rate", "Share of prompt tokens reused from a slot's previous sequence.", hit, "gauge");
+  counter("prefix_cache_hit_rate", "Share of prompt tokens reused from the KV cache.", hit, "gauge");
   histogram("time_to_first_token_seconds", "Time from request to its first token.", m.ttft);
   histogram("time_per_output_token_seconds", "Mean time between a request's tokens after the first.", m.tpot);
   return out;

@@ -5,7 +5,10 @@
 // prompt is read a chunk a step, so replies already streaming keep their pace; a slot whose
 // previous conversation is a prefix of the new prompt prefills only the new part.
 //
-// Not yet: prefix caching across slots by block hashes, preemption (the pool holds every
+// Prefix caching: full KV blocks are registered under their token prefix as they fill, a
+// finished request's blocks stay cached, and a new prompt attaches the cached blocks that
+// begin it (families with recurrent state keep the older rule instead: a free slot whose
+// previous sequence is a prefix of the prompt). Not yet: preemption (the pool holds every
 // slot's whole context, so a step never runs out of blocks).
 //
 // Thread safety: submit(), cancel() and metrics are for any thread; a RequestHandle is read by
@@ -98,7 +101,7 @@ struct ServeMetrics {
   uint64_t prompt_tokens = 0, prompt_tokens_cached = 0, generated_tokens = 0;
   int64_t queued = 0, running = 0;
   int64_t kv_tokens_used = 0, kv_tokens_total = 0;
-  int64_t kv_blocks_used = 0, kv_blocks_total = 0;
+  int64_t kv_blocks_used = 0, kv_blocks_total = 0, kv_blocks_cached = 0;
   uint64_t steps = 0, step_rows = 0, step_seqs = 0;  // forwards run, the rows and sequences they held
   Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram tpot{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
@@ -108,7 +111,7 @@ class ServeEngine {
  public:
   // rt outlives the engine. parallel slots of ctx tokens each; a step holds at most
   // step_rows rows (0: the backend's micro-batch).
-  ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows = 0);
+  ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows = 0, bool prefix_cache = true);
   ~ServeEngine();
   ServeEngine(const ServeEngine&) = delete;
   ServeEngine& operator=(const ServeEngine&) = delete;
@@ -138,14 +141,18 @@ class ServeEngine {
   // A sampled token to its request; false when that finished it (the slot is then free).
   bool deliver(Slot& s, int32_t token, std::span<const float> logits);
   void finish(Slot& s, Finish why, std::string error = {}, std::string stop_string = {});
+  void publish_kv();  // the pool's block counts, for metrics() on other threads
   TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int top_n) const;
 
   cli::LoadedRuntime& rt_;
   int64_t ctx_;
   BatchRunner runner_;
+  bool prefix_cache_;  // the runner caches prefixes and the server wants it
+  bool check_kv_ = false;  // TURBOSPARK_CHECK_KV: the pool's bookkeeping checked after every step
   std::vector<std::unique_ptr<Slot>> slots_;
   uint64_t admitted_ = 0;  // admission order, so prefill chunks go first come first served
   uint64_t steps_ = 0;     // steps run (the worker's)
+  std::atomic<int64_t> kv_blocks_held_{0}, kv_blocks_cached_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> queue_;

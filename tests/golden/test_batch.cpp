@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/batch.h"
@@ -173,6 +175,204 @@ TEST(KvPool, GrowsRefusesAndReleases) {
   EXPECT_EQ(logits.size(), size_t(2 * m.model->info().vocab_size));
   const BatchRow gap[] = {{2, 1, 0, false}, {2, 2, 2, true}};
   EXPECT_THROW(r.step(gap, &logits, nullptr), Error);
+}
+
+// Prefix caching as the server meets it: two sequences read the same prompt in one step (the
+// second's blocks are not registered: the first's hold the prefix), then two more attach the
+// cached blocks in one step and decode side by side; every wanted row matches the prompt alone.
+TEST(KvPool, ConcurrentSamePromptsShareBlocksCorrectly) {
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(testing::fixture("qwen3_tiny"));
+  const Model& model = *m.model;
+  const int64_t V = model.info().vocab_size;
+  const std::vector<int32_t> g = testing::load_golden("qwen3_tiny").tokens;
+  const std::vector<int32_t> prompt(g.begin(), g.begin() + 36);
+  Session alone(model, *be);
+  const std::vector<float> ref = alone.feed(prompt, 0, true);
+  BatchOptions o;
+  o.n_seqs = 4;
+  o.max_context = 64;
+  o.max_rows = 64;
+  BatchRunner r(model, *be, o);
+  std::vector<std::vector<int32_t>> hist(4);
+  // rows: (seq, first position, count); returns each run's last-row logits.
+  auto step = [&](std::vector<std::tuple<int, int64_t, int64_t>> runs) {
+    std::vector<BatchRow> rows;
+    for (auto [seq, from, n] : runs) {
+      EXPECT_TRUE(r.reserve(seq, from + n));
+      for (int64_t p = from; p < from + n; ++p) rows.push_back({seq, prompt[size_t(p)], p, false});
+      rows.back().want = true;
+    }
+    std::vector<float> logits;
+    r.step(rows, &logits, nullptr);
+    for (auto [seq, from, n] : runs) {
+      hist[size_t(seq)].assign(prompt.begin(), prompt.begin() + from + n);
+      r.register_prefix(seq, hist[size_t(seq)]);
+    }
+    size_t k = 0;
+    for (auto [seq, from, n] : runs) {
+      const int64_t pos = from + n - 1;
+      EXPECT_LT(max_rel_error(logits.data() + int64_t(k++) * V, ref.data() + pos * V, size_t(V)), kBatchTol)
+          << "sequence " << seq << " position " << pos;
+    }
+  };
+  step({{0, 0, 36}, {1, 0, 28}});
+  step({{1, 28, 8}});
+  r.release(0);
+  r.release(1);
+  EXPECT_EQ(r.attach_prefix(2, prompt, 35), 32);
+  EXPECT_EQ(r.attach_prefix(3, prompt, 35), 32);
+  step({{2, 32, 4}, {3, 32, 4}});
+  r.release(2);
+  EXPECT_EQ(r.attach_prefix(0, prompt, 35), 32);
+  step({{3, 35, 1}, {0, 32, 4}});
+}
+
+// Prefix caching under churn: sequences with prompts that share prefixes of several lengths
+// come and go in a pool too small to keep everything (cached blocks are evicted and taken
+// again), several at a time, each attaching what the cache holds; the last row of every
+// prompt matches the prompt alone.
+TEST(KvPool, PrefixCachingUnderChurnKeepsTheAloneLogits) {
+  for (const char* fixture : {"qwen3_tiny", "gemma3_tiny"}) {
+    auto be = make_cpu_backend(2);
+    LoadedModel m = load_model(testing::fixture(fixture));
+    const Model& model = *m.model;
+    const int64_t V = model.info().vocab_size;
+    const std::vector<int32_t> g = testing::load_golden(fixture).tokens;
+    // Eight prompts: two stems of 40 tokens, each cut at 20..40 and given tails of their own.
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < 8; ++i) {
+      std::vector<int32_t> p;
+      for (int t = 0; t < 20 + (i * 7) % 21; ++t) p.push_back(g[size_t((t + (i % 2) * 5) % 40)]);
+      for (int t = 0; t < 3 + i % 4; ++t) p.push_back(int32_t((i * 31 + t * 7) % V));
+      prompts.push_back(p);
+    }
+    std::vector<std::vector<float>> ref;
+    for (const auto& p : prompts) {
+      Session s(model, *be);
+      ref.push_back(s.feed(p));
+    }
+    BatchOptions o;
+    o.n_seqs = 3;
+    o.max_context = 64;
+    o.pool_tokens = 10 * 16;
+    o.max_rows = 24;
+    BatchRunner r(model, *be, o);
+    struct Live {
+      int prompt = -1;
+      int64_t fed = 0;
+    };
+    std::vector<Live> live(3);
+    std::mt19937 rng(5);
+    int finished = 0, attached = 0;
+    for (int iter = 0; iter < 400 && finished < 60; ++iter) {
+      for (int s = 0; s < 3; ++s)
+        if (live[size_t(s)].prompt < 0 && rng() % 2) {
+          const int pi = int(rng() % prompts.size());
+          const auto& p = prompts[size_t(pi)];
+          live[size_t(s)] = {pi, r.attach_prefix(s, p, int64_t(p.size()) - 1)};
+          attached += live[size_t(s)].fed > 0;
+        }
+      std::vector<BatchRow> rows;
+      std::vector<int> seqs;
+      for (int s = 0; s < 3; ++s) {
+        Live& l = live[size_t(s)];
+        if (l.prompt < 0) continue;
+        const auto& p = prompts[size_t(l.prompt)];
+        const int64_t room = o.max_rows - int64_t(rows.size());
+        const int64_t n = std::min<int64_t>({room, 1 + int64_t(rng() % 9), int64_t(p.size()) - l.fed});
+        if (n <= 0 || !r.reserve(s, l.fed + n)) continue;
+        for (int64_t i = 0; i < n; ++i) rows.push_back({s, p[size_t(l.fed + i)], l.fed + i, false});
+        rows.back().want = true;
+        seqs.push_back(s);
+      }
+      if (rows.empty()) continue;
+      std::vector<float> logits;
+      r.step(rows, &logits, nullptr);
+      size_t k = 0;
+      for (int s : seqs) {
+        Live& l = live[size_t(s)];
+        const auto& p = prompts[size_t(l.prompt)];
+        int64_t n = 0;
+        for (const BatchRow& row : rows) n += row.seq == s;
+        l.fed += n;
+        r.register_prefix(s, std::span<const int32_t>(p.data(), size_t(l.fed)));
+        if (l.fed == int64_t(p.size())) {
+          EXPECT_LT(max_rel_error(logits.data() + int64_t(k) * V, ref[size_t(l.prompt)].data(), size_t(V)), kBatchTol)
+              << fixture << " prompt " << l.prompt << " iteration " << iter;
+          r.release(s);
+          l = Live{};
+          ++finished;
+        }
+        ++k;
+      }
+    }
+    EXPECT_GE(finished, 40) << fixture;
+    EXPECT_GE(attached, 10) << fixture;
+  }
+}
+
+// Prefix caching: a second sequence whose tokens begin like a first one's attaches the first
+// one's full blocks (while it runs, and after it is released), computes only the rest, and
+// gets the logits it gets alone; a different first token attaches nothing; cached blocks
+// no sequence holds are taken back when the free list runs dry.
+TEST(KvPool, PrefixBlocksAreSharedAndGiveTheAloneLogits) {
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(testing::fixture("qwen3_tiny"));
+  const Model& model = *m.model;
+  const int64_t V = model.info().vocab_size;
+  const std::vector<int32_t> base = testing::load_golden("qwen3_tiny").tokens;  // 40 tokens
+  BatchOptions o;
+  o.n_seqs = 3;
+  o.max_context = 64;
+  o.pool_tokens = 8 * 16;
+  o.max_rows = 64;
+  BatchRunner r(model, *be, o);
+  ASSERT_TRUE(r.caches_prefixes());
+  auto feed = [&](int seq, const std::vector<int32_t>& t, int64_t from) {
+    std::vector<BatchRow> rows;
+    for (int64_t p = from; p < int64_t(t.size()); ++p) rows.push_back({seq, t[size_t(p)], p, false});
+    rows.back().want = true;
+    EXPECT_TRUE(r.reserve(seq, int64_t(t.size())));
+    std::vector<float> logits;
+    r.step(rows, &logits, nullptr);
+    r.register_prefix(seq, t);
+    return logits;
+  };
+  auto alone = [&](const std::vector<int32_t>& t) {
+    Session s(model, *be);
+    return s.feed(t);
+  };
+  feed(0, base, 0);
+  EXPECT_EQ(r.kv().cached_blocks(), 2);  // 40 tokens: two full blocks
+  // Same 35 first tokens, then another tail: two blocks attach while sequence 0 holds them.
+  std::vector<int32_t> other(base.begin(), base.begin() + 35);
+  for (int32_t t : {7, 8, 9, 10, 11}) other.push_back(t);
+  EXPECT_EQ(r.attach_prefix(1, other, int64_t(other.size()) - 1), 32);
+  const std::vector<float> got = feed(1, other, 32);
+  EXPECT_LT(max_rel_error(got.data(), alone(other).data(), size_t(V)), kBatchTol);
+  // Both released: the blocks stay cached and attach again; the prompt's last token is never
+  // attached (max_tokens), so a 32-token prompt attaches one block.
+  r.release(0);
+  r.release(1);
+  EXPECT_EQ(r.kv().free_blocks(), r.kv().total_blocks());
+  const std::vector<int32_t> first32(base.begin(), base.begin() + 32);
+  EXPECT_EQ(r.attach_prefix(2, first32, 31), 16);
+  const std::vector<float> again = feed(2, first32, 16);
+  EXPECT_LT(max_rel_error(again.data(), alone(first32).data(), size_t(V)), kBatchTol);
+  r.release(2);
+  std::vector<int32_t> shifted = base;
+  shifted[0] = base[0] == 1 ? 2 : 1;
+  EXPECT_EQ(r.attach_prefix(0, shifted, 39), 0);
+  // Fill the pool (8 blocks) with sequences of other tokens: the cached blocks are taken
+  // back, and the prefix no longer attaches.
+  std::vector<int32_t> filler(64);
+  for (size_t i = 0; i < filler.size(); ++i) filler[i] = int32_t((i * 5 + 3) % size_t(V));
+  feed(0, filler, 0);                        // 4 blocks
+  feed(1, std::vector<int32_t>(filler.begin(), filler.begin() + 64), 0);  // 4 more: evicts
+  EXPECT_EQ(r.kv().free_blocks(), 0);
+  r.release(1);
+  EXPECT_EQ(r.attach_prefix(1, base, 39), 0);
 }
 
 }  // namespace
