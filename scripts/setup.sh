@@ -44,7 +44,8 @@ sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 need_pkgs=()
 command -v python3 >/dev/null || need_pkgs+=(python3 python3-pip)
-for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev libcpp-httplib-dev libxxhash-dev; do
+# chromium + chromium-driver: the chat page's browser test (tests/server/test_page.py).
+for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev libcpp-httplib-dev libxxhash-dev chromium chromium-driver; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" = "install ok installed" ] || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -60,9 +61,12 @@ python3 -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('qwen_t
 # tools/make_random_gguf.py (benchmark files; its routing is tested) writes GGUF with gguf-py.
 python3 -c "import gguf, numpy" 2>/dev/null ||
   python3 -m pip install -q --disable-pip-version-check gguf==0.17.1
-# `turbospark serve` is tested through the official OpenAI and Anthropic clients.
+# `turbospark serve` is tested through the official OpenAI and Anthropic clients, its chat
+# page through selenium (driving Debian's chromium).
 python3 -c "import openai, anthropic" 2>/dev/null ||
   python3 -m pip install -q --disable-pip-version-check openai==3.60.0 anthropic==2.16.0
+python3 -c "import selenium" 2>/dev/null ||
+  python3 -m pip install -q --disable-pip-version-check selenium==4.27.1
 
 # Runs one step of a build with its output in LOG. On failure: the error lines with their
 # context (or, when nothing looks like an error, the end of the log) and exit 1. On success:

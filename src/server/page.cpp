@@ -1,7 +1,8 @@
 // The chat page `turbospark serve` answers at /: one self-contained HTML file (no external
 // scripts or fonts), streaming replies from /v1/chat/completions, a stop button, the
-// conversation kept in the page, and a small markdown renderer (code blocks, inline code,
-// bold, paragraphs; everything else shown as text, HTML escaped).
+// conversation kept in the page, a temperature field, and a small markdown renderer (code
+// blocks, inline code, bold, paragraphs; everything else shown as text, HTML escaped).
+// tests/server/test_page.py drives it in headless Chromium.
 namespace turbospark::cli {
 
 extern const char* const kChatPageHtml;
@@ -22,7 +23,8 @@ textarea{flex:1;font:inherit;padding:.5em;min-height:3em}button{font:inherit;pad
 <div id="log"></div>
 <form id="f"><textarea id="in" placeholder="Message (Enter sends, Shift+Enter: new line)"></textarea>
 <button id="send" type="submit">Send</button><button id="stop" type="button" disabled>Stop</button>
-<button id="clear" type="button">Clear</button></form>
+<button id="clear" type="button">Clear</button>
+<label title="sampling temperature (0: greedy)" style="align-self:center">temp <input id="temp" type="number" min="0" max="2" step="0.1" value="0.7" style="width:4em"></label></form>
 <script>
 const log=document.getElementById('log'),input=document.getElementById('in'),send=document.getElementById('send'),
       stopb=document.getElementById('stop');
@@ -47,7 +49,8 @@ async function ask(){
   ctrl=new AbortController();send.disabled=true;stopb.disabled=false;
   try{
     const r=await fetch('/v1/chat/completions',{method:'POST',headers:{'Content-Type':'application/json'},
-      body:JSON.stringify({messages,stream:true}),signal:ctrl.signal});
+      body:JSON.stringify({messages,stream:true,temperature:Math.min(2,Math.max(0,parseFloat(document.getElementById('temp').value)||0))}),
+      signal:ctrl.signal});
     if(!r.ok){const j=await r.json().catch(()=>({}));throw new Error((j.error&&j.error.message)||('HTTP '+r.status))}
     const rd=r.body.getReader(),dec=new TextDecoder();let buf='';
     for(;;){const {value,done}=await rd.read();if(done)break;buf+=dec.decode(value,{stream:true});
