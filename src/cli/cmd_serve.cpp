@@ -340,6 +340,7 @@ void add_serve_command(CLI::App& app) {
     int64_t ctx = 0;
     double max_body_mb = 8;
     bool no_prefix_cache = false;
+    int64_t kv_pool_tokens = 0;
     bool quiet = false;
     ExpertCacheFlags experts;
   };
@@ -358,6 +359,9 @@ void add_serve_command(CLI::App& app) {
                   "Require this key (Authorization: Bearer KEY, or x-api-key) on every endpoint but /health");
   cmd->add_option("--alias", o->alias, "Model id the API reports and requests name (default: the file or folder name)");
   cmd->add_option("--max-body-mb", o->max_body_mb, "Largest request body in MiB (larger: 413)")->capture_default_str();
+  cmd->add_option("--kv-pool-tokens", o->kv_pool_tokens,
+                  "KV cache positions shared by all slots (default 0: --parallel x --ctx); with fewer, requests wait "
+                  "for blocks and a reply that finds none preempts the newest request, which is recomputed later");
   cmd->add_flag("--no-prefix-cache", o->no_prefix_cache,
                 "Compute every prompt in full (by default, full KV blocks of earlier requests that begin a prompt "
                 "the same way are reused)");
@@ -382,7 +386,8 @@ void add_serve_command(CLI::App& app) {
       while (!p.empty() && p.filename().empty()) p = p.parent_path();  // a trailing '/'
       id = p.extension() == ".gguf" ? p.stem().string() : p.filename().string();
     }
-    server::ServeEngine engine(rt, o->parallel, ctx, 0, !o->no_prefix_cache);
+    if (o->kv_pool_tokens < 0) fail("--kv-pool-tokens must be >= 0 (0: --parallel x --ctx), got {}", o->kv_pool_tokens);
+    server::ServeEngine engine(rt, o->parallel, ctx, 0, !o->no_prefix_cache, o->kv_pool_tokens);
     Server s{rt, engine, id};
 
     httplib::Server http;

@@ -78,7 +78,13 @@ struct ServeEngine::Slot {
   uint64_t last_step = 0;     // the engine step that last ran its rows
   std::optional<Sampler> sampler;
   std::optional<Tokenizer::StreamDecoder> decoder;
-  size_t prompt_fed = 0;      // prompt tokens in the sequence (reused + fed)
+  // Tokens to prefill: the prompt, or after a preemption everything the sequence held plus
+  // the sampled token not yet fed (recomputed; the reply goes on where it was).
+  std::vector<int32_t> feed;
+  size_t prompt_fed = 0;      // tokens of `feed` in the sequence (reused + fed)
+  bool resumed = false;       // feed is a preempted sequence's (no second first token)
+  bool needs_attach = false;  // preempted: attach cached blocks before reading feed again
+  uint64_t preempted_at = 0;  // the step that preempted it (it sits that step out)
   int64_t completion = 0;     // tokens generated (the stop token not counted)
   int32_t last_token = -1;    // sampled, not yet fed
   std::string held;           // text held back while it may begin a stop string
@@ -88,19 +94,24 @@ struct ServeEngine::Slot {
   bool wants = false;
 };
 
-static BatchOptions batch_options(int parallel, int64_t ctx, int64_t step_rows) {
+static BatchOptions batch_options(int parallel, int64_t ctx, int64_t step_rows, int64_t pool_tokens) {
   TS_CHECK(parallel >= 1 && parallel <= 256, "--parallel must be in 1..256, got {}", parallel);
+  if (pool_tokens != 0 && pool_tokens < ctx)
+    fail("--kv-pool-tokens {} is less than one sequence's context (--ctx {}): a long reply could never finish",
+         pool_tokens, ctx);
   BatchOptions o;
   o.n_seqs = parallel;
   o.max_context = ctx;
   o.max_rows = step_rows;
+  o.pool_tokens = pool_tokens;
   return o;
 }
 
-ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows, bool prefix_cache)
+ServeEngine::ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows, bool prefix_cache,
+                         int64_t pool_tokens)
     : rt_(rt),
       ctx_(ctx),
-      runner_(*rt.model.model, *rt.backend, batch_options(parallel, ctx, step_rows)),
+      runner_(*rt.model.model, *rt.backend, batch_options(parallel, ctx, step_rows, pool_tokens)),
       prefix_cache_(prefix_cache && runner_.caches_prefixes()) {
   TS_CHECK(rt_.tokenizer.has_value(), "serve needs a model with a tokenizer (tokenizer.json or a GGUF vocabulary)");
   for (int i = 0; i < parallel; ++i) {
@@ -170,6 +181,8 @@ void ServeEngine::admit(Pending p) {
   }
   s.busy.store(true);
   s.order = admitted_++;
+  s.feed = p.request.prompt;
+  s.resumed = false;
   s.prompt_fed = best_keep;
   s.completion = 0;
   s.last_token = -1;
@@ -242,6 +255,39 @@ TokenLogprob ServeEngine::token_logprob(std::span<const float> logits, int32_t t
   return t;
 }
 
+ServeEngine::Slot* ServeEngine::newest_holder(const std::vector<Slot*>& stepping) {
+  Slot* newest = nullptr;
+  for (auto& sp : slots_) {
+    Slot& s = *sp;
+    if (!s.busy || s.history.empty()) continue;
+    // Rows already planned this step keep their blocks.
+    if (std::find(stepping.begin(), stepping.end(), &s) != stepping.end()) continue;
+    if (!newest || s.order > newest->order) newest = &s;
+  }
+  return newest;
+}
+
+void ServeEngine::preempt(Slot& s) {
+  // Recompute later: what the sequence held, and the sampled token it was about to feed.
+  std::vector<int32_t> again = s.history;
+  if (s.prompt_fed == s.feed.size()) {
+    again.push_back(s.last_token);
+    s.resumed = true;
+  } else {
+    again = s.feed;  // still reading its prompt (or a resumed one): read it again
+  }
+  if (prefix_cache_) runner_.register_prefix(s.seq, s.history);
+  runner_.release(s.seq);
+  s.history.clear();
+  s.feed = std::move(again);
+  s.prompt_fed = 0;
+  s.position.store(0);
+  s.needs_attach = prefix_cache_;
+  s.preempted_at = steps_;
+  std::lock_guard<std::mutex> lock(mu_);
+  metrics_.preemptions++;
+}
+
 void ServeEngine::step() {
   const int64_t vocab = rt_.model.model->info().vocab_size;
   // Requests that went away, and decodes at the end of their context.
@@ -253,7 +299,7 @@ void ServeEngine::step() {
       finish(s, Finish::kCancelled);
       continue;
     }
-    if (s.prompt_fed == s.p.request.prompt.size() && int64_t(s.history.size()) + 1 >= ctx_) {
+    if (s.prompt_fed == s.feed.size() && int64_t(s.history.size()) + 1 >= ctx_) {
       finish(s, Finish::kLength);
       continue;
     }
@@ -264,7 +310,7 @@ void ServeEngine::step() {
   // first served while the step has room.
   // (Decodes that waited longest first, should there be more of them than the step holds.)
   std::sort(live.begin(), live.end(), [](const Slot* a, const Slot* b) {
-    const bool da = a->prompt_fed == a->p.request.prompt.size(), db = b->prompt_fed == b->p.request.prompt.size();
+    const bool da = a->prompt_fed == a->feed.size(), db = b->prompt_fed == b->feed.size();
     if (da != db) return da;
     if (da && a->last_step != b->last_step) return a->last_step < b->last_step;
     return a->order < b->order;
@@ -279,16 +325,29 @@ void ServeEngine::step() {
     const ServeRequest& req = s.p.request;
     const int64_t room = budget - int64_t(rows.size());
     if (room <= 0) break;
+    if (s.preempted_at == steps_) continue;  // just gave its blocks back: not again this step
+    if (s.needs_attach) {
+      // A preempted sequence's blocks may still be cached (its prefix, another's).
+      s.needs_attach = false;
+      s.prompt_fed = size_t(runner_.attach_prefix(s.seq, s.feed, int64_t(s.feed.size()) - 1));
+      s.history.assign(s.feed.begin(), s.feed.begin() + int64_t(s.prompt_fed));
+    }
     s.row0 = int64_t(rows.size());
     const int64_t pos = int64_t(s.history.size());
-    if (s.prompt_fed < req.prompt.size()) {
-      const int64_t n = std::min<int64_t>({room, kPrefillChunk, int64_t(req.prompt.size() - s.prompt_fed)});
-      if (!runner_.reserve(s.seq, pos + n)) continue;  // the pool is full: wait (not with a whole-context pool)
-      for (int64_t i = 0; i < n; ++i) rows.push_back({s.seq, req.prompt[s.prompt_fed + size_t(i)], pos + i, false});
+    if (s.prompt_fed < s.feed.size()) {
+      const int64_t n = std::min<int64_t>({room, kPrefillChunk, int64_t(s.feed.size() - s.prompt_fed)});
+      if (!runner_.reserve(s.seq, pos + n)) continue;  // the pool is full: wait for blocks
+      for (int64_t i = 0; i < n; ++i) rows.push_back({s.seq, s.feed[s.prompt_fed + size_t(i)], pos + i, false});
       s.rows = n;
-      s.wants = s.prompt_fed + size_t(n) == req.prompt.size();
+      s.wants = s.prompt_fed + size_t(n) == s.feed.size();
     } else {
-      if (!runner_.reserve(s.seq, pos + 1)) continue;
+      // A decode that finds the pool full preempts the newest sequence holding blocks (itself,
+      // when that is the newest): its blocks go back and it is recomputed later.
+      if (!runner_.reserve(s.seq, pos + 1)) {
+        Slot* victim = newest_holder(stepped);
+        if (victim) preempt(*victim);
+        if (victim == &s || !runner_.reserve(s.seq, pos + 1)) continue;
+      }
       rows.push_back({s.seq, s.last_token, pos, false});
       s.rows = 1;
       s.wants = true;
@@ -298,7 +357,12 @@ void ServeEngine::step() {
     if (s.wants) need_logits |= !s.sampler->greedy() || req.top_logprobs >= 0;
     stepped.push_back(&s);
   }
-  if (rows.empty()) return;
+  if (rows.empty()) {
+    // Nothing could run: prefills waiting on blocks that sequences in the middle of their own
+    // prefill hold. The newest gives its blocks back so the oldest can go on.
+    if (Slot* victim = newest_holder(stepped)) preempt(*victim);
+    return;
+  }
   std::vector<float> logits;
   std::vector<int32_t> greedy;
   try {
@@ -320,7 +384,7 @@ void ServeEngine::step() {
   for (Slot* sp : stepped) {
     Slot& s = *sp;
     const ServeRequest& req = s.p.request;
-    const bool prefill = s.prompt_fed < req.prompt.size();
+    const bool prefill = s.prompt_fed < s.feed.size();
     for (int64_t i = 0; i < s.rows; ++i) s.history.push_back(rows[size_t(s.row0 + i)].token);
     s.position.store(int64_t(s.history.size()));
     if (prefix_cache_) runner_.register_prefix(s.seq, s.history);  // blocks this step filled, for later requests
@@ -345,7 +409,7 @@ void ServeEngine::step() {
         continue;
       }
     }
-    if (prefill) {
+    if (prefill && !s.resumed) {
       s.first_token_at = now_seconds();
       std::lock_guard<std::mutex> lock(mu_);
       metrics_.ttft.observe(s.first_token_at - s.p.submitted);
@@ -495,6 +559,8 @@ std::string ServeEngine::prometheus() {
   counter("kv_cache_blocks_cached", "KV pool blocks registered for prefix caching (held or not).",
           double(m.kv_blocks_cached), "gauge");
   counter("batch_steps_total", "Batched forwards run.", double(m.steps));
+  counter("preemptions_total", "Running sequences whose KV blocks were taken back (recomputed later).",
+          double(m.preemptions));
   counter("batch_step_rows_total", "Rows those forwards held (decode rows plus prefill tokens).", double(m.step_rows));
   counter("batch_step_sequences_total", "Sequences those forwards held (one row or a prompt chunk each).",
           double(m.step_seqs));

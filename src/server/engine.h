@@ -8,8 +8,10 @@
 // Prefix caching: full KV blocks are registered under their token prefix as they fill, a
 // finished request's blocks stay cached, and a new prompt attaches the cached blocks that
 // begin it (families with recurrent state keep the older rule instead: a free slot whose
-// previous sequence is a prefix of the prompt). Not yet: preemption (the pool holds every
-// slot's whole context, so a step never runs out of blocks).
+// previous sequence is a prefix of the prompt). The pool holds every slot's whole context
+// unless --kv-pool-tokens makes it smaller; then a decode that finds no free block preempts
+// the newest sequence holding blocks (recomputed later from what it held plus its pending
+// token, through the prefix cache where its blocks are still there).
 //
 // Thread safety: submit(), cancel() and metrics are for any thread; a RequestHandle is read by
 // the one thread that submitted it.
@@ -103,6 +105,7 @@ struct ServeMetrics {
   int64_t kv_tokens_used = 0, kv_tokens_total = 0;
   int64_t kv_blocks_used = 0, kv_blocks_total = 0, kv_blocks_cached = 0;
   uint64_t steps = 0, step_rows = 0, step_seqs = 0;  // forwards run, the rows and sequences they held
+  uint64_t preemptions = 0;
   Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram tpot{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
 };
@@ -111,7 +114,10 @@ class ServeEngine {
  public:
   // rt outlives the engine. parallel slots of ctx tokens each; a step holds at most
   // step_rows rows (0: the backend's micro-batch).
-  ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows = 0, bool prefix_cache = true);
+  // pool_tokens: KV positions shared by all slots (0: parallel x ctx, so the pool never runs
+  // out; fewer: sequences wait for blocks, and a decode that finds none preempts the newest).
+  ServeEngine(cli::LoadedRuntime& rt, int parallel, int64_t ctx, int64_t step_rows = 0, bool prefix_cache = true,
+              int64_t pool_tokens = 0);
   ~ServeEngine();
   ServeEngine(const ServeEngine&) = delete;
   ServeEngine& operator=(const ServeEngine&) = delete;
@@ -142,6 +148,9 @@ class ServeEngine {
   bool deliver(Slot& s, int32_t token, std::span<const float> logits);
   void finish(Slot& s, Finish why, std::string error = {}, std::string stop_string = {});
   void publish_kv();  // the pool's block counts, for metrics() on other threads
+  // The running sequence admitted last that holds blocks, not among `stepping`; null if none.
+  Slot* newest_holder(const std::vector<Slot*>& stepping);
+  void preempt(Slot& s);  // gives its blocks back; it is recomputed when blocks are free
   TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int top_n) const;
 
   cli::LoadedRuntime& rt_;

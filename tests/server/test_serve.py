@@ -34,9 +34,9 @@ QUESTION = "What is the capital of France?"
 MAX = 12
 
 
-def start_server(*extra, model=None, parallel=2):
+def start_server(*extra, model=None, parallel=2, ctx=1024):
     proc = subprocess.Popen(
-        [BIN, "serve", "--model", model or MODEL, "--port", "0", "--parallel", str(parallel), "--ctx", "1024",
+        [BIN, "serve", "--model", model or MODEL, "--port", "0", "--parallel", str(parallel), "--ctx", str(ctx),
          "--threads", "2", *extra],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     port = None
@@ -403,6 +403,48 @@ SMALL = os.environ.get("TS_GEMMA_GGUF", "")
 def rss_kib(pid):
     with open(f"/proc/{pid}/status") as f:
         return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "fixtures", "qwen3_moe_gguf_tiny",
+                    "qwen3_moe_gguf_tiny-bf16.gguf")
+
+
+class ServePreemption(unittest.TestCase):
+    """A KV pool of one sequence's context (--kv-pool-tokens) for three slots: replies that
+    grow find no free block and preempt the newest request, which is recomputed later. Every
+    reply must still be the one the request gets alone (a bf16 model: batching and recompute
+    round alike), and nothing may be left held."""
+
+    def test_preempted_requests_finish_with_their_alone_replies(self):
+        prompts = [f"Request {i}: " + " ".join(str((i * 7 + k) % 50) for k in range(8 + 5 * i)) for i in range(9)]
+        body = lambda p: {"prompt": p, "max_tokens": 90, "temperature": 0}
+        proc, base = start_server("--no-prefix-cache", model=TINY, parallel=1, ctx=256)
+        try:
+            alone = [json.loads(http("POST", base + "/v1/completions", body(p))[1])["choices"][0]["text"]
+                     for p in prompts]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+        proc, base = start_server("--kv-pool-tokens", "256", model=TINY, parallel=3, ctx=256)
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(6) as pool:
+                got = list(pool.map(lambda p: http("POST", base + "/v1/completions", body(p)), prompts))
+            self.assertEqual([g[0] for g in got], [200] * len(prompts), got)
+            self.assertEqual([json.loads(g[1])["choices"][0]["text"] for g in got], alone)
+            metrics = http("GET", base + "/metrics")[1]
+            self.assertRegex(metrics, r"(?m)^turbospark_preemptions_total [1-9]")
+            self.assertRegex(metrics, r"(?m)^turbospark_requests_failed_total 0$")
+            self.assertRegex(metrics, r"(?m)^turbospark_kv_cache_blocks_used 0$")
+            self.assertRegex(metrics, r"(?m)^turbospark_kv_cache_blocks_total 16$")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+        # A pool smaller than one sequence's context is refused by name.
+        r = subprocess.run([BIN, "serve", "--model", TINY, "--port", "0", "--ctx", "256", "--kv-pool-tokens", "100"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--kv-pool-tokens 100 is less than one sequence's context", r.stderr)
 
 
 @unittest.skipUnless(SMALL and os.path.exists(SMALL), "TS_GEMMA_GGUF not set")
