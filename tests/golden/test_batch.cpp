@@ -75,10 +75,7 @@ TEST_P(BatchInvariance, EverySequenceGetsItsAloneLogitsAndTokens) {
   for (size_t i = 0; golden && i < std::min<size_t>(kGreedy, g.greedy.size()); ++i)
     ASSERT_EQ(seqs[0].ref_tokens[seqs[0].prompt + i], g.greedy[i]) << "alone, greedy token " << i;
 
-  BatchOptions o;
-  o.n_seqs = kSeqs;
-  o.max_context = 128;
-  o.max_rows = 16;
+  const BatchOptions o{.n_seqs = kSeqs, .max_context = 128, .max_rows = 16};
   BatchRunner runner(model, *be, o);
   int compared = 0, mixed_steps = 0;
   for (int step = 0; step < 200; ++step) {
@@ -151,10 +148,7 @@ INSTANTIATE_TEST_SUITE_P(Families, BatchInvariance,
 TEST(KvPool, GrowsRefusesAndReleases) {
   auto be = make_cpu_backend(1);
   LoadedModel m = load_model(testing::fixture("qwen3_tiny"));
-  BatchOptions o;
-  o.n_seqs = 3;
-  o.max_context = 64;
-  o.pool_tokens = 80;  // 5 blocks of 16
+  const BatchOptions o{.n_seqs = 3, .max_context = 64, .pool_tokens = 80};
   BatchRunner r(*m.model, *be, o);
   EXPECT_EQ(r.kv().total_blocks(), 5);
   EXPECT_TRUE(r.reserve(0, 33));  // 3 blocks
@@ -189,10 +183,7 @@ TEST(KvPool, ConcurrentSamePromptsShareBlocksCorrectly) {
   const std::vector<int32_t> prompt(g.begin(), g.begin() + 36);
   Session alone(model, *be);
   const std::vector<float> ref = alone.feed(prompt, 0, true);
-  BatchOptions o;
-  o.n_seqs = 4;
-  o.max_context = 64;
-  o.max_rows = 64;
+  const BatchOptions o{.n_seqs = 4, .max_context = 64, .max_rows = 64};
   BatchRunner r(model, *be, o);
   std::vector<std::vector<int32_t>> hist(4);
   // rows: (seq, first position, count); returns each run's last-row logits.
@@ -252,11 +243,7 @@ TEST(KvPool, PrefixCachingUnderChurnKeepsTheAloneLogits) {
       Session s(model, *be);
       ref.push_back(s.feed(p));
     }
-    BatchOptions o;
-    o.n_seqs = 3;
-    o.max_context = 64;
-    o.pool_tokens = 10 * 16;
-    o.max_rows = 24;
+    const BatchOptions o{.n_seqs = 3, .max_context = 64, .pool_tokens = 10 * 16, .max_rows = 24};
     BatchRunner r(model, *be, o);
     struct Live {
       int prompt = -1;
@@ -322,11 +309,7 @@ TEST(KvPool, PrefixBlocksAreSharedAndGiveTheAloneLogits) {
   const Model& model = *m.model;
   const int64_t V = model.info().vocab_size;
   const std::vector<int32_t> base = testing::load_golden("qwen3_tiny").tokens;  // 40 tokens
-  BatchOptions o;
-  o.n_seqs = 3;
-  o.max_context = 64;
-  o.pool_tokens = 8 * 16;
-  o.max_rows = 64;
+  const BatchOptions o{.n_seqs = 3, .max_context = 64, .pool_tokens = 8 * 16, .max_rows = 64};
   BatchRunner r(model, *be, o);
   ASSERT_TRUE(r.caches_prefixes());
   auto feed = [&](int seq, const std::vector<int32_t>& t, int64_t from) {

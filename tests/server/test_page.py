@@ -12,10 +12,8 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import unittest
 import urllib.request
@@ -24,6 +22,9 @@ BIN = os.environ.get("TS_BIN", "build/turbospark")
 MODEL = os.environ.get("TS_DEFAULT_GGUF", "")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_serve import start_server  # noqa: E402  (the same server start as the API tests)
 
 try:
     from selenium import webdriver
@@ -53,24 +54,7 @@ class ChatPage(unittest.TestCase):
         if not HAVE_BROWSER:
             raise RuntimeError("the page test needs chromium and chromium-driver (apt) and selenium (pip): "
                                "scripts/setup.sh installs them")
-        cls.proc = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", "--parallel", "2", "--ctx", "2048",
-                                     "--threads", "2"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        port = None
-        deadline = time.time() + 300
-        lines = []
-        while time.time() < deadline and port is None:
-            line = cls.proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"listening on http://[^:]+:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        if port is None:
-            cls.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(lines))
-        threading.Thread(target=lambda: [None for _ in cls.proc.stderr], daemon=True).start()
-        cls.base = f"http://127.0.0.1:{port}"
+        cls.proc, cls.base = start_server(model=MODEL, ctx=2048)
         opts = webdriver.ChromeOptions()
         opts.binary_location = CHROMIUM
         for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1000,800"):
