@@ -108,7 +108,23 @@ class Evaluator {
     if (v.is_undefined()) raise(v.s);
   }
 
+  // Evaluation depth over statements, expressions and macro calls together: each level is a
+  // few stack frames, and a macro recursing through deep expressions multiplies them.
+  static constexpr int kMaxEvalDepth = 2000;
+  int eval_depth_ = 0;
+  struct Deeper {
+    explicit Deeper(Evaluator& e) : e_(e) {
+      if (++e_.eval_depth_ > kMaxEvalDepth) {
+        --e_.eval_depth_;
+        raise(fmt::format("template evaluation nested deeper than {} levels", kMaxEvalDepth));
+      }
+    }
+    ~Deeper() { --e_.eval_depth_; }
+    Evaluator& e_;
+  };
+
   Flow exec(const Stmt& st) {
+    Deeper deeper(*this);
     line_ = st.line;
     switch (st.kind) {
       case StmtKind::Text: *out_ += st.text; return Flow::Normal;
@@ -298,6 +314,7 @@ class Evaluator {
   }
 
   Value eval(const Expr& e) {
+    Deeper deeper(*this);
     line_ = e.line;
     switch (e.kind) {
       case ExprKind::Const: return e.value;

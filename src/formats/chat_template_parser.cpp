@@ -32,6 +32,24 @@ class Parser {
   std::vector<Token> toks_;
   size_t p_ = 0;
   int loop_depth_ = 0;
+  // Bounds on what a template may build, so parsing, rendering and freeing it recurse a
+  // bounded depth (a fuzzed '{{ - - - ... x }}' of a few thousand operators overflowed the
+  // stack): nested expressions and blocks, and nodes in one tag (the shipped templates' largest
+  // tag has under 40 tokens).
+  static constexpr int kMaxNesting = 100;
+  static constexpr int kMaxTagNodes = 1024;
+  int nesting_ = 0;
+  int tag_nodes_ = 0;
+  struct Nest {
+    explicit Nest(Parser& p) : p_(p) {
+      if (++p_.nesting_ > kMaxNesting) {
+        --p_.nesting_;
+        p_.fail(fmt::format("nesting deeper than {} levels (expressions or blocks)", kMaxNesting));
+      }
+    }
+    ~Nest() { --p_.nesting_; }
+    Parser& p_;
+  };
 
   const Token& cur() const { return toks_[p_]; }
   const Token& look() const { return toks_[std::min(p_ + 1, toks_.size() - 1)]; }
@@ -86,6 +104,7 @@ class Parser {
   // stream on that name (after "{%") and reports which one in `found`.
   Body subparse(const std::set<std::string>& end_names, std::string* found, const char* opener = nullptr,
                 int opener_line = 0) {
+    Nest nest(*this);
     Body body;
     while (true) {
       const Token& t = cur();
@@ -105,12 +124,14 @@ class Parser {
         next();
       } else if (t.type == Tok::VarBegin) {
         auto s = std::make_unique<Stmt>(StmtKind::Print, t.line);
+        tag_nodes_ = 0;
         next();
         s->expr = parse_tuple(true, {}, false);
         if (cur().type != Tok::VarEnd) fail(fmt::format("expected '}}}}', got {}", describe(cur())));
         next();
         body.push_back(std::move(s));
       } else if (t.type == Tok::BlockBegin) {
+        tag_nodes_ = 0;
         next();
         if (cur().type == Tok::Name && end_names.count(cur().value)) {
           if (found) *found = cur().value;
@@ -337,6 +358,7 @@ class Parser {
   // ---- expressions ----
 
   ExprPtr node(ExprKind kind, int line) {
+    if (++tag_nodes_ > kMaxTagNodes) fail(fmt::format("a tag of more than {} expression nodes", kMaxTagNodes));
     return std::make_unique<Expr>(kind, line);
   }
 
@@ -414,6 +436,7 @@ class Parser {
   }
 
   ExprPtr parse_not() {
+    Nest nest(*this);
     if (is_name("not")) {
       const int line = cur().line;
       next();
@@ -509,6 +532,7 @@ class Parser {
   }
 
   ExprPtr parse_unary(bool with_filter) {
+    Nest nest(*this);
     const int line = cur().line;
     ExprPtr n;
     if (is_op("-") || is_op("+")) {
@@ -525,6 +549,7 @@ class Parser {
   }
 
   ExprPtr parse_primary() {
+    Nest nest(*this);
     const Token& t = cur();
     const int line = t.line;
     if (t.type == Tok::Name) {

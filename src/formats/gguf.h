@@ -60,6 +60,8 @@ class GgufValue {
   const std::string& as_str(std::string_view what) const;
   const std::vector<GgufValue>& as_array(std::string_view what) const;
 
+  // Strings are copied as their bytes, which need not be UTF-8 (byte-level vocabularies):
+  // dump() the result with error_handler_t::replace.
   nlohmann::json to_json() const;
 
  private:

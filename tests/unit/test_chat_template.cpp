@@ -297,3 +297,38 @@ TEST(ChatTemplateApi, JsonOverloadAndReuse) {
 
 }  // namespace
 }  // namespace turbospark
+
+namespace turbospark {
+namespace {
+
+// Templates come inside model files from strangers: what they may build is bounded, so that
+// parsing, rendering and freeing one never overflows the stack (libFuzzer found
+// '{{ - - - ... }}' of ~1300 operators doing so; tests/fuzz/regressions/chat_template/), and
+// each limit is named in the error. Real templates stay far inside them.
+TEST(ChatTemplateLimits, DeepOrHugeTemplatesAreRefusedByName) {
+  std::string unary = "{{ ";
+  for (int i = 0; i < 100000; ++i) unary += "- ";  // without the bound: a stack overflow
+  EXPECT_NE(error_of(unary + "1 }}").find("nesting deeper than 100 levels"), std::string::npos);
+  std::string parens = "{{ " + std::string(300, '(') + "1" + std::string(300, ')') + " }}";
+  EXPECT_NE(error_of(parens).find("nesting deeper than 100 levels"), std::string::npos);
+  std::string nots = "{{ ";
+  for (int i = 0; i < 500; ++i) nots += "not ";
+  EXPECT_NE(error_of(nots + "x }}").find("nesting deeper than 100 levels"), std::string::npos);
+  std::string sum = "{{ 1";
+  for (int i = 0; i < 3000; ++i) sum += " + 1";
+  EXPECT_NE(error_of(sum + " }}").find("more than 1024 expression nodes"), std::string::npos);
+  std::string ifs;
+  for (int i = 0; i < 300; ++i) ifs += "{% if true %}";
+  EXPECT_NE(error_of(ifs + "x").find("nesting deeper than 100 levels"), std::string::npos);
+  // Deep recursion through macros and expressions together: bounded at evaluation.
+  EXPECT_NE(error_of("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("recursion depth"),
+            std::string::npos);
+  // Inside the limits, all of these render.
+  std::string ok = "{{ 1";
+  for (int i = 0; i < 300; ++i) ok += " + 1";
+  EXPECT_EQ(render(ok + " }}"), "301");
+  EXPECT_EQ(render("{{ " + std::string(20, '(') + "7" + std::string(20, ')') + " }}"), "7");
+}
+
+}  // namespace
+}  // namespace turbospark

@@ -1,0 +1,51 @@
+// What the fuzz harnesses share: the input as a file (the parsers map paths), and the rule
+// that a parser may refuse an input only with turbospark::Error; anything else (a crash, a
+// sanitizer report, another exception type, a hang) is a finding.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/error.h"
+
+namespace turbospark::fuzz {
+
+// The bytes as an anonymous in-memory file, named by its /proc/self/fd path; closed on
+// destruction.
+class MemFile {
+ public:
+  MemFile(const uint8_t* data, size_t size) {
+    fd_ = memfd_create("turbospark-fuzz", 0);
+    if (fd_ < 0) __builtin_trap();
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::write(fd_, data + done, size - done);
+      if (n <= 0) __builtin_trap();
+      done += size_t(n);
+    }
+    path_ = "/proc/self/fd/" + std::to_string(fd_);
+  }
+  ~MemFile() { ::close(fd_); }
+  MemFile(const MemFile&) = delete;
+  MemFile& operator=(const MemFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+// Runs fn; turbospark::Error is an accepted refusal, every other exception a finding.
+template <typename Fn>
+void refusals_only(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error&) {
+  }
+}
+
+}  // namespace turbospark::fuzz
