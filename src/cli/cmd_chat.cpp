@@ -80,7 +80,7 @@ void add_chat_command(CLI::App& app) {
   cmd->add_option("--top-k", o->sampling.top_k, "Keep the k most likely tokens (0 = off)")->capture_default_str();
   cmd->add_option("--top-p", o->sampling.top_p, "Nucleus sampling mass (1 = off)")->capture_default_str();
   cmd->add_option("--min-p", o->sampling.min_p, "Drop tokens below min-p x the top probability (0 = off)")->capture_default_str();
-  cmd->add_option("--seed", o->sampling.seed, "Random seed")->capture_default_str();
+  cmd->add_option("--seed", o->sampling.seed, "Random seed (0 .. 2^64-1)")->check(non_negative_integer)->capture_default_str();
   cmd->add_option("--ctx", o->ctx, "Context length in tokens (default: the model's, at most 8192)");
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")

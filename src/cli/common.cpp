@@ -91,6 +91,11 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int threads) {
   fail("--device {}: unknown device (cpu, cuda or auto)", device);
 }
 
+std::string non_negative_integer(const std::string& value) {
+  const bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+  return digits ? std::string() : "must be a whole number >= 0, got " + value;
+}
+
 void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& f) {
   cmd->add_option("--expert-cache-slots", f.slots,
                   "MoE: stream routed experts from disk through N cache slots (>= top-k; 0 = off; default: only "

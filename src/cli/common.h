@@ -20,6 +20,10 @@ class App;
 
 namespace turbospark::cli {
 
+// A CLI11 check for unsigned options: CLI11 reads "-5" into a uint64_t as 2^64 - 5, so a
+// negative value is refused by name here ("--seed: must be a whole number >= 0, got -5").
+std::string non_negative_integer(const std::string& value);
+
 // --expert-cache-slots / --expert-cache-gb / --expert-cache-policy (expert streaming).
 struct ExpertCacheFlags {
   int64_t slots = -1;  // -1: not given (streaming only when the weights exceed memory); 0: off

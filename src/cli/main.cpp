@@ -23,7 +23,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version print and exit 0; every other parse error is one line too.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    fmt::print(stderr, "error: {} (see --help)\n", e.what());
+    return e.get_exit_code();
   } catch (const turbospark::Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;

@@ -289,6 +289,11 @@ TEST(BadInput, NumericFlagsOutOfRangeRefusedByName) {
   expect_one_line_error(run_cli(gen + "--temperature 1 --top-k -5"), "--top-k");
   const std::string gen_n = "generate --model " + fixture("qwen3_tiny") + " --tokens 1,2,3 --format ids -q ";
   expect_one_line_error(run_cli(gen_n + "--max-tokens -3"), "--max-tokens must be >= 0");
+  // CLI11 reads "-5" into an unsigned option as 2^64 - 5: refused by name instead.
+  expect_one_line_error(run_cli(gen_n + "--seed -5"), "--seed: must be a whole number >= 0, got -5");
+  expect_one_line_error(run_cli(gen_n + "--seed 1.5"), "--seed: must be a whole number >= 0, got 1.5");
+  // CLI11's own parse errors are one line as well.
+  expect_one_line_error(run_cli(gen_n + "--no-such-flag"), "--no-such-flag");
   // Refused before the model loads (a missing model would be the error otherwise).
   expect_one_line_error(run_cli("chat --model /nonexistent --max-tokens -1"), "--max-tokens must be >= 0");
   expect_one_line_error(run_cli("chat --model /nonexistent --temperature 1 --top-k -2"), "--top-k must be >= 0");
