@@ -352,6 +352,21 @@ class Serve(unittest.TestCase):
         self.assertIn("Rome", italy)
         self.assertIn("Rome", again)
 
+    def test_deeply_nested_json_is_a_400_not_a_crash(self):
+        # 300000 nested objects in a tool's parameters (2 MB) overflowed the stack and took the
+        # server down; bodies are now refused past 64 levels, and the server keeps serving.
+        d = 300000
+        raw = (b'{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":'
+               b'{"name":"f","parameters":' + b'{"a":' * d + b"1" + b"}" * d + b"}}]}")
+        status, text = http("POST", self.base + "/v1/chat/completions", raw=raw)
+        self.assertEqual(status, 400, text[:300])
+        self.assertIn("nested deeper than 64 levels", text)
+        status, text = http("POST", self.base + "/v1/messages",
+                            raw=b'{"model":"m","max_tokens":2,"messages":[{"role":"user","content":' + b"[" * d +
+                            b"]" * d + b"}]}")
+        self.assertEqual(status, 400, text[:300])
+        self.assertEqual(http("GET", self.base + "/health")[0], 200)
+
     def test_health_models_metrics(self):
         self.assertEqual(http("GET", self.base + "/health"), (200, '{"status":"ok"}'))
         models = self.oa.models.list()
