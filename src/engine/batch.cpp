@@ -65,8 +65,10 @@ void BatchRunner::step(std::span<const BatchRow> rows, std::vector<float>* logit
     wanted += r.want;
   }
   const int64_t V = info.vocab_size;
-  if (logits) logits->assign(size_t(wanted * V), 0.f);
-  if (greedy) greedy->assign(size_t(wanted), -1);
+  // Every wanted row is written by its forward: sized, not cleared (a step's logits are
+  // wanted rows x vocab, megabytes at real vocabularies).
+  if (logits) logits->resize(size_t(wanted * V));
+  if (greedy) greedy->resize(size_t(wanted));
   backend_.upload_array<int32_t>(tokens_dev_, tokens_);
   backend_.upload_array<int32_t>(row_seq_dev_, row_seq_);
   backend_.upload_array<int64_t>(positions_dev_, positions_);
@@ -110,9 +112,9 @@ void BatchRunner::forward(std::span<const BatchRow> rows, int64_t first_row, Seq
   }
   if (wanted_.empty()) {
     // Rows that only fill the cache (a prefill chunk that does not end its prompt): the last
-    // row's output is computed and dropped.
-    std::vector<float> drop(size_t(model_.info().vocab_size));
-    b.logits = drop.data();
+    // row's greedy id is computed and dropped (only that id leaves the backend).
+    b.greedy_ids = &dropped_id_;
+    b.greedy_ids_backend = greedy_dev_.data();
     model_.forward(backend_, b);
     return;
   }

@@ -60,7 +60,7 @@ class BatchRunner {
   }
 
   // Runs `rows` (at most max_rows()). With `logits`, it receives [wanted rows, vocab] in row
-  // order; else `greedy` receives each wanted row's argmax (-1 for a row whose logits hold a
+  // order (resized; pass the same vector every step to reuse its memory); else `greedy` receives each wanted row's argmax (-1 for a row whose logits hold a
   // NaN). Non-finite logits are returned as they are: the caller fails that row's request.
   void step(std::span<const BatchRow> rows, std::vector<float>* logits, std::vector<int32_t>* greedy);
 
@@ -80,6 +80,7 @@ class BatchRunner {
   BackendArray<int64_t> positions_dev_;
   std::vector<int32_t> tokens_, row_seq_;
   std::vector<int64_t> positions_, wanted_;
+  int32_t dropped_id_ = -1;  // where a forward with no wanted row puts its unused greedy id
 };
 
 }  // namespace turbospark

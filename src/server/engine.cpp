@@ -363,8 +363,8 @@ void ServeEngine::step() {
     if (Slot* victim = newest_holder(stepped)) preempt(*victim);
     return;
   }
-  std::vector<float> logits;
-  std::vector<int32_t> greedy;
+  std::vector<float>& logits = step_logits_;
+  std::vector<int32_t>& greedy = step_greedy_;
   try {
     // Only the ids leave the backend when every wanted row is greedy without logprobs.
     runner_.step(rows, need_logits ? &logits : nullptr, need_logits ? nullptr : &greedy);

@@ -161,6 +161,8 @@ class ServeEngine {
   std::vector<std::unique_ptr<Slot>> slots_;
   uint64_t admitted_ = 0;  // admission order, so prefill chunks go first come first served
   uint64_t steps_ = 0;     // steps run (the worker's)
+  std::vector<float> step_logits_;    // a step's wanted rows' logits, reused step to step
+  std::vector<int32_t> step_greedy_;  // or their greedy ids
   std::atomic<int64_t> kv_blocks_held_{0}, kv_blocks_cached_{0};
   std::mutex mu_;
   std::condition_variable cv_;
