@@ -100,7 +100,10 @@ struct QuantShape {
 constexpr QuantShape kQuantShapes[] = {{"attn_q q4_K", DType::Q4_K, 1536, 1536},
                                        {"ffn_gate q4_K", DType::Q4_K, 8960, 1536},
                                        {"ffn_down q4_K", DType::Q4_K, 1536, 8960},
-                                       {"ffn_down q6_K", DType::Q6_K, 1536, 8960}};
+                                       {"ffn_down q6_K", DType::Q6_K, 1536, 8960},
+                                       {"ffn_gate q5_K", DType::Q5_K, 8960, 1536},
+                                       {"ffn_gate q4_0", DType::Q4_0, 8960, 1536},
+                                       {"ffn_gate q8_0", DType::Q8_0, 8960, 1536}};
 
 // `copies` matrices of random block bytes with small finite f16 scales.
 struct QuantMatrices {

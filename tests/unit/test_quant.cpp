@@ -9,6 +9,8 @@
 //     integer kernels must match the float product to float rounding.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -316,9 +318,8 @@ TEST(QuantMatmul, MatchesDequantizedMatmulOnRaggedShapes) {
             }
             for (int64_t i = 0; i < T; ++i)
               for (int64_t o = 0; o < rows; ++o)
-                ASSERT_NEAR(y[size_t(i * rows + o)], yref[size_t(i * rows + o)],
-                            4e-6 * rounding_scale(w, o, x.data() + i * cols))
-                    << label << " t " << i << " o " << o << " vs scalar integer reference";
+                ASSERT_EQ(std::bit_cast<uint32_t>(y[size_t(i * rows + o)]), std::bit_cast<uint32_t>(yref[size_t(i * rows + o)]))
+                    << label << " t " << i << " o " << o << " vs scalar integer reference (the contract: same bits)";
             expect_within_activation_rounding(w, x, T, y, label);
             expect_within_activation_rounding(w, x, T, yref, label + " (reference)");
           }
@@ -369,8 +370,34 @@ TEST(QuantMatmul, LargerPrefillTileMatchesReference) {
     cpu::ref::quant_matmul(w.view, Mat(x.data(), T, cols), Mat(yref.data(), T, rows));
     for (int64_t i = 0; i < T; ++i)
       for (int64_t o = 0; o < rows; ++o)
-        ASSERT_NEAR(y[size_t(i * rows + o)], yref[size_t(i * rows + o)], 4e-6 * rounding_scale(w, o, x.data() + i * cols))
+        ASSERT_EQ(std::bit_cast<uint32_t>(y[size_t(i * rows + o)]), std::bit_cast<uint32_t>(yref[size_t(i * rows + o)]))
             << dtype_name(t) << " t " << i << " o " << o;
+  }
+}
+
+// The accumulation contract (quant_matmul.h): a row's result is the same bits whether it is
+// computed alone (decode row kernel), in a group of 3 (row kernel, 3 tokens per call) or
+// inside a batch of 40 (the tiled kernels from 16 rows), so batching requests together in
+// a serving step cannot move a token. Random bytes: every quant and scale pattern.
+TEST(QuantMatmul, RowResultsDoNotDependOnTheBatch) {
+  ThreadPool pool(2);
+  std::mt19937 rng(77);
+  for (DType t : kQuantTypes) {
+    const int64_t cols = 3 * block_size(t) + (block_size(t) == 32 ? 32 : 0), rows = 21, T = 40;
+    const QuantWeight w = make_weight(t, rows, cols, /*random_bytes=*/true, rng);
+    const std::vector<float> x = random_normal(size_t(T * cols), rng);
+    std::vector<float> all(size_t(T * rows)), part(size_t(T * rows));
+    cpu::quant_matmul(pool, w.view, Mat(const_cast<float*>(x.data()), T, cols), Mat(all.data(), T, rows));
+    for (int64_t group : {1, 3, 17}) {
+      for (int64_t t0 = 0; t0 < T; t0 += group) {
+        const int64_t n = std::min(group, T - t0);
+        cpu::quant_matmul(pool, w.view, Mat(const_cast<float*>(x.data()) + t0 * cols, n, cols),
+                          Mat(part.data() + t0 * rows, n, rows));
+      }
+      for (int64_t i = 0; i < T * rows; ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(part[size_t(i)]), std::bit_cast<uint32_t>(all[size_t(i)]))
+            << dtype_name(t) << " in groups of " << group << ": token " << i / rows << " output " << i % rows;
+    }
   }
 }
 

@@ -9,6 +9,7 @@
 // this path only for batches of tokens (prefill; see kTiledMinTokens in quant_matmul.cpp);
 // decode keeps the in-place row kernels.
 #include "backends/cpu/quant_gemm.h"
+#include "backends/cpu/quant_contract.h"
 #include "backends/cpu/simd.h"
 
 #include <algorithm>
@@ -203,15 +204,15 @@ void pack_b32(const uint8_t* const* rows, int64_t nb, TileB32* tile) {
 void kernel_b32(const TileB32* tile, int64_t nb, const uint8_t* x, int64_t xs, int nt, float* out) {
   for (int t = 0; t < nt; ++t) {
     const auto* y = reinterpret_cast<const BlockQ8x32*>(x + t * xs);
-    float acc[R] = {};
+    contract::LaneSums acc[R];
     for (int64_t b = 0; b < nb; ++b) {
       for (int r = 0; r < R; ++r) {
         int sum = 0;
         for (int e = 0; e < 32; ++e) sum += tile[b].q[e / 4][4 * r + e % 4] * y[b].qs[e];
-        acc[r] += tile[b].d[r] * y[b].d * float(sum) + tile[b].offset[r] * y[b].s;
+        acc[r].add(b, contract::b32_term(tile[b].d[r], y[b].d, sum, tile[b].offset[r], y[b].s));
       }
     }
-    std::memcpy(out + t * R, acc, sizeof(acc));
+    for (int r = 0; r < R; ++r) out[t * R + r] = acc[r].total();
   }
 }
 
@@ -219,7 +220,7 @@ void kernel_b32(const TileB32* tile, int64_t nb, const uint8_t* x, int64_t xs, i
 void kernel_q4k(const TileQ4K* tile, int64_t nb, const uint8_t* x, int64_t xs, int nt, float* out) {
   for (int t = 0; t < nt; ++t) {
     const auto* y = reinterpret_cast<const BlockQ8_K*>(x + t * xs);
-    float acc[R] = {};
+    contract::LaneSums acc[R];
     for (int64_t b = 0; b < nb; ++b) {
       const TileQ4K& tb = tile[b];
       for (int r = 0; r < R; ++r) {
@@ -234,17 +235,17 @@ void kernel_q4k(const TileQ4K* tile, int64_t nb, const uint8_t* x, int64_t xs, i
           sumi += tb.sc[s][2 * r] * dot;
           summ += tb.m[s / 2][2 * r + s % 2] * (y[b].bsums[2 * s] + y[b].bsums[2 * s + 1]);
         }
-        acc[r] += y[b].d * (tb.d[r] * float(sumi) - tb.dmin[r] * float(summ));
+        acc[r].add(b, contract::k4_term(tb.d[r], tb.dmin[r], y[b].d, sumi, summ));
       }
     }
-    std::memcpy(out + t * R, acc, sizeof(acc));
+    for (int r = 0; r < R; ++r) out[t * R + r] = acc[r].total();
   }
 }
 
 void kernel_q5k(const TileQ5K* tile, int64_t nb, const uint8_t* x, int64_t xs, int nt, float* out) {
   for (int t = 0; t < nt; ++t) {
     const auto* y = reinterpret_cast<const BlockQ8_K*>(x + t * xs);
-    float acc[R] = {};
+    contract::LaneSums acc[R];
     for (int64_t b = 0; b < nb; ++b) {
       const TileQ5K& tb = tile[b];
       for (int r = 0; r < R; ++r) {
@@ -258,17 +259,17 @@ void kernel_q5k(const TileQ5K* tile, int64_t nb, const uint8_t* x, int64_t xs, i
           sumi += tb.sc[s][2 * r] * dot;
           summ += tb.m[s / 2][2 * r + s % 2] * (y[b].bsums[2 * s] + y[b].bsums[2 * s + 1]);
         }
-        acc[r] += y[b].d * (tb.d[r] * float(sumi) - tb.dmin[r] * float(summ));
+        acc[r].add(b, contract::k4_term(tb.d[r], tb.dmin[r], y[b].d, sumi, summ));
       }
     }
-    std::memcpy(out + t * R, acc, sizeof(acc));
+    for (int r = 0; r < R; ++r) out[t * R + r] = acc[r].total();
   }
 }
 
 void kernel_q6k(const TileQ6K* tile, int64_t nb, const uint8_t* x, int64_t xs, int nt, float* out) {
   for (int t = 0; t < nt; ++t) {
     const auto* y = reinterpret_cast<const BlockQ8_K*>(x + t * xs);
-    float acc[R] = {};
+    contract::LaneSums acc[R];
     for (int64_t b = 0; b < nb; ++b) {
       const TileQ6K& tb = tile[b];
       for (int r = 0; r < R; ++r) {
@@ -281,10 +282,10 @@ void kernel_q6k(const TileQ6K* tile, int64_t nb, const uint8_t* x, int64_t xs, i
           }
           sumi += tb.sc[s][2 * r] * (dot - 32 * y[b].bsums[s]);
         }
-        acc[r] += tb.d[r] * y[b].d * float(sumi);
+        acc[r].add(b, contract::q6_term(tb.d[r], y[b].d, sumi));
       }
     }
-    std::memcpy(out + t * R, acc, sizeof(acc));
+    for (int r = 0; r < R; ++r) out[t * R + r] = acc[r].total();
   }
 }
 
@@ -441,6 +442,21 @@ void pack_q6k(const uint8_t* const* rows, int64_t nb, TileQ6K* tile) {
   }
 }
 
+// Steps 3 and 4 of the accumulation contract (quant_contract.h) for eight rows in the float
+// lanes: block b's floats go to lane sum b % 8 (kept in memory: eight per token would not
+// fit the registers the kernels need), then the fixed tree.
+struct RowLaneSums {
+  __m256 lane[8];
+  RowLaneSums() {
+    for (auto& l : lane) l = _mm256_setzero_ps();
+  }
+  void add(int64_t b, __m256 v) { lane[b & 7] = _mm256_add_ps(lane[b & 7], v); }
+  __m256 total() const {
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane[0], lane[4]), _mm256_add_ps(lane[2], lane[6])),
+                         _mm256_add_ps(_mm256_add_ps(lane[1], lane[5]), _mm256_add_ps(lane[3], lane[7])));
+  }
+};
+
 // Sum over token t's sub-block sums (pairs of bsums) times row minimums m[p], per row.
 inline __m256i k4_minimums(const int16_t (*m)[2 * R], const int16_t* bsums) {
   const __m128i bs_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums));
@@ -457,8 +473,8 @@ inline __m256i k4_minimums(const int16_t (*m)[2 * R], const int16_t* bsums) {
 template <int NT>
 void kernel_q4k(const TileQ4K* tile, int64_t nb, const uint8_t* x, int64_t xs, float* out) {
   const BlockQ8_K* y[NT];
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8_K*>(x + t * xs), acc[t] = _mm256_setzero_ps();
+  RowLaneSums acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8_K*>(x + t * xs);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const TileQ4K& tb = tile[b];
@@ -486,11 +502,11 @@ void kernel_q4k(const TileQ4K* tile, int64_t nb, const uint8_t* x, int64_t xs, f
     for (int t = 0; t < NT; ++t) {
       const __m256i summ = k4_minimums(tb.m, y[t][b].bsums);
       const __m256 dy = _mm256_set1_ps(y[t][b].d);
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-      acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dy), _mm256_cvtepi32_ps(summ), acc[t]);
+      const __m256 m = _mm256_mul_ps(_mm256_mul_ps(dmin, dy), _mm256_cvtepi32_ps(summ));
+      acc[t].add(b, _mm256_fmsub_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(sumi[t]), m));
     }
   }
-  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t]);
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t].total());
 }
 
 // NT tokens against one Q5_K tile. Quants reach 31, so four maddubs results fit an int16
@@ -498,8 +514,8 @@ void kernel_q4k(const TileQ4K* tile, int64_t nb, const uint8_t* x, int64_t xs, f
 template <int NT>
 void kernel_q5k(const TileQ5K* tile, int64_t nb, const uint8_t* x, int64_t xs, float* out) {
   const BlockQ8_K* y[NT];
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8_K*>(x + t * xs), acc[t] = _mm256_setzero_ps();
+  RowLaneSums acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8_K*>(x + t * xs);
   for (int64_t b = 0; b < nb; ++b) {
     const TileQ5K& tb = tile[b];
     __m256i sumi[NT];
@@ -524,11 +540,11 @@ void kernel_q5k(const TileQ5K* tile, int64_t nb, const uint8_t* x, int64_t xs, f
     const __m256 d = _mm256_load_ps(tb.d), dmin = _mm256_load_ps(tb.dmin);
     for (int t = 0; t < NT; ++t) {
       const __m256 dy = _mm256_set1_ps(y[t][b].d);
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-      acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dy), _mm256_cvtepi32_ps(k4_minimums(tb.m, y[t][b].bsums)), acc[t]);
+      const __m256 m = _mm256_mul_ps(_mm256_mul_ps(dmin, dy), _mm256_cvtepi32_ps(k4_minimums(tb.m, y[t][b].bsums)));
+      acc[t].add(b, _mm256_fmsub_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(sumi[t]), m));
     }
   }
-  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t]);
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t].total());
 }
 
 // Q5_0/Q5_1's 32 fifth bits (bit i of the u32 = element i) as 0x10 bytes in element order.
@@ -568,8 +584,8 @@ template <int kBits, int NT>
 void kernel_b32(const TileB32* tile, int64_t nb, const uint8_t* x, int64_t xs, float* out) {
   constexpr int kGroup = kBits == 4 ? 8 : 4;
   const BlockQ8x32* y[NT];
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8x32*>(x + t * xs), acc[t] = _mm256_setzero_ps();
+  RowLaneSums acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8x32*>(x + t * xs);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const TileB32& tb = tile[b];
@@ -588,12 +604,11 @@ void kernel_b32(const TileB32* tile, int64_t nb, const uint8_t* x, int64_t xs, f
       for (int t = 0; t < NT; ++t) sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(a16[t], ones));
     }
     const __m256 d = _mm256_load_ps(tb.d), offset = _mm256_load_ps(tb.offset);
-    for (int t = 0; t < NT; ++t) {
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(y[t][b].d)), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-      acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(y[t][b].s), acc[t]);
-    }
+    for (int t = 0; t < NT; ++t)
+      acc[t].add(b, _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(y[t][b].d)), _mm256_cvtepi32_ps(sumi[t]),
+                                    _mm256_mul_ps(offset, _mm256_set1_ps(y[t][b].s))));
   }
-  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t]);
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t].total());
 }
 
 // NT tokens against one Q6_K tile. Quants reach 63, so only two maddubs results fit an
@@ -602,8 +617,8 @@ void kernel_b32(const TileB32* tile, int64_t nb, const uint8_t* x, int64_t xs, f
 template <int NT>
 void kernel_q6k(const TileQ6K* tile, int64_t nb, const uint8_t* x, int64_t xs, float* out) {
   const BlockQ8_K* y[NT];
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8_K*>(x + t * xs), acc[t] = _mm256_setzero_ps();
+  RowLaneSums acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = reinterpret_cast<const BlockQ8_K*>(x + t * xs);
   for (int64_t b = 0; b < nb; ++b) {
     const TileQ6K& tb = tile[b];
     __m256i sumi[NT];
@@ -633,10 +648,11 @@ void kernel_q6k(const TileQ6K* tile, int64_t nb, const uint8_t* x, int64_t xs, f
         offset = _mm256_add_epi32(offset, _mm256_madd_epi16(load256(tb.scp[p]), _mm256_set1_epi32(pair)));
       }
       sumi[t] = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(offset, 5));
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(y[t][b].d)), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+      acc[t].add(b, _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(y[t][b].d)), _mm256_cvtepi32_ps(sumi[t]),
+                                    _mm256_setzero_ps()));
     }
   }
-  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t]);
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * R, acc[t].total());
 }
 
 }  // namespace avx2

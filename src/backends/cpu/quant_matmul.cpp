@@ -13,10 +13,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "backends/cpu/quant_contract.h"
 #include "backends/cpu/quant_gemm.h"
 #include "backends/cpu/simd.h"
 #include "core/error.h"
@@ -74,15 +76,15 @@ void dot_q4_0(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
   const auto* w = reinterpret_cast<const BlockQ4_0*>(wp);
   for (int t = 0; t < NT; ++t) {
     const BlockQ8x32* y = act<BlockQ8x32>(x, xs, t);
-    float acc = 0.f;
+    contract::LaneSums acc;
     for (int64_t b = 0; b < nb; ++b) {
       int sum = 0;
       for (int i = 0; i < 16; ++i)
         sum += (w[b].qs[i] & 0xF) * y[b].qs[i] + (w[b].qs[i] >> 4) * y[b].qs[i + 16];
       const float d = half_to_float(w[b].d);
-      acc += d * (y[b].d * float(sum) - 8.f * y[b].s);
+      acc.add(b, contract::b32_term(d, y[b].d, sum, -8.f * d, y[b].s));
     }
-    out[t] = acc;
+    out[t] = acc.total();
   }
 }
 
@@ -91,14 +93,14 @@ void dot_q4_1(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
   const auto* w = reinterpret_cast<const BlockQ4_1*>(wp);
   for (int t = 0; t < NT; ++t) {
     const BlockQ8x32* y = act<BlockQ8x32>(x, xs, t);
-    float acc = 0.f;
+    contract::LaneSums acc;
     for (int64_t b = 0; b < nb; ++b) {
       int sum = 0;
       for (int i = 0; i < 16; ++i)
         sum += (w[b].qs[i] & 0xF) * y[b].qs[i] + (w[b].qs[i] >> 4) * y[b].qs[i + 16];
-      acc += half_to_float(w[b].d) * y[b].d * float(sum) + half_to_float(w[b].m) * y[b].s;
+      acc.add(b, contract::b32_term(half_to_float(w[b].d), y[b].d, sum, half_to_float(w[b].m), y[b].s));
     }
-    out[t] = acc;
+    out[t] = acc.total();
   }
 }
 
@@ -108,7 +110,7 @@ void dot_q5(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* 
   const auto* w = reinterpret_cast<const Block*>(wp);
   for (int t = 0; t < NT; ++t) {
     const BlockQ8x32* y = act<BlockQ8x32>(x, xs, t);
-    float acc = 0.f;
+    contract::LaneSums acc;
     for (int64_t b = 0; b < nb; ++b) {
       uint32_t qh;
       std::memcpy(&qh, w[b].qh, 4);
@@ -119,10 +121,12 @@ void dot_q5(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* 
         sum += q0 * y[b].qs[i] + q1 * y[b].qs[i + 16];
       }
       const float d = half_to_float(w[b].d);
-      if constexpr (std::is_same_v<Block, BlockQ5_0>) acc += d * (y[b].d * float(sum) - 16.f * y[b].s);
-      else acc += d * y[b].d * float(sum) + half_to_float(w[b].m) * y[b].s;
+      float offset;
+      if constexpr (std::is_same_v<Block, BlockQ5_0>) offset = -16.f * d;
+      else offset = half_to_float(w[b].m);
+      acc.add(b, contract::b32_term(d, y[b].d, sum, offset, y[b].s));
     }
-    out[t] = acc;
+    out[t] = acc.total();
   }
 }
 template <int NT>
@@ -139,13 +143,13 @@ void dot_q8_0(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
   const auto* w = reinterpret_cast<const BlockQ8_0*>(wp);
   for (int t = 0; t < NT; ++t) {
     const BlockQ8x32* y = act<BlockQ8x32>(x, xs, t);
-    float acc = 0.f;
+    contract::LaneSums acc;
     for (int64_t b = 0; b < nb; ++b) {
       int sum = 0;
       for (int i = 0; i < 32; ++i) sum += w[b].qs[i] * y[b].qs[i];
-      acc += half_to_float(w[b].d) * y[b].d * float(sum);
+      acc.add(b, contract::b32_term(half_to_float(w[b].d), y[b].d, sum, 0.f, y[b].s));
     }
-    out[t] = acc;
+    out[t] = acc.total();
   }
 }
 
@@ -154,7 +158,7 @@ template <int NT, bool kFiveBit>
 void dot_k4(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
   for (int t = 0; t < NT; ++t) {
     const BlockQ8_K* y = act<BlockQ8_K>(x, xs, t);
-    float acc = 0.f;
+    contract::LaneSums acc;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t *scales, *qs, *qh = nullptr;
       uint16_t d16, dmin16;
@@ -182,9 +186,9 @@ void dot_k4(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* 
         sumi += sc[2 * j] * s0 + sc[2 * j + 1] * s1;
       }
       for (int s = 0; s < 8; ++s) summ += m[s] * (y[b].bsums[2 * s] + y[b].bsums[2 * s + 1]);
-      acc += y[b].d * (half_to_float(d16) * float(sumi) - half_to_float(dmin16) * float(summ));
+      acc.add(b, contract::k4_term(half_to_float(d16), half_to_float(dmin16), y[b].d, sumi, summ));
     }
-    out[t] = acc;
+    out[t] = acc.total();
   }
 }
 
@@ -202,7 +206,7 @@ void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
   const auto* w = reinterpret_cast<const BlockQ6_K*>(wp);
   for (int t = 0; t < NT; ++t) {
     const BlockQ8_K* y = act<BlockQ8_K>(x, xs, t);
-    float acc = 0.f;
+    contract::LaneSums acc;
     for (int64_t b = 0; b < nb; ++b) {
       int sumi = 0;
       for (int h = 0; h < 2; ++h) {
@@ -220,9 +224,9 @@ void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
         }
         for (int k = 0; k < 8; ++k) sumi += sc[k] * (s[k] - 32 * y[b].bsums[8 * h + k]);
       }
-      acc += half_to_float(w[b].d) * y[b].d * float(sumi);
+      acc.add(b, contract::q6_term(half_to_float(w[b].d), y[b].d, sumi));
     }
-    out[t] = acc;
+    out[t] = acc.total();
   }
 }
 
@@ -316,39 +320,69 @@ struct Block32<DType::Q8_0> {
   static float offset_scale(const Block&) { return 0.f; }
 };
 
-// Two accumulators per token, fed by alternating blocks, so one block's FMA does not wait
-// for the previous one's.
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// get(i) for the n <= 8 items of a group of blocks, lanes past n zero. Built in registers:
+// eight scalar stores read back as one vector would stall on store forwarding. A short group
+// reads its last item again for the missing lanes, then masks them.
+inline int clamp8(int g, int n) { return g < n ? g : n - 1; }
+inline __m256i lanes_below(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+template <typename Get>
+inline __m256 gather8_f16(int n, Get get) {
+  const __m256 v = _mm256_cvtph_ps(_mm_setr_epi16(short(get(clamp8(0, n))), short(get(clamp8(1, n))), short(get(clamp8(2, n))),
+                                                  short(get(clamp8(3, n))), short(get(clamp8(4, n))), short(get(clamp8(5, n))),
+                                                  short(get(clamp8(6, n))), short(get(clamp8(7, n)))));
+  return n == 8 ? v : _mm256_and_ps(v, _mm256_castsi256_ps(lanes_below(n)));
+}
+template <typename Get>
+inline __m256i gather8_epi32(int n, Get get) {
+  const __m256i v = _mm256_setr_epi32(int(get(clamp8(0, n))), int(get(clamp8(1, n))), int(get(clamp8(2, n))),
+                                      int(get(clamp8(3, n))), int(get(clamp8(4, n))), int(get(clamp8(5, n))),
+                                      int(get(clamp8(6, n))), int(get(clamp8(7, n))));
+  return n == 8 ? v : _mm256_and_si256(v, lanes_below(n));
+}
+
+// The row kernels follow the accumulation contract (quant_contract.h) eight blocks at a
+// time: each block's integer lanes are kept, the eight are reduced by one tree, and the
+// eight per-block floats go to the eight lane sums in one vector add.
 template <DType kType, int NT>
 void dot_block32(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
   using F = Block32<kType>;
   const auto* w = reinterpret_cast<const typename F::Block*>(wp);
   const BlockQ8x32* y[NT];
-  __m256 acc[NT][2];
-  float offset[NT][2];
-  for (int t = 0; t < NT; ++t) {
-    y[t] = act<BlockQ8x32>(x, xs, t);
-    acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    offset[t][0] = offset[t][1] = 0.f;
-  }
-  auto step = [&](int64_t b, int k) {
-    const float d = _cvtsh_ss(w[b].d);
-    const __m256i q = F::quants(w[b]);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8x32>(x, xs, t), acc[t] = _mm256_setzero_ps();
+  __m256i sums[NT][8];
+  const int64_t padded = (nb + 7) / 8 * 8;
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int n = int(std::min<int64_t>(8, nb - b0));
+    const auto* wb = w + b0;
+    for (int g = 0; g < n; ++g) {
+      const __m256i q = F::quants(wb[g]);
+      for (int t = 0; t < NT; ++t) sums[t][g] = F::dot(q, y[t][b0 + g].qs);
+    }
+    for (int g = n; g < 8; ++g)
+      for (int t = 0; t < NT; ++t) sums[t][g] = _mm256_setzero_si256();
+    const __m256 d = gather8_f16(n, [&](int g) { return wb[g].d; });
+    __m256 offset;
+    if constexpr (kType == DType::Q4_0) offset = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    else if constexpr (kType == DType::Q5_0) offset = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+    else if constexpr (kType == DType::Q8_0) offset = _mm256_setzero_ps();
+    else offset = gather8_f16(n, [&](int g) { return wb[g].m; });
     for (int t = 0; t < NT; ++t) {
-      const __m256i p = F::dot(q, y[t][b].qs);
-      acc[t][k] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][b].d), _mm256_cvtepi32_ps(p), acc[t][k]);
+      const float* side = reinterpret_cast<const float*>(y[t] + nb);  // dy, then sy (act_row_bytes)
+      const __m256 dy = _mm256_loadu_ps(side + b0), sy = _mm256_loadu_ps(side + padded + b0);
+      const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(contract::reduce8_epi32(sums[t])),
+                                       _mm256_mul_ps(offset, sy));
+      acc[t] = _mm256_add_ps(acc[t], v);
     }
-    if constexpr (F::kOffset) {
-      const float o = F::offset_scale(w[b]);
-      for (int t = 0; t < NT; ++t) offset[t][k] += o * y[t][b].s;
-    }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    step(b, 0);
-    step(b + 1, 1);
   }
-  if (b < nb) step(b, 0);
-  for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + (offset[t][0] + offset[t][1]);
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
 }
 
 template <int NT>
@@ -377,57 +411,71 @@ inline __m256i broadcast16_mask(int s) { return _mm256_set1_epi16(int16_t((2 * s
 
 template <int NT, bool kFiveBit>
 void dot_k4(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* out) {
+  using Block = std::conditional_t<kFiveBit, BlockQ5_K, BlockQ4_K>;
+  const auto* w = reinterpret_cast<const Block*>(wp);
   const BlockQ8_K* y[NT];
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8_K>(x, xs, t), acc[t] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t *scales, *qs;
-    uint16_t d16, dmin16;
-    __m256i hbits = _mm256_setzero_si256();
-    if constexpr (kFiveBit) {
-      const auto& w = reinterpret_cast<const BlockQ5_K*>(wp)[b];
-      scales = w.scales, qs = w.qs, d16 = w.d, dmin16 = w.dmin;
-      hbits = load256(w.qh);
-    } else {
-      const auto& w = reinterpret_cast<const BlockQ4_K*>(wp)[b];
-      scales = w.scales, qs = w.qs, d16 = w.d, dmin16 = w.dmin;
-    }
-    const float d = _cvtsh_ss(d16), dmin = _cvtsh_ss(dmin16);
-    const __m128i sc_m = unpack_k4_scales(scales);
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc_m));
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sc_m, sc_m));
-    __m256i sumi[NT];
-    for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      const __m256i q = load256(qs + 32 * j);
-      __m256i lo = _mm256_and_si256(q, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      if constexpr (kFiveBit) {
-        // Bits 2j and 2j+1 of each qh byte are the 5th bits; hbits shifts right by 2 per
-        // group, so they are always bits 0 and 1 here (16-bit shifts move bits across byte
-        // boundaries only into bits this never reads).
-        const __m256i bit4 = _mm256_set1_epi8(0x10);
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hbits, 4), bit4));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hbits, 3), bit4));
-        hbits = _mm256_srli_epi16(hbits, 2);
+  __m256i sums[NT][8];
+  __m128i mins[NT][8];
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int n = int(std::min<int64_t>(8, nb - b0));
+    for (int g = 0; g < n; ++g) {
+      const Block& blk = w[b0 + g];
+      const BlockQ8_K* yb[NT];
+      for (int t = 0; t < NT; ++t) yb[t] = &y[t][b0 + g];
+      __m256i hbits = _mm256_setzero_si256();
+      if constexpr (kFiveBit) hbits = load256(blk.qh);
+      const __m128i sc_m = unpack_k4_scales(blk.scales);
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc_m));
+      const __m128i m16 = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sc_m, sc_m));
+      __m256i sumi[NT];
+      for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i q = load256(blk.qs + 32 * j);
+        __m256i lo = _mm256_and_si256(q, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if constexpr (kFiveBit) {
+          // Bits 2j and 2j+1 of each qh byte are the 5th bits; hbits shifts right by 2 per
+          // group, so they are always bits 0 and 1 here (16-bit shifts move bits across byte
+          // boundaries only into bits this never reads).
+          const __m256i bit4 = _mm256_set1_epi8(0x10);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hbits, 4), bit4));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hbits, 3), bit4));
+          hbits = _mm256_srli_epi16(hbits, 2);
+        }
+        const __m256i sc_lo = _mm256_shuffle_epi8(sc16, broadcast16_mask(2 * j));
+        const __m256i sc_hi = _mm256_shuffle_epi8(sc16, broadcast16_mask(2 * j + 1));
+        for (int t = 0; t < NT; ++t) {
+          const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(yb[t]->qs + 64 * j)), sc_lo);
+          const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(yb[t]->qs + 64 * j + 32)), sc_hi);
+          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p_lo, p_hi));
+        }
       }
-      const __m256i sc_lo = _mm256_shuffle_epi8(sc16, broadcast16_mask(2 * j));
-      const __m256i sc_hi = _mm256_shuffle_epi8(sc16, broadcast16_mask(2 * j + 1));
       for (int t = 0; t < NT; ++t) {
-        const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(y[t][b].qs + 64 * j)), sc_lo);
-        const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(y[t][b].qs + 64 * j + 32)), sc_hi);
-        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p_lo, p_hi));
+        // Minimums meet the activation sums of each 32-element sub-block (pairs of bsums).
+        const __m128i bs_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(yb[t]->bsums));
+        const __m128i bs_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(yb[t]->bsums + 8));
+        sums[t][g] = sumi[t];
+        mins[t][g] = _mm_madd_epi16(m16, _mm_hadd_epi16(bs_lo, bs_hi));
       }
     }
+    for (int g = n; g < 8; ++g)
+      for (int t = 0; t < NT; ++t) sums[t][g] = _mm256_setzero_si256(), mins[t][g] = _mm_setzero_si128();
+    __m256 d, dmin;
+    const Block* wb = w + b0;
+    contract::f16_pairs(gather8_epi32(n, [&](int g) {
+                          static_assert(offsetof(Block, d) == 0 && offsetof(Block, dmin) == 2);
+                          uint32_t pair;  // d, dmin
+                          std::memcpy(&pair, &wb[g], 4);
+                          return pair;
+                        }),
+                        &d, &dmin);
     for (int t = 0; t < NT; ++t) {
-      // Minimums meet the activation sums of each 32-element sub-block (pairs of bsums).
-      const __m128i bs_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(y[t][b].bsums));
-      const __m128i bs_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(y[t][b].bsums + 8));
-      const __m128i mins = _mm_madd_epi16(m16, _mm_hadd_epi16(bs_lo, bs_hi));
-      const float dy = y[t][b].d;
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * dy), _mm256_cvtepi32_ps(_mm256_zextsi128_si256(mins)), acc[t]);
+      const __m256 dy = _mm256_loadu_ps(reinterpret_cast<const float*>(y[t] + nb) + b0);  // act_row_bytes
+      const __m256 m = _mm256_mul_ps(_mm256_mul_ps(dmin, dy), _mm256_cvtepi32_ps(contract::reduce8x4_epi32(mins[t])));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_fmsub_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(contract::reduce8_epi32(sums[t])), m));
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
@@ -456,8 +504,9 @@ void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
   for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8_K>(x, xs, t), acc[t] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i top2 = _mm256_set1_epi8(0x30);
+  __m256i sums[NT][8];
   for (int64_t b = 0; b < nb; ++b) {
-    const float d = _cvtsh_ss(w[b].d);
+    const int g = int(b & 7);
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].scales));
     const __m256i sc_all = _mm256_cvtepi8_epi16(sc8);  // 16 int16 sub-block scales
     __m256i sumi[NT];
@@ -485,8 +534,20 @@ void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
         }
       }
     }
-    for (int t = 0; t < NT; ++t)
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][b].d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+    for (int t = 0; t < NT; ++t) sums[t][g] = sumi[t];
+    if (g == 7 || b == nb - 1) {  // a group of eight blocks (or the row's last, fewer) is done
+      const int64_t b0 = b - g;
+      const int n = g + 1;
+      for (int k = n; k < 8; ++k)
+        for (int t = 0; t < NT; ++t) sums[t][k] = _mm256_setzero_si256();
+      const BlockQ6_K* wb = w + b0;
+      const __m256 d = gather8_f16(n, [&](int k) { return wb[k].d; });
+      for (int t = 0; t < NT; ++t) {
+        const __m256 dy = _mm256_loadu_ps(reinterpret_cast<const float*>(y[t] + nb) + b0);  // act_row_bytes
+        acc[t] = _mm256_add_ps(acc[t], _mm256_fmadd_ps(_mm256_mul_ps(d, dy),
+                                                       _mm256_cvtepi32_ps(contract::reduce8_epi32(sums[t])), _mm256_setzero_ps()));
+      }
+    }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
 }
@@ -519,13 +580,6 @@ inline __m256i quantize32(const float* x, float id, int8_t* q) {
   const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
   return sum;
-}
-
-inline int hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-  return _mm_cvtsi128_si32(s);
 }
 
 void quantize_row_q8x32(const float* x, BlockQ8x32* y, int64_t n) {
@@ -613,16 +667,31 @@ void check_shapes(const WeightView& w, const Mat& x, const Mat& y, const Format&
          row_bytes(w.dtype, w.cols));
 }
 
+// A quantized activation row: its blocks, then (filled by the AVX2 quantizer, for the row
+// kernels) each block's dy (and, for BlockQ8x32, sy) as floats, zero-padded to a multiple
+// of eight blocks, so a group of eight is one vector load.
 int64_t act_row_bytes(const Format& f, int64_t cols) {
-  return f.act == ActFormat::kQ8K ? cols / 256 * int64_t(sizeof(BlockQ8_K)) : cols / 32 * int64_t(sizeof(BlockQ8x32));
+  const int64_t nb = cols / f.block, padded = (nb + 7) / 8 * 8;
+  return f.act == ActFormat::kQ8K ? nb * int64_t(sizeof(BlockQ8_K)) + padded * 4
+                                  : nb * int64_t(sizeof(BlockQ8x32)) + 2 * padded * 4;
 }
 
 template <bool kFast>
 void quantize_act_row(const Format& f, const float* x, uint8_t* dst, int64_t cols) {
 #if TS_QUANT_AVX2
   if constexpr (kFast) {
-    if (f.act == ActFormat::kQ8K) avx2::quantize_row_q8_K(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
-    else avx2::quantize_row_q8x32(x, reinterpret_cast<BlockQ8x32*>(dst), cols);
+    const int64_t nb = cols / f.block, padded = (nb + 7) / 8 * 8;
+    if (f.act == ActFormat::kQ8K) {
+      auto* y = reinterpret_cast<BlockQ8_K*>(dst);
+      avx2::quantize_row_q8_K(x, y, cols);
+      float* dy = reinterpret_cast<float*>(y + nb);
+      for (int64_t b = 0; b < padded; ++b) dy[b] = b < nb ? y[b].d : 0.f;
+    } else {
+      auto* y = reinterpret_cast<BlockQ8x32*>(dst);
+      avx2::quantize_row_q8x32(x, y, cols);
+      float* dy = reinterpret_cast<float*>(y + nb);
+      for (int64_t b = 0; b < padded; ++b) dy[b] = b < nb ? y[b].d : 0.f, dy[padded + b] = b < nb ? y[b].s : 0.f;
+    }
     return;
   }
 #endif

@@ -9,6 +9,18 @@
 // Decode (one activation row) is bound by streaming the weights, which are read once, in
 // place, split by output rows across the pool. Prefill batches of every format but Q8_0 run
 // tiled kernels (quant_gemm.h) that repack 8 weight rows at a time into per-thread scratch.
+//
+// The accumulation contract: every kernel (row or tiled, AVX2 or scalar, any number of
+// tokens per call) computes an output the same way, so a row's result does not depend on
+// what it is batched with (serving batches a request's decode row with other requests'
+// prefill chunks) and the AVX2 paths equal the scalar reference bit for bit. Per block of
+// the row, in order: the block's integer sum is exact; then, in float,
+//   k-quants:  acc = fma(d * dy, sumi, acc); Q4_K/Q5_K also acc = fma(-(dmin * dy), summ, acc)
+//   32-element formats: acc = fma(d * dy, sumi, acc) and, in a second chain,
+//              off = fma(offset, sy, off), where offset is -8d, -16d or m (sy = dy * sum(qy));
+//              the result is acc + off.
+// A quantized activation that differs in one step (from a batch-dependent upstream op) still
+// changes the result; the contract removes the differences that came from the kernels.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +42,7 @@ void quant_embedding(const WeightView& table, const int32_t* ids, int64_t n, flo
 
 namespace ref {
 // The same integer arithmetic as quant_matmul (activations quantized identically) in plain
-// scalar loops, single-threaded: the AVX2 path must match it to float rounding. Builds
+// scalar loops, single-threaded: the AVX2 path equals it bit for bit (the contract). Builds
 // without AVX2 use these loops as the fast path's fallback.
 void quant_matmul(const WeightView& w, const Mat& x, const Mat& y);
 }  // namespace ref
