@@ -81,6 +81,15 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// One register's sum in hsum4's order, ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), so
+// an output does not depend on how many rows shared its tile (attention's last tile of a
+// block has 1-4 positions depending on the other rows of the call).
+inline float hsum_like4(__m256 a) {
+  const __m256 h = _mm256_hadd_ps(a, a);
+  const __m256 h2 = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
 // exp(x) for float32 lanes: Cephes' range reduction and degree-6 polynomial, within about
 // 2 ulp of expf over the range softmax and silu use. Inputs below -87.3 (where expf is
 // denormal) return 0; inputs above 88 saturate at exp(88) instead of overflowing.
@@ -169,7 +178,7 @@ void tile_kernel(const uint8_t* const* rows, int64_t n, const float* x, int64_t 
     if constexpr (MR == 4) {
       _mm_storeu_ps(sums[t], hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
     } else {
-      for (int j = 0; j < MR; ++j) sums[t][j] = hsum(acc[t][j]);
+      for (int j = 0; j < MR; ++j) sums[t][j] = hsum_like4(acc[t][j]);
     }
   }
 #else
@@ -245,17 +254,23 @@ void matmul_typed(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
 // serves all the queries of its group (rows x heads per KV head) - the reuse that lets
 // prefill run at FMA speed rather than memory speed. An online softmax (running max and
 // denominator per query, output rescaled when the max grows) keeps scratch small whatever
-// the context. Decode has one row, so its positions are split into chunks across threads
-// and the chunks' partial softmax states merged. Q.K^T is the matmul tile kernel
-// (positions as weight rows, queries as activation rows); P.V is a broadcast tile over
-// output dims.
+// the context. Q.K^T is the matmul tile kernel (positions as weight rows, queries as
+// activation rows); P.V is a broadcast tile over output dims.
+//
+// A query's result does not depend on the other rows of the call or on the thread count
+// (serving batches one request's decode row with other requests' prompt chunks, and its
+// tokens must not move): its positions are cut at fixed absolute boundaries, splits of
+// kSplit positions and, inside a split, online-softmax blocks of kPosBlock; each split's
+// partial softmax state starts empty, and the splits' states are merged in position order.
+// Decode has one row, so its splits run on different threads; a prompt chunk's units walk
+// their splits in order themselves. Both merge the same partial states the same way.
 
-constexpr int kPosBlock = 32;  // positions per online-softmax step
+constexpr int kPosBlock = 32;  // positions per online-softmax step, aligned to multiples
 // Target rows x heads per KV head in one unit: each K/V vector loaded serves this many
 // queries. 24 measured faster than 12 at 4K context (less K/V traffic per FLOP); the unit's
 // scratch (queries and outputs, 2 x 96 KiB at 16 heads x 128 dims) still fits L2.
 constexpr int kGroupQueriesPerUnit = 24;
-constexpr int64_t kMinChunkPositions = 256;  // smallest position chunk worth a thread
+constexpr int64_t kSplit = 256;  // positions per split (a multiple of kPosBlock), the unit of decode parallelism
 
 // In place: s[i] = exp(s[i] - m); returns the sum.
 float exp_shift_sum(float* s, int64_t n, float m) {
@@ -380,7 +395,7 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
     for (int h = 0; h < a.n_heads; ++h) {
       const size_t qi = size_t((h / group) * gq + r * group + h % group);
       std::memcpy(sc.q.data() + qi * hd, a.q.row(t0 + r) + int64_t(h) * hd, size_t(hd) * 4);
-      st.m[qi] = a.sinks ? a.sinks[h] : -INFINITY;
+      st.m[qi] = -INFINITY;
       st.l[qi] = 0.f;
     }
   }
@@ -397,7 +412,8 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
     return pool + int64_t(a.kv.block_table[p / a.kv.block_size]) * a.kv.block_floats() +
            (p % a.kv.block_size) * row_stride;
   };
-  for (int64_t b0 = first; b0 <= last; b0 += kPosBlock) {
+  // Blocks aligned to absolute positions, whatever this unit's first row attends.
+  for (int64_t b0 = first == INT64_MAX ? first : first - first % kPosBlock; b0 <= last; b0 += kPosBlock) {
     const int np = int(std::min<int64_t>(kPosBlock, last - b0 + 1));
     for (int j = 0; j < np; ++j) {
       sc.k_base[size_t(j)] = row_of(b0 + j, a.kv.k_f32());
@@ -480,33 +496,40 @@ void attend_unit(const AttentionArgs& a, int64_t t0, int64_t t1, int64_t c0, int
   }
 }
 
-// Writes the attention output of rows [t0, t0 + rows) from the softmax states of their
-// position chunks (chunk c's state at m/l + c * slot, o + c * slot * head_dim): the chunks
-// are combined weighted by exp(their max - the overall max), the sink joins the
+// Merges a split's partial state (pm, pl, po) into the running one (m, l, o) of one query,
+// splits taken in position order. An empty partial (it saw none of the query's positions)
+// leaves the running state as it is; into an empty running state it is copied.
+void merge_split(float& m, float& l, float* o, float pm, float pl, const float* po, int hd) {
+  if (pm == -INFINITY) return;
+  if (m == -INFINITY) {
+    m = pm, l = pl;
+    std::memcpy(o, po, size_t(hd) * 4);
+    return;
+  }
+  const float mx = std::max(m, pm);
+  const float w = std::exp(m - mx), pw = std::exp(pm - mx);
+  l = l * w + pl * pw;
+  for (int d = 0; d < hd; ++d) o[d] = o[d] * w + po[d] * pw;
+  m = mx;
+}
+
+// Writes rows [t0, t0 + rows) of the output from their merged states: the sink joins the
 // denominator, and the sum is normalised.
-void merge_chunks(const AttentionArgs& a, const Mat& out, int64_t t0, int rows, const float* m,
-                  const float* l, const float* o, int64_t chunks, int64_t slot) {
+void finish_rows(const AttentionArgs& a, const Mat& out, int64_t t0, int rows, const SoftmaxState& st) {
   const int hd = a.kv.head_dim;
   const int group = a.n_heads / a.kv.n_kv_heads;
   const int gq = rows * group;
   for (int r = 0; r < rows; ++r) {
     for (int h = 0; h < a.n_heads; ++h) {
       const int64_t qi = (h / group) * gq + r * group + h % group;
-      float m_all = a.sinks ? a.sinks[h] : -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) m_all = std::max(m_all, m[c * slot + qi]);
-      float denom = a.sinks ? std::exp(a.sinks[h] - m_all) : 0.f;
+      const float m = st.m[qi];
       float* dst = out.row(t0 + r) + int64_t(h) * hd;
-      std::fill(dst, dst + hd, 0.f);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float mc = m[c * slot + qi];
-        if (mc == -INFINITY) continue;  // this chunk saw none of the row's positions
-        const float w = std::exp(mc - m_all);
-        denom += l[c * slot + qi] * w;
-        const float* oc = o + (c * slot + qi) * hd;
-        for (int d = 0; d < hd; ++d) dst[d] += oc[d] * w;
-      }
-      const float inv = 1.f / denom;
-      for (int d = 0; d < hd; ++d) dst[d] *= inv;
+      const float m_all = a.sinks ? std::max(m, a.sinks[h]) : m;
+      const float w = m == -INFINITY ? 0.f : std::exp(m - m_all);
+      const float denom = st.l[qi] * w + (a.sinks ? std::exp(a.sinks[h] - m_all) : 0.f);
+      const float scale = w / denom;
+      const float* o = st.o + qi * hd;
+      for (int d = 0; d < hd; ++d) dst[d] = o[d] * scale;
     }
   }
 }
@@ -627,61 +650,74 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
   const int64_t rows_per_unit = std::clamp<int64_t>(kGroupQueriesPerUnit / group, 1,
                                                     std::max<int64_t>(1, q.rows / min_units));
   const int64_t row_blocks = (q.rows + rows_per_unit - 1) / rows_per_unit;
-  // Too few row blocks (decode): split the positions into chunks instead.
   int64_t first = INT64_MAX, last = 0;
   for (int64_t t = 0; t < q.rows; ++t) {
     first = std::min(first, window > 0 ? std::max<int64_t>(0, q_positions[t] - window + 1) : 0);
     last = std::max(last, q_positions[t]);
   }
-  const int64_t span = last - first + 1;
-  int64_t chunks = 1;
-  if (row_blocks < min_units)
-    chunks = std::clamp<int64_t>((min_units + row_blocks - 1) / row_blocks, 1,
-                                 std::max<int64_t>(1, span / kMinChunkPositions));
-  const int64_t chunk_len = (span + chunks - 1) / chunks;
-  const int64_t units = row_blocks * chunks;
+  const int64_t split0 = first / kSplit, n_splits = last / kSplit - split0 + 1;
+  // Too few row blocks to occupy the threads (decode): every split is a unit of its own.
+  const bool split_units = row_blocks < min_units && n_splits > 1;
+  const int64_t units = split_units ? row_blocks * n_splits : row_blocks;
   const int64_t unit_queries = rows_per_unit * n_heads;
+  const int64_t state_floats = unit_queries * (2 + hd);
 
   const AttentionArgs args{q, q_positions, kv, n_heads, scale, window, sinks};
-  // Softmax states of chunked units, [units, unit_queries] (m, l) and [units, unit_queries,
-  // hd] (o), merged after all chunks are done. Owned by the calling thread; workers reach it
-  // through these pointers (naming a thread_local inside the worker lambda would give each
-  // worker its own empty copy). Unchunked units keep their state in per-thread scratch.
+  auto split_range = [&](int64_t k, int64_t* c0, int64_t* c1) {
+    *c0 = std::max(first, (split0 + k) * kSplit);
+    *c1 = std::min(last, (split0 + k) * kSplit + kSplit - 1);
+  };
+  auto state_at = [&](float* p) { return SoftmaxState{p, p + unit_queries, p + 2 * unit_queries}; };
+  // Split units' partial states, [units][state_floats], merged after all are done. Owned by
+  // the calling thread; workers reach it through this pointer (naming a thread_local inside
+  // the worker lambda would give each worker its own empty copy).
   thread_local std::vector<float> shared_states;
-  shared_states.resize(chunks > 1 ? size_t(units * unit_queries * (2 + hd)) : 0);
-  float* const shared_m = shared_states.data();
-  float* const shared_l = shared_m + (chunks > 1 ? units * unit_queries : 0);
-  float* const shared_o = shared_l + (chunks > 1 ? units * unit_queries : 0);
+  shared_states.resize(split_units ? size_t(units * state_floats) : 0);
+  float* const shared = shared_states.data();
   // Causal rows cost different amounts, so units are handed out dynamically.
   std::atomic<int64_t> next{0};
   pool.run([&](int, int) {
     thread_local AttentionScratch scratch;
+    thread_local std::vector<float> states;  // running and partial state of a walking unit
     for (;;) {
       const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
       if (u >= units) break;
-      const int64_t t0 = (u / chunks) * rows_per_unit;
-      const int64_t t1 = std::min(q.rows, t0 + rows_per_unit);
-      const int64_t c0 = first + (u % chunks) * chunk_len;
-      const int64_t c1 = std::min(last, c0 + chunk_len - 1);
-      if (chunks > 1) {
-        const SoftmaxState st{shared_m + u * unit_queries, shared_l + u * unit_queries,
-                              shared_o + u * unit_queries * hd};
-        attend_unit(args, t0, t1, c0, c1, st, scratch);
-      } else {
-        scratch.state.resize(size_t(unit_queries * (2 + hd)));
-        float* m = scratch.state.data();
-        const SoftmaxState st{m, m + unit_queries, m + 2 * unit_queries};
-        attend_unit(args, t0, t1, c0, c1, st, scratch);
-        merge_chunks(args, out, t0, int(t1 - t0), st.m, st.l, st.o, 1, unit_queries);
+      int64_t c0, c1;
+      if (split_units) {
+        const int64_t t0 = (u / n_splits) * rows_per_unit;
+        split_range(u % n_splits, &c0, &c1);
+        attend_unit(args, t0, std::min(q.rows, t0 + rows_per_unit), c0, c1, state_at(shared + u * state_floats), scratch);
+        continue;
       }
+      const int64_t t0 = u * rows_per_unit, t1 = std::min(q.rows, t0 + rows_per_unit);
+      const int64_t nq = (t1 - t0) * n_heads;
+      states.resize(size_t(2 * state_floats));
+      const SoftmaxState run = state_at(states.data()), part = state_at(states.data() + state_floats);
+      std::fill(run.m, run.m + nq, -INFINITY);
+      std::fill(run.l, run.l + nq, 0.f);
+      for (int64_t k = 0; k < n_splits; ++k) {
+        split_range(k, &c0, &c1);
+        attend_unit(args, t0, t1, c0, c1, part, scratch);
+        for (int64_t i = 0; i < nq; ++i)
+          merge_split(run.m[i], run.l[i], run.o + i * hd, part.m[i], part.l[i], part.o + i * hd, hd);
+      }
+      finish_rows(args, out, t0, int(t1 - t0), run);
     }
   });
-  if (chunks > 1) {
+  if (split_units) {
+    std::vector<float> merged(static_cast<size_t>(state_floats));
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
       const int64_t t0 = rb * rows_per_unit;
-      const int64_t slot0 = rb * chunks * unit_queries;
-      merge_chunks(args, out, t0, int(std::min(q.rows, t0 + rows_per_unit) - t0),
-                   shared_m + slot0, shared_l + slot0, shared_o + slot0 * hd, chunks, unit_queries);
+      const int64_t nq = (std::min(q.rows, t0 + rows_per_unit) - t0) * n_heads;
+      const SoftmaxState run = state_at(merged.data());
+      std::fill(run.m, run.m + nq, -INFINITY);
+      std::fill(run.l, run.l + nq, 0.f);
+      for (int64_t k = 0; k < n_splits; ++k) {
+        const SoftmaxState part = state_at(shared + (rb * n_splits + k) * state_floats);
+        for (int64_t i = 0; i < nq; ++i)
+          merge_split(run.m[i], run.l[i], run.o + i * hd, part.m[i], part.l[i], part.o + i * hd, hd);
+      }
+      finish_rows(args, out, t0, int(std::min(q.rows, t0 + rows_per_unit) - t0), run);
     }
   }
 }
