@@ -152,18 +152,6 @@ struct Server {
     return sr;
   }
 
-  // A request body, parsed with its nesting bounded: nlohmann's parser keeps its own stack, but
-  // dump() and the walks over tools and messages recurse per level, and a 2 MB body of
-  // 300000 nested objects in a tool's parameters took the server down (stack overflow).
-  static constexpr int kMaxJsonDepth = 64;
-  static json parse_body(const std::string& body) {
-    return json::parse(body, [](int depth, json::parse_event_t, json&) {
-      if (depth > kMaxJsonDepth)
-        throw ApiError(400, "", fmt::format("the JSON body is nested deeper than {} levels", kMaxJsonDepth));
-      return true;
-    });
-  }
-
   // Runs an endpoint's body with the API's error handling.
   template <class Fn>
   void guarded(httplib::Response& res, Api api, Fn&& fn) {
@@ -193,7 +181,7 @@ struct Server {
 
   void openai(const httplib::Request& req, httplib::Response& res, bool chat) {
     guarded(res, Api::kOpenAi, [&] {
-      const json body = parse_body(req.body);
+      const json body = server::parse_request_body(req.body);
       const ApiRequest ar = chat ? server::parse_openai_chat(body, model_id) : server::parse_openai_completion(body, model_id);
       const server::ServeRequest sr = engine_request(ar, chat);
       const int64_t n_prompt = int64_t(sr.prompt.size());
@@ -282,7 +270,7 @@ struct Server {
 
   void anthropic(const httplib::Request& req, httplib::Response& res) {
     guarded(res, Api::kAnthropic, [&] {
-      const json body = parse_body(req.body);
+      const json body = server::parse_request_body(req.body);
       const ApiRequest ar = server::parse_anthropic_messages(body, model_id);
       const server::ServeRequest sr = engine_request(ar, /*chat=*/true);
       const int64_t n_prompt = int64_t(sr.prompt.size());

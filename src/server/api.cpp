@@ -136,6 +136,14 @@ void sampling(const json& body, SamplingParams* sp, double max_temperature) {
 
 }  // namespace
 
+nlohmann::json parse_request_body(const std::string& body) {
+  return nlohmann::json::parse(body, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+    if (depth > kMaxJsonDepth)
+      throw ApiError(400, "", fmt::format("the JSON body is nested deeper than {} levels", kMaxJsonDepth));
+    return true;
+  });
+}
+
 ApiRequest parse_openai_chat(const json& body, const std::string& served_model) {
   require_object(body);
   ApiRequest r;

@@ -67,6 +67,13 @@ class ToolCallParser {
 // The function names of an OpenAI `tools` array (validated by parse_openai_chat).
 std::vector<std::string> tool_names(const nlohmann::ordered_json& tools);
 
+// A request body as JSON, its nesting bounded (kMaxJsonDepth levels, else ApiError 400 naming
+// the limit): nlohmann's parser keeps its own stack, but dump() and the walks over tools and
+// messages recurse per level, and a 2 MB body of 300000 nested objects in a tool's parameters
+// took the server down (stack overflow). Malformed JSON throws nlohmann::json::exception.
+constexpr int kMaxJsonDepth = 64;
+nlohmann::json parse_request_body(const std::string& body);
+
 // served_model: the id /v1/models lists; a request naming another model is refused.
 ApiRequest parse_openai_chat(const nlohmann::json& body, const std::string& served_model);
 ApiRequest parse_openai_completion(const nlohmann::json& body, const std::string& served_model);

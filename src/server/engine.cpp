@@ -383,7 +383,6 @@ void ServeEngine::step() {
   int64_t out = 0;
   for (Slot* sp : stepped) {
     Slot& s = *sp;
-    const ServeRequest& req = s.p.request;
     const bool prefill = s.prompt_fed < s.feed.size();
     for (int64_t i = 0; i < s.rows; ++i) s.history.push_back(rows[size_t(s.row0 + i)].token);
     s.position.store(int64_t(s.history.size()));

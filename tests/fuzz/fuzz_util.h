@@ -8,6 +8,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "core/error.h"
@@ -44,7 +46,10 @@ template <typename Fn>
 void refusals_only(Fn&& fn) {
   try {
     fn();
-  } catch (const Error&) {
+  } catch (const Error& e) {
+    // TURBOSPARK_FUZZ_VERBOSE=1: say why, to check that seeds get past the first checks.
+    static const bool verbose = std::getenv("TURBOSPARK_FUZZ_VERBOSE") != nullptr;
+    if (verbose) std::fprintf(stderr, "refused: %s\n", e.what());
   }
 }
 
