@@ -29,6 +29,20 @@ class TemplateError : public std::runtime_error {
 
 [[noreturn]] inline void raise(const std::string& what) { throw TemplateError(what); }
 
+// Bounds on what a template may build, each named in its error: the rendered text and any
+// string value, list values, and loop iterations over the whole render. Real chat templates
+// render a conversation in kilobytes with a few hundred iterations; a hostile one inside a
+// downloaded GGUF must not run away with memory or time.
+constexpr size_t kMaxTemplateBytes = size_t(16) << 20;
+constexpr size_t kMaxTemplateItems = size_t(1) << 20;
+constexpr int64_t kMaxLoopIterations = 1'000'000;
+inline void check_template_bytes(size_t n) {
+  if (n > kMaxTemplateBytes) raise("template output or a string in it larger than the limit of 16 MiB");
+}
+inline void check_template_items(size_t n) {
+  if (n > kMaxTemplateItems) raise("a list in the template longer than the limit of 1048576 items");
+}
+
 struct Value;
 class Evaluator;
 

@@ -123,12 +123,19 @@ class Evaluator {
     Evaluator& e_;
   };
 
+  void emit(const std::string& text) {
+    check_template_bytes(out_->size() + text.size());
+    *out_ += text;
+  }
+
+  int64_t loop_iterations_ = 0;  // over the whole render (kMaxLoopIterations)
+
   Flow exec(const Stmt& st) {
     Deeper deeper(*this);
     line_ = st.line;
     switch (st.kind) {
-      case StmtKind::Text: *out_ += st.text; return Flow::Normal;
-      case StmtKind::Print: *out_ += to_str(eval(*st.expr)); return Flow::Normal;
+      case StmtKind::Text: emit(st.text); return Flow::Normal;
+      case StmtKind::Print: emit(to_str(eval(*st.expr))); return Flow::Normal;
       case StmtKind::If:
         for (const auto& [cond, body] : st.branches) {
           if (!cond || truthy(eval(*cond))) return exec_body(body);
@@ -148,7 +155,7 @@ class Evaluator {
       case StmtKind::FilterBlock: {
         std::string captured;
         in_child_scope(scope_, &captured, [&] { exec_body(st.body); });
-        *out_ += to_str(apply_chain(*st.expr, Value::string(std::move(captured))));
+        emit(to_str(apply_chain(*st.expr, Value::string(std::move(captured)))));
         return Flow::Normal;
       }
       case StmtKind::With: {
@@ -201,6 +208,8 @@ class Evaluator {
     auto changed_state = std::make_shared<std::optional<std::vector<Value>>>();
     bool stop = false;
     for (int64_t k = 0; k < n && !stop; ++k) {
+      if (++loop_iterations_ > kMaxLoopIterations)
+        raise(fmt::format("more than {} loop iterations in one render (the limit)", kMaxLoopIterations));
       Value loop = Value::make_dict(DictKind::Loop);
       auto& d = *loop.dict;
       d.set("index0", Value::integer(k));
@@ -419,7 +428,10 @@ class Evaluator {
       }
       case ExprKind::Concat: {
         std::string out;
-        for (const auto& a : e.args) out += to_str(eval(*a));
+        for (const auto& a : e.args) {
+          out += to_str(eval(*a));
+          check_template_bytes(out.size());
+        }
         return Value::string(std::move(out));
       }
       case ExprKind::CondExpr: {

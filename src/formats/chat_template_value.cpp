@@ -484,6 +484,10 @@ static bool sub_ovf(int64_t x, int64_t y, int64_t* r) { return __builtin_sub_ove
 static bool mul_ovf(int64_t x, int64_t y, int64_t* r) { return __builtin_mul_overflow(x, y, r); }
 
 static Value repeat(const Value& seq, int64_t n) {
+  // Checked before anything is built ('x' * 10**12 must not try to allocate it).
+  if (n > 0 && seq.is_string()) check_template_bytes(size_t(n) > kMaxTemplateBytes ? size_t(n) : seq.s.size() * size_t(n));
+  if (n > 0 && !seq.is_string())
+    check_template_items(size_t(n) > kMaxTemplateItems ? size_t(n) : seq.list->items.size() * size_t(n));
   if (seq.is_string()) {
     std::string out;
     for (int64_t k = 0; k < n; ++k) out += seq.s;
@@ -505,12 +509,14 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     if (both_int) return Value::integer(checked(a.as_int(), b.as_int(), add_ovf));
     if (both_num) return Value::real(a.as_double() + b.as_double());
     if (a.is_string() && b.is_string()) {
+      check_template_bytes(a.s.size() + b.s.size());
       if (a.markup || b.markup)
         return markup_string((a.markup ? a.s : html_escape(a.s)) + (b.markup ? b.s : html_escape(b.s)));
       return Value::string(a.s + b.s);
     }
     if (a.is_list() && b.is_list() && a.list->kind == b.list->kind &&
         (a.list->kind == ListKind::List || a.list->kind == ListKind::Tuple)) {
+      check_template_items(a.list->items.size() + b.list->items.size());
       std::vector<Value> items = a.list->items;
       items.insert(items.end(), b.list->items.begin(), b.list->items.end());
       return Value::make_list(std::move(items), a.list->kind);

@@ -330,5 +330,29 @@ TEST(ChatTemplateLimits, DeepOrHugeTemplatesAreRefusedByName) {
   EXPECT_EQ(render("{{ " + std::string(20, '(') + "7" + std::string(20, ')') + " }}"), "7");
 }
 
+// What a template builds is bounded too (a template comes inside a downloaded GGUF): loop
+// iterations over the whole render, the output and any string, lists; refused by name, before
+// the memory is taken or the time spent.
+TEST(ChatTemplateLimits, RunawayOutputLoopsAndValuesAreRefusedByName) {
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_NE(error_of("{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}")
+                .find("more than 1000000 loop iterations"),
+            std::string::npos);
+  EXPECT_NE(error_of("{{ 'x' * 1000000000000 }}").find("larger than the limit of 16 MiB"), std::string::npos);
+  EXPECT_NE(error_of("{{ [1, 2] * 1000000000000 }}").find("longer than the limit of 1048576 items"), std::string::npos);
+  EXPECT_NE(error_of("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}")
+                .find("larger than the limit of 16 MiB"),
+            std::string::npos);
+  EXPECT_NE(error_of("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}")
+                .find("larger than the limit of 16 MiB"),
+            std::string::npos);
+  EXPECT_NE(error_of("{% for i in range(99999) %}{{ 'y' * 1000 }}{% endfor %}").find("larger than the limit of 16 MiB"),
+            std::string::npos);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  // Inside the limits these render.
+  EXPECT_EQ(render("{{ ('ab' * 3) ~ ([1] * 2)|length }}"), "ababab2");
+  EXPECT_EQ(render("{% for i in range(1000) %}{% for j in range(999) %}{% endfor %}{% endfor %}ok"), "ok");
+}
+
 }  // namespace
 }  // namespace turbospark

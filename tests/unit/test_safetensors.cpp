@@ -92,6 +92,13 @@ TEST(Safetensors, RejectsCorruptHeaders) {
   expect_error(path, "bad shape");
   spit(path, "abc");
   expect_error(path, "truncated");
+  // A header length of 100 GB (in a file of 10 bytes) and one over the library's 100 MB bound
+  // (in a file that has it) are refused before anything is read or allocated.
+  std::string huge(8, '\0');
+  const uint64_t claim = 100'000'000'000ull;
+  std::memcpy(huge.data(), &claim, 8);
+  spit(path, huge + "{}");
+  expect_error(path, "safetensors header of 100000000000 bytes is larger than the limit of 100000000 bytes");
 }
 
 TEST(Safetensors, ShardedIndexResolvesEveryTensor) {
