@@ -89,7 +89,14 @@ if [[ ! -f "$src/CMakeLists.txt" ]]; then
 fi
 [[ -f "$src/CMakeLists.txt" ]] || { log "no vendor/llama.cpp in the sdist"; exit 1; }
 
-# 3. configure + build (CPU only, native ISA, no network features).
+# 3. configure + build (CPU only, no network features). The ISA is the building machine's
+# (-march=native) WITHOUT AMX: these Xeon VMs report AMX in cpuinfo, but the guest may not
+# use the tile state, and ggml's AMX matmul then dies with SIGILL. Turning the AMX flags off
+# in the compiler also compiles ggml's AMX kernels out (they are guarded by __AMX_INT8__).
+no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+isa=$(gcc -march=native -Q --help=target 2>/dev/null \
+        | awk '$2 == "[enabled]" && $1 ~ /^-m(avx|fma|f16c|amx)/ {sub(/^-m/, "", $1); printf "%s ", $1}')
+log "ISA: -march=native ($isa) with AMX turned off: $no_amx"
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 server=OFF
@@ -98,12 +105,17 @@ server=OFF
 if [[ -f "$build/CMakeCache.txt" && "$server" == ON ]] && ! grep -q "^LLAMA_BUILD_SERVER:BOOL=ON" "$build/CMakeCache.txt"; then
   rm -f "$build/CMakeCache.txt"
 fi
+# A build configured before AMX was turned off: configure again.
+if [[ -f "$build/CMakeCache.txt" ]] && ! grep -q -- "-mno-amx-int8" "$build/CMakeCache.txt"; then
+  rm -f "$build/CMakeCache.txt"
+fi
 if [[ ! -f "$build/CMakeCache.txt" ]]; then
   log "configuring in $build"
   cmake -S "$src" -B "$build" "${gen[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_OPENMP=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \

@@ -276,6 +276,27 @@ TEST(BadInput, UnsupportedDeviceRefusedByName) {
   expect_one_line_error(run_cli("logits --model " + fixture("qwen3_tiny") + " --tokens 1 --device tpu --out /tmp/x.npy"), "tpu");
 }
 
+// The sampling flags reach the sampler: a seed reproduces its tokens and another seed changes
+// them (random weights give a flat distribution), --top-k 1 at any temperature is the greedy
+// continuation, and --temperature 0 ignores the seed.
+TEST(Sampling, FlagsReachTheSampler) {
+  const std::string gen = "generate --model " + fixture("qwen3_tiny") + " --tokens 1,2,3 --max-tokens 24 --format ids -q ";
+  auto ids = [](const testing::CliResult& r) {
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    return r.out;
+  };
+  const std::string greedy = ids(run_cli(gen + "--temperature 0"));
+  const std::string a = ids(run_cli(gen + "--temperature 1.5 --top-k 0 --top-p 1 --min-p 0 --seed 11"));
+  EXPECT_EQ(ids(run_cli(gen + "--temperature 1.5 --top-k 0 --top-p 1 --min-p 0 --seed 11")), a) << "same seed, same tokens";
+  EXPECT_NE(ids(run_cli(gen + "--temperature 1.5 --top-k 0 --top-p 1 --min-p 0 --seed 12")), a) << "another seed";
+  EXPECT_NE(a, greedy);
+  EXPECT_EQ(ids(run_cli(gen + "--temperature 1.5 --top-k 1 --seed 11")), greedy) << "--top-k 1 is greedy";
+  EXPECT_EQ(ids(run_cli(gen + "--temperature 1.5 --top-p 0.000001 --seed 13")), greedy) << "a tiny --top-p is greedy";
+  EXPECT_EQ(ids(run_cli(gen + "--temperature 1.5 --top-k 0 --top-p 1 --min-p 0.999 --seed 14")), greedy)
+      << "--min-p 0.999 keeps only the best";
+  EXPECT_EQ(ids(run_cli(gen + "--temperature 0 --seed 99")), greedy);
+}
+
 // Numeric flags out of range are refused naming the flag, never run with (NaN sampled
 // garbage before; negative --threads and --ctx were silently taken).
 TEST(BadInput, NumericFlagsOutOfRangeRefusedByName) {
