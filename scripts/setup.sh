@@ -44,8 +44,9 @@ sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 need_pkgs=()
 command -v python3 >/dev/null || need_pkgs+=(python3 python3-pip)
-# chromium + chromium-driver: the chat page's browser test (tests/server/test_page.py).
-for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev libcpp-httplib-dev libxxhash-dev chromium chromium-driver; do
+# chromium + chromium-driver: the chat page's browser test (tests/server/test_page.py); clang and its
+# runtime libraries: the ASan/UBSan build and the libFuzzer harnesses (scripts/sanitize.sh).
+for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev libcpp-httplib-dev libxxhash-dev chromium chromium-driver clang libclang-rt-14-dev; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" = "install ok installed" ] || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then

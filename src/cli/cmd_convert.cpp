@@ -222,7 +222,7 @@ void add_convert_command(CLI::App& app) {
         }
       }
       if (!quantize) {
-        specs.push_back({name, t->dtype, t->shape, [t](uint8_t* dst, size_t n) { std::memcpy(dst, t->data, n); }});
+        specs.push_back({name, t->dtype, t->shape, [src = t](uint8_t* dst, size_t n) { std::memcpy(dst, src->data, n); }});
         continue;
       }
       ++n_quantized;

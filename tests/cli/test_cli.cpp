@@ -2,6 +2,8 @@
 // naming the culprit and a non-zero exit, never a crash.
 #include <gtest/gtest.h>
 
+#include <regex>
+
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -150,12 +152,29 @@ TEST(Cli, GenerateIdsMatchesTransformersGreedy) {
   EXPECT_EQ(r.out, tokens_csv(greedy) + "\n");
 }
 
+// Every subcommand is listed with a description on its own line, and its own --help shows
+// its usage and the flags it is about.
 TEST(Cli, HelpExplainsEverySubcommand) {
   auto r = run_cli("--help");
   EXPECT_EQ(r.exit_code, 0);
-  for (const char* sub : {"run", "generate", "logits", "inspect", "bench"}) EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
-  auto l = run_cli("logits --help");
-  EXPECT_NE(l.out.find("--chunk"), std::string::npos);
+  const std::vector<std::pair<std::string, std::vector<std::string>>> subs = {
+      {"run", {"--model", "--temperature", "--max-tokens", "--raw", "--verbose-prompt"}},
+      {"chat", {"--model", "--temperature", "--system"}},
+      {"serve", {"--host", "--port", "--parallel", "--ctx", "--api-key", "--kv-pool-tokens"}},
+      {"generate", {"--tokens", "--max-tokens", "--format", "--seed"}},
+      {"logits", {"--tokens", "--chunk", "--out"}},
+      {"inspect", {"--model", "--tensors"}},
+      {"bench", {"--prompt", "--decode", "--expert-cache-slots"}},
+      {"perplexity", {"-f", "--chunks", "--kl-divergence-base"}},
+      {"convert", {"--expert-store", "--group-size"}}};
+  for (const auto& [sub, flags] : subs) {
+    EXPECT_TRUE(std::regex_search(r.out, std::regex("\\n  " + sub + " +[A-Z][^\\n]{20,}")))
+        << sub << " is not listed with a description in:\n" << r.out;
+    const auto h = run_cli(sub + " --help");
+    EXPECT_EQ(h.exit_code, 0) << sub;
+    EXPECT_NE(h.out.find("Usage: "), std::string::npos) << sub;
+    for (const auto& flag : flags) EXPECT_NE(h.out.find(flag), std::string::npos) << sub << " --help lacks " << flag;
+  }
 }
 
 TEST(Cli, InspectShowsBytesByDtype) {

@@ -6,6 +6,8 @@
 // crash.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -519,12 +521,23 @@ TEST(GgufErrors, RandomCorruptionNeverCrashes) {
     try {
       GgufFile f(write_file(dir, "fuzz.gguf", bytes));
       ++accepted;
+      // What a parser accepts must still be self-consistent: every tensor's bytes inside the
+      // file's data section, its size the one its type and dims give, no two overlapping.
+      std::vector<std::pair<uint64_t, uint64_t>> spans;
+      for (const GgufTensor& t : f.tensors()) {
+        EXPECT_LE(f.data_offset() + t.offset + t.nbytes, bytes.size()) << t.name << " (iteration " << iter << ")";
+        spans.emplace_back(t.offset, t.offset + t.nbytes);
+      }
+      std::sort(spans.begin(), spans.end());
+      for (size_t i = 1; i < spans.size(); ++i) EXPECT_LE(spans[i - 1].second, spans[i].first) << "iteration " << iter;
     } catch (const Error&) {
       ++refused;
     }
   }
+  // Both outcomes happen (flips in names and padding are harmless, in counts and types not):
+  // a parser that refused everything, or nothing, would fail here.
   EXPECT_GT(refused, 60);
-  EXPECT_EQ(accepted + refused, 250);
+  EXPECT_GT(accepted, 10);
 }
 
 }  // namespace
