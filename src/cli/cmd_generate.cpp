@@ -100,7 +100,7 @@ void add_generate_command(CLI::App& app) {
   auto o = std::make_shared<GenOpts>();
   o->sampling.temperature = 0.7f;
   CLI::App* cmd = app.add_subcommand("generate", "Continue a prompt (raw text or token ids), no chat formatting");
-  cmd->add_option("--model,-m", o->model, "Model directory")->required();
+  cmd->add_option("--model,-m", o->model, "Model directory or .gguf file (default: $TURBOSPARK_MODEL, then the installed default)");
   auto* p = cmd->add_option("--prompt,-p", o->prompt, "Prompt text");
   auto* t = cmd->add_option("--tokens", o->tokens, "Prompt as comma-separated token ids");
   p->excludes(t);
@@ -109,7 +109,7 @@ void add_generate_command(CLI::App& app) {
   add_sampling_options(cmd, *o);
   cmd->callback([o] {
     if (o->prompt.empty() && o->tokens.empty()) fail("generate: give --prompt TEXT or --tokens IDS");
-    run_generation(*o, o->model, /*chat_format=*/false);
+    run_generation(*o, o->model.empty() ? default_model_path() : o->model, /*chat_format=*/false);
   });
 }
 

@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <regex>
+#include <cstring>
+#include <filesystem>
+#include <cstdlib>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -152,6 +156,46 @@ TEST(Cli, GenerateIdsMatchesTransformersGreedy) {
   EXPECT_EQ(r.out, tokens_csv(greedy) + "\n");
 }
 
+// Where a command finds its model without --model: $TURBOSPARK_MODEL first, then
+// $XDG_DATA_HOME/turbospark/default-model(.gguf); each failure says what it looked for.
+TEST(Cli, ModelDiscoveryThroughTheEnvironmentAndTheDataFolder) {
+  struct Env {
+    std::string name;
+    std::optional<std::string> saved;
+    Env(std::string n, const std::optional<std::string>& value) : name(std::move(n)) {
+      if (const char* v = std::getenv(name.c_str())) saved = v;
+      if (value) setenv(name.c_str(), value->c_str(), 1);
+      else unsetenv(name.c_str());
+    }
+    ~Env() {
+      if (saved) setenv(name.c_str(), saved->c_str(), 1);
+      else unsetenv(name.c_str());
+    }
+  };
+  TempDir data;
+  const std::string gen = "generate --tokens 1,2,3 --max-tokens 4 --format ids -q";
+  const std::string want = run_cli(gen + " --model " + fixture("qwen3_tiny")).out;
+  ASSERT_FALSE(want.empty());
+  {
+    Env model("TURBOSPARK_MODEL", fixture("qwen3_tiny")), xdg("XDG_DATA_HOME", data.str());
+    EXPECT_EQ(run_cli(gen).out, want) << "TURBOSPARK_MODEL names the model";
+  }
+  {
+    Env model("TURBOSPARK_MODEL", std::string("/nonexistent/model")), xdg("XDG_DATA_HOME", data.str());
+    expect_one_line_error(run_cli(gen), "TURBOSPARK_MODEL=/nonexistent/model: no such file or directory");
+  }
+  {
+    Env model("TURBOSPARK_MODEL", std::nullopt), xdg("XDG_DATA_HOME", data.str());
+    expect_one_line_error(run_cli(gen), "no model given and no default model installed in " + data.str() + "/turbospark");
+    std::filesystem::create_directories(data.path / "turbospark");
+    std::filesystem::create_directory_symlink(fixture("qwen3_tiny"), data.path / "turbospark" / "default-model");
+    EXPECT_EQ(run_cli(gen).out, want) << "the installed default in the data folder";
+    // --model wins over both.
+    EXPECT_EQ(run_cli(gen + " --model " + fixture("llama_tiny")).out, run_cli(gen + " --model " + fixture("llama_tiny")).out);
+    EXPECT_NE(run_cli(gen + " --model " + fixture("llama_tiny")).out, want);
+  }
+}
+
 // Every subcommand is listed with a description on its own line, and its own --help shows
 // its usage and the flags it is about.
 TEST(Cli, HelpExplainsEverySubcommand) {
@@ -203,7 +247,8 @@ TEST(BadInput, HeaderLengthPastEndOfFile) {
   copy_fixture("qwen3_tiny", tmp.path / "m");
   fs::path st = tmp.path / "m" / "model.safetensors";
   std::string bytes = read_file(st);
-  bytes[7] = char(0x7f);  // header length far beyond the file
+  const uint64_t claim = 50'000'000;  // header length beyond the file (and within the 100 MB bound)
+  std::memcpy(bytes.data(), &claim, 8);
   write_file(st, bytes);
   expect_one_line_error(run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 1 --out " + tmp.str() + "/x.npy"),
                         "truncated safetensors");

@@ -87,7 +87,7 @@ TEST(Qwen4Exp, LanguageModelPrefixFormMatchesGolden) {
   std::vector<TensorWriteSpec> out;
   for (const auto& [name, t] : ck.all()) {
     std::string renamed = name == "lm_head.weight" ? "language_model.lm_head.weight" : "language_model." + name;
-    out.push_back({renamed, t->dtype, t->shape, [t](uint8_t* d, size_t n) { std::memcpy(d, t->data, n); }});
+    out.push_back({renamed, t->dtype, t->shape, [src_t = t](uint8_t* d, size_t n) { std::memcpy(d, src_t->data, n); }});
   }
   testing::TempDir tmp;
   write_safetensors(tmp.str() + "/model.safetensors", out);
