@@ -156,6 +156,48 @@ TEST(Cli, GenerateIdsMatchesTransformersGreedy) {
   EXPECT_EQ(r.out, tokens_csv(greedy) + "\n");
 }
 
+// Generation stops at the model's end-of-sequence id (generation_config.json's eos_token_id,
+// a number or a list), which it writes as the last id, and not before; without it, it runs
+// to --max-tokens. The tiny model's greedy continuation of 1,2,3 is 14 x 46 then 412s.
+TEST(Cli, GenerationStopsAtTheModelsEos) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  const std::string gen = "generate --model " + (tmp.path / "m").string() + " --tokens 1,2,3 --max-tokens 24 --format ids -q";
+  auto set_eos = [&](const nlohmann::json& eos) {
+    const fs::path p = tmp.path / "m" / "generation_config.json";
+    nlohmann::json g = nlohmann::json::parse(read_file(p));
+    g["eos_token_id"] = eos;
+    write_file(p, g.dump());
+  };
+  const std::string fourteen = "46,46,46,46,46,46,46,46,46,46,46,46,46,46";
+  set_eos(2);  // never generated here: all 24
+  EXPECT_EQ(run_cli(gen).out, fourteen + ",412,412,412,412,412,412,412,412,412,412\n");
+  set_eos(412);
+  EXPECT_EQ(run_cli(gen).out, fourteen + ",412\n");
+  set_eos(nlohmann::json::array({7, 412}));
+  EXPECT_EQ(run_cli(gen).out, fourteen + ",412\n");
+  set_eos(46);
+  EXPECT_EQ(run_cli(gen).out, "46\n");
+}
+
+// A checkpoint without a chat template (many GGUF conversions) still chats: ChatML when the
+// vocabulary has its markers (Gemma's turn format for Gemma), said on stderr; --raw feeds
+// the prompt as it is.
+TEST(Cli, BuiltInChatFormatWhenTheModelHasNone) {
+  TempDir tmp;
+  copy_fixture("qwen3_tiny", tmp.path / "m");
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
+    fs::copy_file(fs::path(TS_SOURCE_DIR) / "tests/data/tiny_tokenizer" / f, tmp.path / "m" / f);
+  const std::string run = "run --model " + (tmp.path / "m").string() + " --max-tokens 2 --temperature 0 --verbose-prompt ";
+  const auto chat = run_cli(run + "Hi");
+  EXPECT_EQ(chat.exit_code, 0) << chat.out;
+  EXPECT_NE(chat.out.find("using the built-in qwen3 format"), std::string::npos) << chat.out;
+  EXPECT_NE(chat.out.find("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), std::string::npos) << chat.out;
+  const auto raw = run_cli(run + "--raw Hi");
+  EXPECT_EQ(raw.exit_code, 0) << raw.out;
+  EXPECT_EQ(raw.out.find("<|im_start|>"), std::string::npos) << raw.out;
+}
+
 // Where a command finds its model without --model: $TURBOSPARK_MODEL first, then
 // $XDG_DATA_HOME/turbospark/default-model(.gguf); each failure says what it looked for.
 TEST(Cli, ModelDiscoveryThroughTheEnvironmentAndTheDataFolder) {
