@@ -247,11 +247,20 @@ class Evaluator {
     return Flow::Normal;
   }
 
+  // A macro sees its defining scope, which usually stores the macro itself: holding that
+  // scope from the macro's value would be a reference cycle (LeakSanitizer found every
+  // template with a macro leaking it). The render keeps the scope alive instead; the macro
+  // holds a weak reference.
+  std::vector<std::shared_ptr<Scope>> macro_scopes_;
+
   Value make_macro(const Stmt& st) {
     const Stmt* macro = &st;
-    std::shared_ptr<Scope> closure = scope_;
+    macro_scopes_.push_back(scope_);
+    std::weak_ptr<Scope> closure = scope_;
     return Value::callable("macro '" + st.name + "'", [macro, closure](Evaluator& ev, CallArgs& args) -> Value {
-      return ev.call_macro(*macro, closure, args);
+      const std::shared_ptr<Scope> scope = closure.lock();
+      if (!scope) raise("macro '" + macro->name + "' called after its template finished rendering");
+      return ev.call_macro(*macro, scope, args);
     });
   }
 
