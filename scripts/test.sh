@@ -15,5 +15,10 @@ TS_QWEN_TOKENIZER="$(python3 scripts/find_qwen_tokenizer.py)"
 TS_GEMMA_GGUF="$(scripts/install_gguf_default.sh gemma3-270m)"
 TS_DEFAULT_GGUF="$(scripts/install_gguf_default.sh)"
 export TS_QWEN_TOKENIZER TS_GEMMA_GGUF TS_DEFAULT_GGUF
-cd build
-ctest --output-on-failure -j"$(nproc)" --timeout 900
+(cd build && ctest --output-on-failure -j"$(nproc)" --timeout 900)
+# The unit and golden tiers again under ASan + UBSan (clang, build-san), then a 30 s smoke of
+# every fuzz harness (scripts/sanitize.sh; README "Reliability" says what runs where).
+# TURBOSPARK_SKIP_SANITIZE=1 skips this stage.
+if [ "${TURBOSPARK_SKIP_SANITIZE:-0}" != 1 ]; then
+  scripts/sanitize.sh
+fi
