@@ -80,6 +80,7 @@ struct Case {
   std::string fixture, quant;
   int group_size;
   double min_top1, max_kl;
+  double max_kernel_err;  // packed kernels vs the dequantized float model, of the largest logit
 };
 
 class ConvertFixture : public ::testing::TestWithParam<Case> {};
@@ -169,12 +170,9 @@ TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
     const std::vector<float> exact = all_logits(out, tokens);
     EXPECT_LT(testing::max_rel_error(exact.data(), fake.data(), fake.size()), 2e-4) << c.fixture;
   }
-  // With routed experts that rounding can also flip a near-tied router choice, which moves
-  // the logits by more than rounding (qwen3_moe 7e-2, qwen4_exp 1.7e-1, gpt_oss 8e-2
-  // measured), so there the bound only catches gross errors (a wrong nibble order is O(1)).
-  const bool routed = c.fixture.find("moe") != std::string::npos || c.fixture.find("qwen4_exp") != std::string::npos ||
-                      c.fixture.find("gpt_oss") != std::string::npos || c.fixture.find("gemma4") != std::string::npos;
-  EXPECT_LT(kernel_err, routed ? 0.3 : 5e-2) << c.fixture;
+  // Bounds per case: the measured error times about two (a wrong nibble order or scale is
+  // O(1)); gemma4's rounding flips a near-tied router choice, hence its larger one.
+  EXPECT_LT(kernel_err, c.max_kernel_err) << c.fixture;
   // And the quantized model tracks bf16.
   const Agreement a = compare(bf16, quantized, vocab);
   std::printf("[convert] %-15s %-11s g%-3d top-1 agreement with bf16 %5.1f%% of %zu tokens (%5.1f%% of the %d with a "
@@ -188,21 +186,22 @@ TEST_P(ConvertFixture, ConvertedModelTracksBf16) {
 
 INSTANTIATE_TEST_SUITE_P(
     Families, ConvertFixture,
-    // Every family at the default group size 64 must keep >= 95% of bf16's top-1 choices
-    // (40 golden tokens: at most two may differ); KL bounds are the measured values with
-    // headroom (README, "Quantized checkpoints"). Qwen4-Exp's hidden size is 32, so there
-    // group 64 would leave most matrices unquantized: it runs at group 32.
-    ::testing::Values(Case{"qwen3_trained_tiny", "int4-affine", 64, 0.95, 0.09},
-                      Case{"qwen3_trained_tiny", "int4-affine", 32, 0.95, 0.1},
-                      Case{"qwen2_trained_tiny", "int4-affine", 64, 0.95, 0.03},
-                      Case{"llama_trained_tiny", "int4-affine", 64, 0.95, 0.16},
-                      Case{"gemma3_trained_tiny", "int4-affine", 64, 0.95, 0.25},
-                      Case{"qwen3_moe_trained_tiny", "int4-affine", 64, 0.95, 0.03},
-                      Case{"qwen3_moe_trained_tiny", "mxfp4", 32, 0.95, 0.015},
-                      Case{"qwen4_exp_trained_tiny", "int4-affine", 32, 0.95, 0.015},
-                      Case{"gpt_oss_trained_tiny", "int4-affine", 64, 0.95, 0.07},
-                      Case{"gpt_oss_trained_tiny", "mxfp4", 32, 0.95, 0.04},
-                      Case{"gemma4_trained_tiny", "int4-affine", 64, 0.95, 0.09}),
+    // Top-1 agreement with bf16 over the 40 golden tokens: the measured count less one token
+    // (40/40 measured: >= 39/40; 39/40: >= 38/40). KL and kernel-error bounds are the
+    // measured values (2026-12-05, printed by the test) with headroom (README, "Quantized
+    // checkpoints"). Qwen4-Exp's hidden size is 32, so there group 64 would leave most
+    // matrices unquantized: it runs at group 32.
+    ::testing::Values(Case{"qwen3_trained_tiny", "int4-affine", 64, 0.975, 0.09, 3e-2},        // 40/40, 0.059, 1.3e-2
+                      Case{"qwen3_trained_tiny", "int4-affine", 32, 0.975, 0.1, 3e-2},         // 40/40, 0.065, 1.4e-2
+                      Case{"qwen2_trained_tiny", "int4-affine", 64, 0.975, 0.03, 3e-2},        // 40/40, 0.019, 1.3e-2
+                      Case{"llama_trained_tiny", "int4-affine", 64, 0.975, 0.16, 4e-2},        // 40/40, 0.108, 1.9e-2
+                      Case{"gemma3_trained_tiny", "int4-affine", 64, 0.95, 0.25, 5e-2},        // 39/40, 0.161, 2.7e-2
+                      Case{"qwen3_moe_trained_tiny", "int4-affine", 64, 0.975, 0.03, 3e-2},    // 40/40, 0.018, 1.1e-2
+                      Case{"qwen3_moe_trained_tiny", "mxfp4", 32, 0.975, 0.015, 2e-2},         // 40/40, 0.008, 8.2e-3
+                      Case{"qwen4_exp_trained_tiny", "int4-affine", 32, 0.975, 0.015, 3e-2},   // 40/40, 0.008, 1.5e-2
+                      Case{"gpt_oss_trained_tiny", "int4-affine", 64, 0.95, 0.07, 4e-2},       // 39/40, 0.047, 1.6e-2
+                      Case{"gpt_oss_trained_tiny", "mxfp4", 32, 0.975, 0.04, 4e-2},            // 40/40, 0.027, 1.7e-2
+                      Case{"gemma4_trained_tiny", "int4-affine", 64, 0.95, 0.09, 0.2}),        // 39/40, 0.060, 1.3e-1
     [](const ::testing::TestParamInfo<Case>& info) {
       std::string n = info.param.fixture + "_" + info.param.quant + "_g" + std::to_string(info.param.group_size);
       for (char& ch : n)

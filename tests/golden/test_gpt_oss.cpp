@@ -6,6 +6,8 @@
 // are live (changing them moves the logits exactly where they should), and refusals.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <cstring>
 #include <fstream>
 
@@ -31,6 +33,7 @@ using testing::max_rel_error;
 // bf16 (or exactly dequantized MXFP4) weights, float32 activations on both sides: the
 // differences are summation order only.
 constexpr double kLogitTol = 2e-5;  // measured: <= 2.1e-6 on all three fixtures
+constexpr double kInt8Tol = 0.2;      // int8 MXFP4 activations vs transformers: 9.7e-2 measured (random weights amplify 8-bit steps)
 
 std::vector<float> run_logits(const Model& m, Backend& be, const std::vector<int32_t>& tokens, int64_t chunk) {
   Session s(m, be);
@@ -196,7 +199,8 @@ TEST(GptOssMxfp4, Int8ActivationsStayNearTheExactGolden) {
   EXPECT_LT(max_rel_error(exact.data(), g.logits.data.data(), exact.size()), kLogitTol);
   const double err = max_rel_error(fast.data(), g.logits.data.data(), fast.size());
   EXPECT_GT(err, 0.0);  // the int8 path really ran
-  EXPECT_LT(err, 0.2);
+  std::printf("[mxfp4] int8 activations vs transformers: %.2e of the largest logit\n", err);
+  EXPECT_LT(err, kInt8Tol);
 }
 
 // The MXFP4 checkpoint's experts are read packed: its expert bytes are about a quarter of
