@@ -535,7 +535,9 @@ void ExpertStreamer::io_loop() {
       Slot& s = slots_[size_t(jobs[i].slot)];
       if (!errors[i]) stats_.bytes_read += jobs[i].layout->bytes;
       s.state = errors[i] ? SlotState::kFailed : SlotState::kReady;
-      s.error = errors[i];
+      // Moved, not copied: this thread keeps no reference, so the exception is destroyed by
+      // the thread that caught it rather than here, concurrently with its what() (TSan).
+      s.error = std::move(errors[i]);
     }
     lock.unlock();
     cv_.notify_all();
