@@ -435,6 +435,10 @@ struct HfBpeTokenizer final : Tokenizer::Impl {
   void bpe(std::string_view word, std::vector<int32_t>& out) const;
   void bpe_uncached(std::string_view word, std::vector<int32_t>& out) const;
 
+  // Ids may leave gaps (reserved ids), but not run far past the number of tokens: the id table
+  // is sized by the largest one.
+  static constexpr int64_t kMaxIdSlack = 65536;
+
   void ensure_id(int32_t id) {
     if (static_cast<size_t>(id) >= token_texts.size()) {
       token_texts.resize(id + 1);
@@ -526,6 +530,12 @@ void HfBpeTokenizer::load_model(const Json& model, const JsonReader& reader) {
     if (!vocab.emplace(text, id).second) fail("{}: \"model.vocab\": token {} appears twice", reader.source(), Json(text).dump());
     max_id = std::max(max_id, id);
   }
+  // The id table is sized by the largest id: refuse ids far past the vocabulary's size before
+  // allocating (a 17 KB file whose vocabulary claimed id 5555213 took 357 MB; 2^31 - 1 would
+  // ask for ~100 GB). Real vocabularies are dense.
+  if (int64_t(max_id) >= kMaxIdSlack + 2 * int64_t(vocab.size()))
+    fail("{}: \"model.vocab\": id {} is implausible for a vocabulary of {} tokens (ids must be below {})", reader.source(),
+         max_id, vocab.size(), kMaxIdSlack + 2 * int64_t(vocab.size()));
   token_texts.resize(max_id + 1);
   token_bytes.resize(max_id + 1);
   token_flags.assign(max_id + 1, 0);
@@ -747,6 +757,10 @@ void HfBpeTokenizer::add_token(AddedToken token, const std::string& where) {
     }
     return;  // the same token twice
   }
+  if (int64_t(token.id) >= kMaxIdSlack + 2 * int64_t(vocab.size() + added.size()))
+    fail("{}: added token {} has id {}, implausible for a vocabulary of {} tokens (ids must be below {})", where,
+         Json(token.content).dump(), token.id, vocab.size() + added.size(),
+         kMaxIdSlack + 2 * int64_t(vocab.size() + added.size()));
   ensure_id(token.id);
   // A vocab token under the same id is shadowed (the library looks added tokens up first), but
   // two added tokens with one id are a broken file.
