@@ -10,6 +10,8 @@
 
 #include "formats/chat_template_detail.h"
 
+#include <cstdint>
+
 namespace turbospark::chat_template_detail {
 
 // ---------------------------------------------------------------------------------------------
@@ -484,10 +486,16 @@ static bool sub_ovf(int64_t x, int64_t y, int64_t* r) { return __builtin_sub_ove
 static bool mul_ovf(int64_t x, int64_t y, int64_t* r) { return __builtin_mul_overflow(x, y, r); }
 
 static Value repeat(const Value& seq, int64_t n) {
-  // Checked before anything is built ('x' * 10**12 must not try to allocate it).
-  if (n > 0 && seq.is_string()) check_template_bytes(size_t(n) > kMaxTemplateBytes ? size_t(n) : seq.s.size() * size_t(n));
-  if (n > 0 && !seq.is_string())
-    check_template_items(size_t(n) > kMaxTemplateItems ? size_t(n) : seq.list->items.size() * size_t(n));
+  // Checked before anything is built ('x' * 10**12 must not try to allocate it); an empty
+  // sequence repeated stays empty without looping n times.
+  const size_t unit = seq.is_string() ? seq.s.size() : seq.list->items.size();
+  if (unit == 0) n = 0;
+  if (n > 0) {
+    size_t total = 0;
+    if (__builtin_mul_overflow(unit, size_t(n), &total)) total = SIZE_MAX;
+    if (seq.is_string()) check_template_bytes(total);
+    else check_template_items(total);
+  }
   if (seq.is_string()) {
     std::string out;
     for (int64_t k = 0; k < n; ++k) out += seq.s;

@@ -351,6 +351,7 @@ TEST(ChatTemplateLimits, RunawayOutputLoopsAndValuesAreRefusedByName) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
   // Inside the limits these render.
   EXPECT_EQ(render("{{ ('ab' * 3) ~ ([1] * 2)|length }}"), "ababab2");
+  EXPECT_EQ(render("[{{ '' * 1000000000000 }}{{ ([] * 1000000000000)|length }}]"), "[0]");
   EXPECT_EQ(render("{% for i in range(1000) %}{% for j in range(999) %}{% endfor %}{% endfor %}ok"), "ok");
 }
 

@@ -344,7 +344,7 @@ struct AttentionScratch {
   std::vector<const uint8_t*> k_rows;  // [kPosBlock] one KV head's K vector per position
   std::vector<const float*> v_rows;    // [kPosBlock] and its V vector
   std::vector<const float*> k_base, v_base;  // [kPosBlock] start of each position's row
-  std::vector<float> state;  // the unit's SoftmaxState when it is not shared across chunks
+  std::vector<float> state;  // a walking unit's running and per-split SoftmaxStates
 };
 
 // Running softmax state of a unit's queries, stored where attention() wants it: queries are
@@ -668,6 +668,9 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
     *c1 = std::min(last, (split0 + k) * kSplit + kSplit - 1);
   };
   auto state_at = [&](float* p) { return SoftmaxState{p, p + unit_queries, p + 2 * unit_queries}; };
+  auto merge_states = [&](const SoftmaxState& run, const SoftmaxState& part, int64_t nq) {
+    for (int64_t i = 0; i < nq; ++i) merge_split(run.m[i], run.l[i], run.o + i * hd, part.m[i], part.l[i], part.o + i * hd, hd);
+  };
   // Split units' partial states, [units][state_floats], merged after all are done. Owned by
   // the calling thread; workers reach it through this pointer (naming a thread_local inside
   // the worker lambda would give each worker its own empty copy).
@@ -678,7 +681,6 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
   std::atomic<int64_t> next{0};
   pool.run([&](int, int) {
     thread_local AttentionScratch scratch;
-    thread_local std::vector<float> states;  // running and partial state of a walking unit
     for (;;) {
       const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
       if (u >= units) break;
@@ -691,33 +693,26 @@ void attention(ThreadPool& pool, const Mat& q, const int64_t* q_positions, const
       }
       const int64_t t0 = u * rows_per_unit, t1 = std::min(q.rows, t0 + rows_per_unit);
       const int64_t nq = (t1 - t0) * n_heads;
-      states.resize(size_t(2 * state_floats));
-      const SoftmaxState run = state_at(states.data()), part = state_at(states.data() + state_floats);
+      scratch.state.resize(size_t(2 * state_floats));
+      const SoftmaxState run = state_at(scratch.state.data()), part = state_at(scratch.state.data() + state_floats);
       std::fill(run.m, run.m + nq, -INFINITY);
       std::fill(run.l, run.l + nq, 0.f);
       for (int64_t k = 0; k < n_splits; ++k) {
         split_range(k, &c0, &c1);
         attend_unit(args, t0, t1, c0, c1, part, scratch);
-        for (int64_t i = 0; i < nq; ++i)
-          merge_split(run.m[i], run.l[i], run.o + i * hd, part.m[i], part.l[i], part.o + i * hd, hd);
+        merge_states(run, part, nq);
       }
       finish_rows(args, out, t0, int(t1 - t0), run);
     }
   });
   if (split_units) {
-    std::vector<float> merged(static_cast<size_t>(state_floats));
+    // Merged in place into the first split's state (an empty running state takes the first
+    // split as it is, so this is the walking units' arithmetic).
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
-      const int64_t t0 = rb * rows_per_unit;
-      const int64_t nq = (std::min(q.rows, t0 + rows_per_unit) - t0) * n_heads;
-      const SoftmaxState run = state_at(merged.data());
-      std::fill(run.m, run.m + nq, -INFINITY);
-      std::fill(run.l, run.l + nq, 0.f);
-      for (int64_t k = 0; k < n_splits; ++k) {
-        const SoftmaxState part = state_at(shared + (rb * n_splits + k) * state_floats);
-        for (int64_t i = 0; i < nq; ++i)
-          merge_split(run.m[i], run.l[i], run.o + i * hd, part.m[i], part.l[i], part.o + i * hd, hd);
-      }
-      finish_rows(args, out, t0, int(std::min(q.rows, t0 + rows_per_unit) - t0), run);
+      const int64_t t0 = rb * rows_per_unit, rows = std::min(q.rows, t0 + rows_per_unit) - t0;
+      const SoftmaxState run = state_at(shared + rb * n_splits * state_floats);
+      for (int64_t k = 1; k < n_splits; ++k) merge_states(run, state_at(shared + (rb * n_splits + k) * state_floats), rows * n_heads);
+      finish_rows(args, out, t0, int(rows), run);
     }
   }
 }

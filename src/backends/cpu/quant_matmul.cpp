@@ -66,6 +66,18 @@ inline const B* act(const uint8_t* x, int64_t x_stride, int t) {
   return reinterpret_cast<const B*>(x + t * x_stride);
 }
 
+// After a quantized activation row's nb blocks (act_row_bytes): each block's dy, then for
+// BlockQ8x32 each block's sy, as floats, zero-padded to padded_blocks(nb) entries each.
+inline int64_t padded_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }
+template <typename B>
+inline float* act_side(B* blocks, int64_t nb) {
+  return reinterpret_cast<float*>(blocks + nb);
+}
+template <typename B>
+inline const float* act_side(const B* blocks, int64_t nb) {
+  return reinterpret_cast<const float*>(blocks + nb);
+}
+
 // ---------------------------------------------------------------------------------------
 // Scalar kernels: the reference integer arithmetic (and the fallback without AVX2).
 
@@ -254,30 +266,24 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 }
 
 // The 32-element formats share one loop, dot_block32; Block32<format> says how to get a
-// block's 32 quants as bytes, how they meet the activations, and the per-block offset that
-// is folded in through the activation sums (BlockQ8x32::s). The loop is uop-bound (about 20
-// per 18-34 byte block, ~10 GB/s per core for the 4- and 5-bit formats, at parity with
-// llama.cpp's AVX2 kernels), so the per-block float work is kept to one vector FMA per
-// token (and one scalar one for the offset).
+// block's 32 quants as bytes and how they meet the activations (the per-block offset, folded
+// in through the activation sums BlockQ8x32::s, is dot_block32's). The loop is uop-bound
+// (about 20 per 18-34 byte block), so the float work is done eight blocks at a time.
 template <DType kType>
 struct Block32;
 // Q4_0: q in [0, 16) unsigned against the signed activations, offset -8 d.
 template <>
 struct Block32<DType::Q4_0> {
   using Block = BlockQ4_0;
-  static constexpr bool kOffset = true;
   static __m256i quants(const Block& b) { return unpack_nibbles16(b.qs); }
   static __m256i dot(__m256i q, const int8_t* y) { return dot_u8s8(q, load256(y)); }
-  static float offset_scale(const Block& b) { return -8.f * _cvtsh_ss(b.d); }
 };
 // Q4_1: as Q4_0, offset m.
 template <>
 struct Block32<DType::Q4_1> {
   using Block = BlockQ4_1;
-  static constexpr bool kOffset = true;
   static __m256i quants(const Block& b) { return unpack_nibbles16(b.qs); }
   static __m256i dot(__m256i q, const int8_t* y) { return dot_u8s8(q, load256(y)); }
-  static float offset_scale(const Block& b) { return _cvtsh_ss(b.m); }
 };
 
 // Q5_0/Q5_1's 32 fifth bits (bit i of the u32 = element i) as 0x10 bytes in element order.
@@ -295,29 +301,23 @@ inline __m256i fifth_bits(const uint8_t* qh_bytes) {
 template <>
 struct Block32<DType::Q5_0> {
   using Block = BlockQ5_0;
-  static constexpr bool kOffset = true;
   static __m256i quants(const Block& b) { return _mm256_or_si256(unpack_nibbles16(b.qs), fifth_bits(b.qh)); }
   static __m256i dot(__m256i q, const int8_t* y) { return dot_u8s8(q, load256(y)); }
-  static float offset_scale(const Block& b) { return -16.f * _cvtsh_ss(b.d); }
 };
 // Q5_1: as Q5_0, offset m.
 template <>
 struct Block32<DType::Q5_1> {
   using Block = BlockQ5_1;
-  static constexpr bool kOffset = true;
   static __m256i quants(const Block& b) { return _mm256_or_si256(unpack_nibbles16(b.qs), fifth_bits(b.qh)); }
   static __m256i dot(__m256i q, const int8_t* y) { return dot_u8s8(q, load256(y)); }
-  static float offset_scale(const Block& b) { return _cvtsh_ss(b.m); }
 };
 // Q8_0: maddubs wants one unsigned operand: |w| (a stored -128 becomes 128, still safe)
 // against the activations with w's sign; no offset.
 template <>
 struct Block32<DType::Q8_0> {
   using Block = BlockQ8_0;
-  static constexpr bool kOffset = false;
   static __m256i quants(const Block& b) { return load256(b.qs); }
   static __m256i dot(__m256i q, const int8_t* y) { return dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(load256(y), q)); }
-  static float offset_scale(const Block&) { return 0.f; }
 };
 
 inline int hsum_epi32(__m256i v) {
@@ -358,7 +358,7 @@ void dot_block32(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, fl
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) y[t] = act<BlockQ8x32>(x, xs, t), acc[t] = _mm256_setzero_ps();
   __m256i sums[NT][8];
-  const int64_t padded = (nb + 7) / 8 * 8;
+  const int64_t padded = padded_blocks(nb);
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int n = int(std::min<int64_t>(8, nb - b0));
     const auto* wb = w + b0;
@@ -375,7 +375,7 @@ void dot_block32(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, fl
     else if constexpr (kType == DType::Q8_0) offset = _mm256_setzero_ps();
     else offset = gather8_f16(n, [&](int g) { return wb[g].m; });
     for (int t = 0; t < NT; ++t) {
-      const float* side = reinterpret_cast<const float*>(y[t] + nb);  // dy, then sy (act_row_bytes)
+      const float* side = act_side(y[t], nb);  // dy, then sy
       const __m256 dy = _mm256_loadu_ps(side + b0), sy = _mm256_loadu_ps(side + padded + b0);
       const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(contract::reduce8_epi32(sums[t])),
                                        _mm256_mul_ps(offset, sy));
@@ -473,7 +473,7 @@ void dot_k4(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float* 
                         }),
                         &d, &dmin);
     for (int t = 0; t < NT; ++t) {
-      const __m256 dy = _mm256_loadu_ps(reinterpret_cast<const float*>(y[t] + nb) + b0);  // act_row_bytes
+      const __m256 dy = _mm256_loadu_ps(act_side(y[t], nb) + b0);
       const __m256 m = _mm256_mul_ps(_mm256_mul_ps(dmin, dy), _mm256_cvtepi32_ps(contract::reduce8x4_epi32(mins[t])));
       acc[t] = _mm256_add_ps(acc[t], _mm256_fmsub_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(contract::reduce8_epi32(sums[t])), m));
     }
@@ -543,7 +543,7 @@ void dot_q6_k(int64_t nb, const uint8_t* wp, const uint8_t* x, int64_t xs, float
       const BlockQ6_K* wb = w + b0;
       const __m256 d = gather8_f16(n, [&](int k) { return wb[k].d; });
       for (int t = 0; t < NT; ++t) {
-        const __m256 dy = _mm256_loadu_ps(reinterpret_cast<const float*>(y[t] + nb) + b0);  // act_row_bytes
+        const __m256 dy = _mm256_loadu_ps(act_side(y[t], nb) + b0);
         acc[t] = _mm256_add_ps(acc[t], _mm256_fmadd_ps(_mm256_mul_ps(d, dy),
                                                        _mm256_cvtepi32_ps(contract::reduce8_epi32(sums[t])), _mm256_setzero_ps()));
       }
@@ -667,11 +667,10 @@ void check_shapes(const WeightView& w, const Mat& x, const Mat& y, const Format&
          row_bytes(w.dtype, w.cols));
 }
 
-// A quantized activation row: its blocks, then (filled by the AVX2 quantizer, for the row
-// kernels) each block's dy (and, for BlockQ8x32, sy) as floats, zero-padded to a multiple
-// of eight blocks, so a group of eight is one vector load.
+// A quantized activation row: its blocks, then the side arrays (act_side; filled by the AVX2
+// quantizer for the row kernels), so a group of eight blocks' dy or sy is one vector load.
 int64_t act_row_bytes(const Format& f, int64_t cols) {
-  const int64_t nb = cols / f.block, padded = (nb + 7) / 8 * 8;
+  const int64_t nb = cols / f.block, padded = padded_blocks(nb);
   return f.act == ActFormat::kQ8K ? nb * int64_t(sizeof(BlockQ8_K)) + padded * 4
                                   : nb * int64_t(sizeof(BlockQ8x32)) + 2 * padded * 4;
 }
@@ -680,16 +679,16 @@ template <bool kFast>
 void quantize_act_row(const Format& f, const float* x, uint8_t* dst, int64_t cols) {
 #if TS_QUANT_AVX2
   if constexpr (kFast) {
-    const int64_t nb = cols / f.block, padded = (nb + 7) / 8 * 8;
+    const int64_t nb = cols / f.block, padded = padded_blocks(nb);
     if (f.act == ActFormat::kQ8K) {
       auto* y = reinterpret_cast<BlockQ8_K*>(dst);
       avx2::quantize_row_q8_K(x, y, cols);
-      float* dy = reinterpret_cast<float*>(y + nb);
+      float* dy = act_side(y, nb);
       for (int64_t b = 0; b < padded; ++b) dy[b] = b < nb ? y[b].d : 0.f;
     } else {
       auto* y = reinterpret_cast<BlockQ8x32*>(dst);
       avx2::quantize_row_q8x32(x, y, cols);
-      float* dy = reinterpret_cast<float*>(y + nb);
+      float* dy = act_side(y, nb);
       for (int64_t b = 0; b < padded; ++b) dy[b] = b < nb ? y[b].d : 0.f, dy[padded + b] = b < nb ? y[b].s : 0.f;
     }
     return;
