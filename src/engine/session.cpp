@@ -1,6 +1,7 @@
 #include "engine/session.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -112,8 +113,14 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
     // position and id were uploaded above): the backend may replay it as a graph. Traces and
     // router captures read activations on the host mid-step, and families with sequence
     // state upload host-computed rows mid-step (PLE), so those run eagerly.
-    if (m == 1 && !logits && !router_probs && !trace && !batch.state) {
-      backend_.run_step(decode_graph_, [&] { model_.forward(backend_, batch); });
+    const bool replayable = m == 1 && !logits && !router_probs && !trace && !batch.state;
+    // The rows see at most position_ + m positions; a replayed graph is keyed by that bound
+    // rounded up to a power of two (from 256), so one graph serves a range of positions.
+    const int64_t span_bound =
+        replayable ? int64_t(std::bit_ceil(uint64_t(std::max<int64_t>(position_ + m, 256)))) : position_ + m;
+    for (KvLayerView& view : batch.kv) view.span_bound = span_bound;
+    if (replayable) {
+      backend_.run_step(decode_graphs_[span_bound], [&] { model_.forward(backend_, batch); });
     } else {
       model_.forward(backend_, batch);
     }

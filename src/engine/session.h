@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -62,7 +63,9 @@ class Session {
   BackendArray<int64_t> positions_dev_;  // [max_prefill_batch] their positions
   BackendArray<int32_t> greedy_dev_;     // [1] the greedy id of the last row
   int32_t greedy_host_ = -1;             // where it lands: one address for every replay
-  std::unique_ptr<StepGraph> decode_graph_;  // the one-row greedy decode step, replayed
+  // The one-row greedy decode step, replayed; one graph per span bound (a power of two: the
+  // backend may choose kernels by it, KvLayerView::span_bound).
+  std::map<int64_t, std::unique_ptr<StepGraph>> decode_graphs_;
 };
 
 }  // namespace turbospark

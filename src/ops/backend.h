@@ -148,6 +148,11 @@ struct KvLayerView {
   int n_kv_heads = 0;
   int head_dim = 0;
   KvType type = KvType::kF32;
+  // Host-known bound on the positions any row of this call sees (its visible span), or 0 when
+  // unknown: a backend may pick kernels by it (CUDA fuses a short decode row's attention). A
+  // replayed step graph keeps the choice it was captured with, so the caller keys its graphs
+  // by the bound (Session rounds it up to a power of two).
+  int64_t span_bound = 0;
 
   int64_t block_floats() const { return int64_t(block_size) * n_kv_heads * head_dim; }
   int seq_of(int64_t row) const { return row_seq ? row_seq[row] : 0; }

@@ -1174,6 +1174,139 @@ TEST(CudaOps, AttentionDecodeAfterPrepSeesTheNewKey) {
       }
 }
 
+// attention_decode_fused (one decode row: prep, split attention and the cluster merge in one
+// launch) against the CPU backend's attention_prep then attention, over head dims 16..128,
+// GQA groups 1..8, partial rotary, norms with and without offset, windows, sinks, both
+// sequences of the cache, block sizes 16 and 64, and positions around every tile and split
+// boundary (the 16-key minimum split, 32-key tiles, two stages in flight, and spans far past
+// the span the backend fuses at, where the splits walk many tiles). The device slot at the
+// row's own position starts poisoned with a large key and value: a block that read it from
+// memory instead of the value it computed would move every output.
+//  - random keys: the CPU cache rounded to bf16 after its prep (the device stores the new key
+//    and value rounded; the outputs differ only in summation orders and the norm's last ulp):
+//    1e-4;
+//  - zero keys (and new k zero): every output is the exact mean of the integer V over the
+//    visible positions: kAttentionBound.
+TEST(CudaOps, AttentionDecodeFusedMatchesCpu) {
+  REQUIRE_GPU();
+  std::mt19937 rng(99);
+  struct Case {
+    int heads, kv_heads, hd, rot;
+    bool norm;
+    float offset, factor;
+    int window;
+    bool sinks;
+    int block_size;
+  };
+  const Case cases[] = {{32, 4, 128, 128, true, 0.f, 1.f, 0, false, 16},  {32, 8, 128, 128, true, 0.f, 1.f, 0, false, 64},
+                        {4, 2, 16, 16, true, 0.f, 1.f, 0, false, 16},     {4, 1, 16, 8, false, 0.f, 1.f, 0, true, 16},
+                        {12, 2, 64, 64, false, 0.f, 1.f, 100, true, 16},  {8, 8, 32, 32, true, 1.f, 1.3f, 0, false, 64},
+                        {14, 2, 128, 64, true, 0.f, 1.f, 7, false, 16},   {24, 3, 64, 32, true, 0.f, 1.f, 0, true, 16}};
+  const int64_t positions[] = {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 300, 511, 512, 1023, 2100};
+  for (const Case& c : cases)
+    for (int64_t p0 : positions)
+      for (bool zero : {false, true}) {
+        const int seq_id = int(p0 % 2);
+        SCOPED_TRACE("heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " hd " +
+                     std::to_string(c.hd) + " rot " + std::to_string(c.rot) + " window " + std::to_string(c.window) +
+                     " block " + std::to_string(c.block_size) + " pos " + std::to_string(p0) + " zero " +
+                     std::to_string(zero));
+        PagedCache cache(2, 2112, c.kv_heads, c.hd, uint32_t(rng()), c.block_size);
+        if (zero) {
+          for (float& x : cache.k) x = 0.f;
+          for (float& x : cache.v) x = std::floor(2.f * x);
+        }
+        const int64_t blk = cache.table[size_t(seq_id * cache.max_blocks + p0 / cache.block_size)];
+        for (int h = 0; h < c.kv_heads; ++h)
+          for (int d = 0; d < c.hd; ++d) {
+            const size_t off =
+                size_t(((blk * cache.block_size + p0 % cache.block_size) * c.kv_heads + h) * c.hd + d);
+            cache.k[off] = 64.f;
+            cache.v[off] = 4096.f;
+          }
+        cache.upload();
+        Strided q(1, int64_t(c.heads) * c.hd, 5, uint32_t(rng()), -2.f, 2.f);
+        Strided k(1, int64_t(c.kv_heads) * c.hd, 0, uint32_t(rng()));
+        Strided v(1, int64_t(c.kv_heads) * c.hd, 0, uint32_t(rng()), -0.5f, 1.5f);
+        if (zero) {
+          for (float& x : k.host) x = 0.f;
+          for (float& x : v.host) x = std::floor(2.f * x);
+          k.upload();
+          v.upload();
+        }
+        const std::vector<int32_t> seq{seq_id};
+        const std::vector<int64_t> pos{p0};
+        std::vector<float> inv_freq(size_t(std::max(c.rot / 2, 1)));
+        for (int i = 0; i < c.rot / 2; ++i) inv_freq[size_t(i)] = float(std::pow(1e6, -2.0 * i / c.rot));
+        const std::vector<float> qn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
+        const std::vector<float> kn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
+        const std::vector<float> sinks = random_floats(size_t(c.heads), uint32_t(rng()), -1.f, 3.f);
+        DeviceBuffer<int32_t> dseq(seq);
+        DeviceBuffer<int64_t> dpos(pos);
+        DeviceBuffer<float> dfreq(inv_freq), dqn(qn), dkn(kn), dsinks(sinks);
+        AttentionPrep hp;
+        hp.n_heads = c.heads;
+        hp.n_kv_heads = c.kv_heads;
+        hp.head_dim = c.hd;
+        hp.rotary_dim = c.rot;
+        hp.norm_eps = 1e-6f;
+        hp.norm_offset = c.offset;
+        hp.attention_factor = c.factor;
+        AttentionPrep dp = hp;
+        hp.inv_freq = inv_freq.data();
+        dp.inv_freq = dfreq.get();
+        if (c.norm) {
+          hp.q_norm = qn.data(), hp.k_norm = kn.data();
+          dp.q_norm = dqn.get(), dp.k_norm = dkn.get();
+        }
+        const float scale = 1.f / std::sqrt(float(c.hd));
+        // The reference: the CPU's prep, its cache rounded to bf16 as the device's holds it, then
+        // the CPU's attention.
+        Strided out(1, int64_t(c.heads) * c.hd, 3, 101);
+        std::vector<float> hq_host = q.host, hk_host = k.host;  // the CPU's prep works in place
+        const Mat hq(hq_host.data(), 1, q.cols, q.stride), hk(hk_host.data(), 1, k.cols, k.stride);
+        const KvLayerView host_kv = cache.host_view(seq.data());
+        cpu().attention_prep(hq, hk, v.h(), hp, pos.data(), host_kv);
+        cache.k = round_bf16(cache.k);
+        cache.v = round_bf16(cache.v);
+        cpu().attention(hq, pos.data(), host_kv, c.heads, scale, c.window, c.sinks ? sinks.data() : nullptr,
+                        out.h());
+        out.poison();
+        ASSERT_TRUE(cuda::attention_decode_fused(q.d(), k.d(), v.d(), dp, dpos.get(), cache.device_view(dseq.get()),
+                                                 scale, c.window, c.sinks ? dsinks.get() : nullptr, out.d(),
+                                                 stream()));
+        EXPECT_TRUE(out.dev_pads_poisoned());
+        EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), zero ? kAttentionBound : 1e-4);
+        if (zero) {
+          EXPECT_EQ(cache.device_k(), cache.k);
+        } else {
+          EXPECT_LT(normalized_error(cache.device_k(), cache.k), 1e-4);
+        }
+        EXPECT_EQ(cache.device_v(), cache.v);
+      }
+  // Outside its shapes it launches nothing and says so: head_dim 80, 16 heads a KV head, two rows.
+  {
+    PagedCache cache(1, 64, 2, 80, 5);
+    Strided q(1, 8 * 80, 0, 6), k(1, 2 * 80, 0, 7), v(1, 2 * 80, 0, 8), out(1, 8 * 80, 0, 9);
+    AttentionPrep p;
+    p.n_heads = 8, p.n_kv_heads = 2, p.head_dim = 80, p.rotary_dim = 80;
+    DeviceBuffer<float> dfreq(std::vector<float>(40, 1.f));
+    p.inv_freq = dfreq.get();
+    DeviceBuffer<int64_t> dpos(std::vector<int64_t>{3});
+    EXPECT_FALSE(cuda::attention_decode_fused(q.d(), k.d(), v.d(), p, dpos.get(), cache.device_view(nullptr), 0.1f, 0,
+                                              nullptr, out.d(), stream()));
+    PagedCache wide(1, 64, 1, 64, 6);
+    Strided q16(1, 16 * 64, 0, 6), k1(1, 64, 0, 7), v1(1, 64, 0, 8), out16(1, 16 * 64, 0, 9);
+    p.n_heads = 16, p.n_kv_heads = 1, p.head_dim = 64, p.rotary_dim = 64;
+    EXPECT_FALSE(cuda::attention_decode_fused(q16.d(), k1.d(), v1.d(), p, dpos.get(), wide.device_view(nullptr), 0.1f,
+                                              0, nullptr, out16.d(), stream()));
+    Strided q2(2, 4 * 64, 0, 6), k2(2, 64, 0, 7), v2(2, 64, 0, 8), out2(2, 4 * 64, 0, 9);
+    p.n_heads = 4;
+    EXPECT_FALSE(cuda::attention_decode_fused(q2.d(), k2.d(), v2.d(), p, dpos.get(), wide.device_view(nullptr), 0.1f,
+                                              0, nullptr, out2.d(), stream()));
+  }
+}
+
 TEST(CudaOps, AttentionRefusesUnsupportedHeadDim) {
   REQUIRE_GPU();
   const AttnCase c{4, 2, 288, 1, 4, 0, false, 1};

@@ -30,9 +30,6 @@
 
 namespace turbospark::cuda {
 
-// attention_decode.cu
-void check_attention_shapes(const char* op, const Mat& q, const KvLayerView& kv, int n_heads, const Mat& out);
-
 namespace {
 
 constexpr int kTileQ = 64;    // query vectors per tile

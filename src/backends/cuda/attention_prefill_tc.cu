@@ -35,9 +35,6 @@
 
 namespace turbospark::cuda {
 
-// attention_decode.cu
-void check_attention_shapes(const char* op, const Mat& q, const KvLayerView& kv, int n_heads, const Mat& out);
-
 namespace {
 
 // 8 warps and 64-key tiles measured fastest on the H200 (Q4_0 30B-A3B, 8k prompt: 4 warps /

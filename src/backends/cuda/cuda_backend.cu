@@ -348,6 +348,13 @@ class CudaBackend final : public Backend {
   }
   void prep_attention(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                       const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out) override {
+    // One decode row with a short span: norms, RoPE, cache write and attention in one launch.
+    if (q.rows == 1 && kv.span_bound > 0) {
+      const int64_t span = window > 0 ? std::min<int64_t>(kv.span_bound, window) : kv.span_bound;
+      if (span <= cuda::attention_decode_fused_max_span() &&
+          cuda::attention_decode_fused(q, k, v, p, positions, kv, scale, window, sinks, out, stream_))
+        return;
+    }
     const int64_t want = cuda::attention_scratch_floats(q.rows, p.n_heads, kv.head_dim);
     if (q.rows == 1 && cuda::attention_decode_prep_enabled()) {
       float* scratch = attention_scratch(want);

@@ -107,6 +107,19 @@ bool attention_decode_prep_enabled();
 bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                            const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
                            float* scratch, int64_t scratch_floats, cudaStream_t stream);
+// attention_decode_fused.cu: attention_prep and the decode attention of one row in one launch
+// (a cluster of split blocks per KV head merging through distributed shared memory: no combine
+// kernel), for head_dim 16/32/64/128 and up to 8 query heads per KV head; false, launching
+// nothing, outside those shapes. Correct at any span; the backend takes it while a step's span
+// bound (KvLayerView::span_bound) is at most attention_decode_fused_max_span() keys (default
+// kDecodeFusedMaxSpan; TURBOSPARK_CUDA_DECODE_FUSED_MAX_SPAN overrides it, 0 turns it off),
+// where its few blocks per head beat the separate kernels.
+constexpr int64_t kDecodeFusedMaxSpan = 1024;
+int64_t attention_decode_fused_max_span();
+bool attention_decode_fused_supports(int head_dim, int group);
+bool attention_decode_fused(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
+                            const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
+                            cudaStream_t stream);
 void attention_prefill(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                        int window, const float* sinks, const Mat& out, cudaStream_t stream);
 // attention_prefill_tc.cu: the prefill kernel on bf16 tensor cores (f32 softmax and

@@ -44,6 +44,9 @@ __device__ __forceinline__ uint16_t f32_to_bf16_bits(float x) {
 
 // Refuses pools that are not bf16 (a view made for another backend), by name.
 void check_bf16_pools(const char* op, const KvLayerView& kv);
+// The checks every attention launcher makes of q, out and the cache (attention_decode.cu),
+// failing with the op's name and the shapes.
+void check_attention_shapes(const char* op, const Mat& q, const KvLayerView& kv, int n_heads, const Mat& out);
 
 inline PagedKv paged_kv(const KvLayerView& kv) {
   return {static_cast<const uint16_t*>(kv.k),
