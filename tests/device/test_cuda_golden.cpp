@@ -12,6 +12,7 @@
 // top-1 leads by more than the tolerance).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -207,6 +208,45 @@ TEST(CudaGgufGolden, Q4_0FileMatchesCpuBackendInBothLayouts) {
     }
   }
   unsetenv("TURBOSPARK_CUDA_Q4_0_PLANES");
+}
+
+// Every GGUF block format on CUDA against llama.cpp's logits on the same file
+// (tests/data/fixtures/qwen3_quant_tiny, tools/fixtures/make_llama_cpp_quant_goldens.py; the
+// CPU backend meets them within 1e-5 (K-quants) and 3% (32-element formats: llama.cpp's f16
+// activation scales), golden/test_llama_cpp_quant.cpp). On CUDA, prefill runs bf16 GEMMs and
+// decode f32 or int8 activations: held to 5% of the largest logit and the same top token;
+// neighbouring formats' goldens are 20% apart. The measured error is printed.
+TEST(CudaGgufGolden, BlockFormatsMatchLlamaCpp) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = fixture("qwen3_quant_tiny");
+  const nlohmann::json golden = testing::read_json(dir + "/llama_cpp_golden.json");
+  auto cuda = make_cuda_backend(0);
+  for (const char* type : {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q4_k_m"}) {
+    const NpyArray ref = read_npy_f32(dir + "/llama_cpp_logits-" + std::string(type) + ".npy");
+    LoadedModel m = load_model(dir + "/qwen3_quant_tiny-" + std::string(type) + ".gguf", *cuda);
+    const int64_t V = m.model->info().vocab_size;
+    double worst = 0;
+    for (size_t i = 0; i < golden["prompts"].size(); ++i) {
+      const std::vector<int32_t> tokens = golden["prompts"][i]["tokens"].get<std::vector<int32_t>>();
+      const float* want = ref.data.data() + i * size_t(V);
+      double peak = 0;
+      for (int64_t v = 0; v < V; ++v) peak = std::max(peak, double(std::fabs(want[v])));
+      for (int64_t chunk : {int64_t(0), int64_t(1)}) {
+        Session s(*m.model, *cuda);
+        const std::vector<float> got = s.feed(tokens, chunk);
+        ASSERT_EQ(int64_t(got.size()), V);
+        double err = 0;
+        for (int64_t v = 0; v < V; ++v) {
+          const double e = std::fabs(double(got[size_t(v)]) - want[v]);
+          if (!(e <= err)) err = e;  // a NaN sticks
+        }
+        if (!(err / peak <= worst)) worst = err / peak;
+        EXPECT_LT(err / peak, 0.05) << type << " prompt " << i << " chunk " << chunk;
+        EXPECT_EQ(argmax(got.data(), V), argmax(want, V)) << type << " prompt " << i << " chunk " << chunk;
+      }
+    }
+    std::printf("BlockFormatsMatchLlamaCpp: %s worst %.3g of the largest logit\n", type, worst);
+  }
 }
 
 TEST(CudaRefusals, FamiliesWithoutCudaKernelsAreRefusedByName) {
