@@ -143,7 +143,7 @@ void add_perplexity_command(CLI::App& app) {
     const double err = count > 1 && var > 0 ? std::sqrt(var / double(count - 1)) : 0.0;
     fmt::print("PPL = {:.4f} +/- {:.5f} over {} scored tokens ({} chunks of {}, {:.1f} s, {:.1f} tok/s)\n",
                std::exp(mean), std::exp(mean) * err, count, n_chunk, n_ctx, secs, double(n_chunk * n_ctx) / secs);
-    if (kld) {
+    if (kld.is_open()) {  // an ofstream never opened converts to true, and its close() fails
       kld.close();
       if (!kld) fail("{}: write failed", o->kld_out);
     }
