@@ -57,6 +57,16 @@ PRESETS = {
 }
 
 
+def tiny_vocab(gguf):
+    """The tiny test tokenizer's tokens, merges and EOS id (512 tokens), from VOCAB_SOURCE."""
+    src = gguf.GGUFReader(VOCAB_SOURCE)
+    tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+              for i in src.fields["tokenizer.ggml.tokens"].data]
+    merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode()
+              for i in src.fields["tokenizer.ggml.merges"].data]
+    return tokens, merges, int(src.fields["tokenizer.ggml.eos_token_id"].contents())
+
+
 def random_blocks(gguf, qtype, rows, cols, rng, extra=()):
     """uint8 array [*extra, rows, bytes per row] of `qtype` blocks with fan-in scaled values."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -173,12 +183,7 @@ def main():
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
 
-    src = gguf.GGUFReader(VOCAB_SOURCE)
-    tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode()
-              for i in src.fields["tokenizer.ggml.tokens"].data]
-    merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode()
-              for i in src.fields["tokenizer.ggml.merges"].data]
-    eos = int(src.fields["tokenizer.ggml.eos_token_id"].contents())
+    tokens, merges, eos = tiny_vocab(gguf)
     n_real = len(tokens)
     tokens += [f"<|unused_{i}|>" for i in range(s["vocab"] - n_real)]
     types = [int(gguf.TokenType.NORMAL)] * n_real + [int(gguf.TokenType.UNUSED)] * (s["vocab"] - n_real)

@@ -1006,6 +1006,47 @@ TEST(CudaOps, AttentionDecodeChoosesFormPerRow) {
       }
 }
 
+// One decode row's AttentionPrep on both sides: host pointers for the CPU backend, device
+// copies for the CUDA launchers (norm weights in [0.5, 1.5) when asked for, RoPE inv_freq of
+// base 1e6 over rot dims, sinks per head in [-1, 3)).
+struct PrepParams {
+  std::vector<float> inv_freq, qn, kn, sinks;
+  DeviceBuffer<float> dfreq, dqn, dkn, dsinks;
+  AttentionPrep host, dev;
+
+  PrepParams(int heads, int kv_heads, int hd, int rot, bool norm, float offset, float factor, std::mt19937& rng)
+      : inv_freq(freqs(rot)),
+        qn(random_floats(size_t(hd), uint32_t(rng()), 0.5f, 1.5f)),
+        kn(random_floats(size_t(hd), uint32_t(rng()), 0.5f, 1.5f)),
+        sinks(random_floats(size_t(heads), uint32_t(rng()), -1.f, 3.f)),
+        dfreq(inv_freq),
+        dqn(qn),
+        dkn(kn),
+        dsinks(sinks) {
+    host.n_heads = heads;
+    host.n_kv_heads = kv_heads;
+    host.head_dim = hd;
+    host.rotary_dim = rot;
+    host.norm_eps = 1e-6f;
+    host.norm_offset = offset;
+    host.attention_factor = factor;
+    dev = host;
+    host.inv_freq = inv_freq.data();
+    dev.inv_freq = dfreq.get();
+    if (norm) {
+      host.q_norm = qn.data(), host.k_norm = kn.data();
+      dev.q_norm = dqn.get(), dev.k_norm = dkn.get();
+    }
+  }
+
+ private:
+  static std::vector<float> freqs(int rot) {
+    std::vector<float> f(size_t(std::max(rot / 2, 1)));
+    for (int i = 0; i < rot / 2; ++i) f[size_t(i)] = float(std::pow(1e6, -2.0 * i / rot));
+    return f;
+  }
+};
+
 // prep_attention fused into the tensor-core decode kernel (one row) against the CPU backend's
 // attention_prep then attention: the output to the tensor-core bounds, the cache (the new
 // key and value written by the block holding that position, every other slot untouched) as
@@ -1049,29 +1090,12 @@ TEST(CudaOps, AttentionDecodePrepMatchesSeparateOps) {
           }
           const std::vector<int32_t> seq{seq_id};
           const std::vector<int64_t> pos{p0};
-          std::vector<float> inv_freq(size_t(std::max(c.rot / 2, 1)));
-          for (int i = 0; i < c.rot / 2; ++i) inv_freq[size_t(i)] = float(std::pow(1e6, -2.0 * i / c.rot));
-          const std::vector<float> qn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
-          const std::vector<float> kn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
-          const std::vector<float> sinks = random_floats(size_t(c.heads), uint32_t(rng()), -1.f, 3.f);
           DeviceBuffer<int32_t> dseq(seq);
           DeviceBuffer<int64_t> dpos(pos);
-          DeviceBuffer<float> dfreq(inv_freq), dqn(qn), dkn(kn), dsinks(sinks);
-          AttentionPrep hp;
-          hp.n_heads = c.heads;
-          hp.n_kv_heads = c.kv_heads;
-          hp.head_dim = c.hd;
-          hp.rotary_dim = c.rot;
-          hp.norm_eps = 1e-6f;
-          hp.norm_offset = c.offset;
-          hp.attention_factor = c.factor;
-          AttentionPrep dp = hp;
-          hp.inv_freq = inv_freq.data();
-          dp.inv_freq = dfreq.get();
-          if (c.norm) {
-            hp.q_norm = qn.data(), hp.k_norm = kn.data();
-            dp.q_norm = dqn.get(), dp.k_norm = dkn.get();
-          }
+          const PrepParams pp(c.heads, c.kv_heads, c.hd, c.rot, c.norm, c.offset, c.factor, rng);
+          const AttentionPrep &hp = pp.host, &dp = pp.dev;
+          const std::vector<float>& sinks = pp.sinks;
+          const DeviceBuffer<float>& dsinks = pp.dsinks;
           const float scale = 1.f / std::sqrt(float(c.hd));
           Strided out(1, int64_t(c.heads) * c.hd, 3, 101);
           cpu().prep_attention(q.h(), k.h(), v.h(), hp, pos.data(), cache.host_view(seq.data()), scale, c.window,
@@ -1236,29 +1260,12 @@ TEST(CudaOps, AttentionDecodeFusedMatchesCpu) {
         }
         const std::vector<int32_t> seq{seq_id};
         const std::vector<int64_t> pos{p0};
-        std::vector<float> inv_freq(size_t(std::max(c.rot / 2, 1)));
-        for (int i = 0; i < c.rot / 2; ++i) inv_freq[size_t(i)] = float(std::pow(1e6, -2.0 * i / c.rot));
-        const std::vector<float> qn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
-        const std::vector<float> kn = random_floats(size_t(c.hd), uint32_t(rng()), 0.5f, 1.5f);
-        const std::vector<float> sinks = random_floats(size_t(c.heads), uint32_t(rng()), -1.f, 3.f);
         DeviceBuffer<int32_t> dseq(seq);
         DeviceBuffer<int64_t> dpos(pos);
-        DeviceBuffer<float> dfreq(inv_freq), dqn(qn), dkn(kn), dsinks(sinks);
-        AttentionPrep hp;
-        hp.n_heads = c.heads;
-        hp.n_kv_heads = c.kv_heads;
-        hp.head_dim = c.hd;
-        hp.rotary_dim = c.rot;
-        hp.norm_eps = 1e-6f;
-        hp.norm_offset = c.offset;
-        hp.attention_factor = c.factor;
-        AttentionPrep dp = hp;
-        hp.inv_freq = inv_freq.data();
-        dp.inv_freq = dfreq.get();
-        if (c.norm) {
-          hp.q_norm = qn.data(), hp.k_norm = kn.data();
-          dp.q_norm = dqn.get(), dp.k_norm = dkn.get();
-        }
+        const PrepParams pp(c.heads, c.kv_heads, c.hd, c.rot, c.norm, c.offset, c.factor, rng);
+        const AttentionPrep &hp = pp.host, &dp = pp.dev;
+        const std::vector<float>& sinks = pp.sinks;
+        const DeviceBuffer<float>& dsinks = pp.dsinks;
         const float scale = 1.f / std::sqrt(float(c.hd));
         // The reference: the CPU's prep, its cache rounded to bf16 as the device's holds it, then
         // the CPU's attention.

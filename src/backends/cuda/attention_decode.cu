@@ -795,15 +795,7 @@ TcEnv tc_env() {
 }  // namespace
 
 int64_t attention_decode_tc_min_span() {
-  static const int64_t span = [] {
-    const char* v = std::getenv("TURBOSPARK_CUDA_DECODE_TC_MIN_SPAN");
-    if (!v || !*v) return kDecodeTcMinSpan;
-    char* end = nullptr;
-    const long long n = std::strtoll(v, &end, 10);
-    TS_CHECK(end && *end == '\0' && n >= 0, "TURBOSPARK_CUDA_DECODE_TC_MIN_SPAN must be a count of keys >= 0, got '{}'",
-             v);
-    return int64_t(n);
-  }();
+  static const int64_t span = env_count("TURBOSPARK_CUDA_DECODE_TC_MIN_SPAN", kDecodeTcMinSpan, "a count of keys");
   return span;
 }
 

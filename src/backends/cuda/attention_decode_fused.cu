@@ -377,15 +377,8 @@ bool attention_decode_fused_supports(int head_dim, int group) {
 }
 
 int64_t attention_decode_fused_max_span() {
-  static const int64_t span = [] {
-    const char* v = std::getenv("TURBOSPARK_CUDA_DECODE_FUSED_MAX_SPAN");
-    if (!v || !*v) return kDecodeFusedMaxSpan;
-    char* end = nullptr;
-    const long long n = std::strtoll(v, &end, 10);
-    TS_CHECK(end && *end == '\0' && n >= 0,
-             "TURBOSPARK_CUDA_DECODE_FUSED_MAX_SPAN must be a count of keys >= 0 (0: never fuse), got '{}'", v);
-    return int64_t(n);
-  }();
+  static const int64_t span = env_count("TURBOSPARK_CUDA_DECODE_FUSED_MAX_SPAN", kDecodeFusedMaxSpan,
+                                        "a count of keys (0: never fuse)");
   return span;
 }
 

@@ -152,25 +152,9 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute (see above); launch
-// errors are left for the caller's TS_CUDA_LAUNCH_CHECK, as with <<<>>>.
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
-// launch() for a kernel whose blocks run in clusters of cluster_x along the grid's x (which
-// cluster_x divides), with the PDL attribute as above.
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute (see above), its
+// blocks in clusters of cluster_x along the grid's x when cluster_x > 0 (cluster_x divides
+// grid.x); launch errors are left for the caller's TS_CUDA_LAUNCH_CHECK, as with <<<>>>.
 template <typename... Params, typename... Args>
 void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                     unsigned cluster_x, Args&&... args) {
@@ -180,15 +164,38 @@ void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sme
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster_x;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  unsigned n = 0;
+  if (cluster_x > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  cfg.numAttrs = n;
   (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  launch_cluster(kernel, grid, block, smem, stream, 0u, std::forward<Args>(args)...);
+}
+
+// A count from the environment (name=N, N >= 0), or `fallback` when unset or empty; anything
+// else fails naming the variable and what it means (`what`).
+inline int64_t env_count(const char* name, int64_t fallback, const char* what) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  TS_CHECK(end && *end == '\0' && n >= 0, "{} must be {} (a whole number >= 0), got '{}'", name, what, v);
+  return int64_t(n);
 }
 
 }  // namespace turbospark::cuda
