@@ -26,7 +26,7 @@ if [ ! -f build-san/CMakeCache.txt ]; then
   CC=clang CXX=clang++ cmake -S . -B build-san -DCMAKE_BUILD_TYPE=Release -DTURBOSPARK_FUZZ=ON \
     -DTURBOSPARK_TESTS=ON -DTURBOSPARK_NATIVE=ON >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
 fi
-harnesses=(gguf safetensors chat_template config tokenizer request)
+harnesses=(gguf safetensors safetensors_index chat_template config tokenizer request)
 targets=(turbospark_unit_tests turbospark_golden_tests fuzzers)
 for h in "${harnesses[@]}"; do targets+=("fuzz_replay_$h"); done
 if ! cmake --build build-san -j"$jobs" --target "${targets[@]}" >>"$log" 2>&1; then

@@ -341,7 +341,12 @@ Checkpoint::Checkpoint(const std::string& path) {
       if (!j.contains("weight_map") || !j["weight_map"].is_object()) fail("{}: no weight_map object", index.string());
       for (auto& [name, file] : j["weight_map"].items()) {
         if (!file.is_string()) fail("{}: weight_map entry {} is not a file name", index.string(), name);
-        std::string p = (fs::path(path) / file.get<std::string>()).string();
+        // Shards live beside the index: a path elsewhere (absolute, "..", a subfolder) or a
+        // name the file system would cut short is refused, not opened.
+        const std::string shard = file.get<std::string>();
+        if (shard.empty() || shard == "." || shard == ".." || shard.find_first_of(std::string_view("/\0", 2)) != std::string::npos)
+          fail("{}: weight_map entry {} names {:?}, not a file beside the index", index.string(), name, shard);
+        std::string p = (fs::path(path) / shard).string();
         if (std::find(shard_paths.begin(), shard_paths.end(), p) == shard_paths.end()) shard_paths.push_back(p);
       }
     } else {
@@ -350,7 +355,10 @@ Checkpoint::Checkpoint(const std::string& path) {
       }
       std::sort(shard_paths.begin(), shard_paths.end());
     }
-    if (shard_paths.empty()) fail("{}: no *.safetensors files (and no model.safetensors.index.json)", path);
+    if (shard_paths.empty()) {
+      if (fs::exists(index)) fail("{}: weight_map names no shard", index.string());
+      fail("{}: no *.safetensors files (and no model.safetensors.index.json)", path);
+    }
   } else {
     dir_ = fs::path(path).parent_path().string();
     if (dir_.empty()) dir_ = ".";

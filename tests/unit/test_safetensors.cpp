@@ -109,6 +109,44 @@ TEST(Safetensors, ShardedIndexResolvesEveryTensor) {
   }
 }
 
+// An index names shards beside it: absolute paths, "..", subfolders and names with a NUL (which
+// the file system would cut short) are refused by entry, before anything is opened; an index
+// that names no shard says so.
+TEST(Safetensors, IndexShardNamesStayBesideTheIndex) {
+  const fs::path fixture = testing::fixture("qwen3_moe_tiny");
+  TempDir tmp;
+  for (const auto& e : fs::directory_iterator(fixture))
+    if (e.path().extension() == ".safetensors") fs::create_symlink(e.path(), tmp.path / e.path().filename());
+  auto index = testing::read_json((fixture / "model.safetensors.index.json").string());
+  const std::string first = index["weight_map"].begin().key();
+  auto write_index = [&](const nlohmann::json& j) {
+    std::ofstream(tmp.path / "model.safetensors.index.json") << j.dump();
+  };
+  write_index(index);
+  EXPECT_NO_THROW(Checkpoint{tmp.str()});
+  for (const std::string bad : {std::string("../qwen3_moe_tiny/model-00001-of-00009.safetensors"), std::string("/etc/hostname"),
+                                std::string("sub/model-00001-of-00009.safetensors"), std::string(".."), std::string(""),
+                                std::string("model-00001-of-00009.safetensors\0.txt", 38)}) {
+    auto j = index;
+    j["weight_map"][first] = bad;
+    write_index(j);
+    try {
+      Checkpoint ck(tmp.str());
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not a file beside the index"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(first), std::string::npos) << e.what();
+    }
+  }
+  write_index(nlohmann::json{{"weight_map", nlohmann::json::object()}});
+  try {
+    Checkpoint ck(tmp.str());
+    ADD_FAILURE() << "an empty weight_map was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("weight_map names no shard"), std::string::npos) << e.what();
+  }
+}
+
 // What Checkpoint::prefault pages in when byte ranges are skipped (streamed experts).
 TEST(Checkpoint, ComplementRangesLeavesOutTheSkippedBytes) {
   using R = std::vector<std::pair<int64_t, int64_t>>;
