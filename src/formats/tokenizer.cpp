@@ -229,7 +229,7 @@ std::string read_text_file(const std::string& path, std::string_view what) {
 Json parse_json(std::string_view text, std::string_view source) {
   try {
     return Json::parse(text);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // parse errors, and numbers out of range (out_of_range.406)
     fail("{}: malformed JSON: {}", source, e.what());
   }
 }
