@@ -1272,12 +1272,11 @@ TEST(CudaOps, AttentionDecodeFusedMatchesCpu) {
         Strided out(1, int64_t(c.heads) * c.hd, 3, 101);
         std::vector<float> hq_host = q.host, hk_host = k.host;  // the CPU's prep works in place
         const Mat hq(hq_host.data(), 1, q.cols, q.stride), hk(hk_host.data(), 1, k.cols, k.stride);
-        const KvLayerView host_kv = cache.host_view(seq.data());
-        cpu().attention_prep(hq, hk, v.h(), hp, pos.data(), host_kv);
-        cache.k = round_bf16(cache.k);
+        cpu().attention_prep(hq, hk, v.h(), hp, pos.data(), cache.host_view(seq.data()));
+        cache.k = round_bf16(cache.k);  // new vectors: views are made after
         cache.v = round_bf16(cache.v);
-        cpu().attention(hq, pos.data(), host_kv, c.heads, scale, c.window, c.sinks ? sinks.data() : nullptr,
-                        out.h());
+        cpu().attention(hq, pos.data(), cache.host_view(seq.data()), c.heads, scale, c.window,
+                        c.sinks ? sinks.data() : nullptr, out.h());
         out.poison();
         ASSERT_TRUE(cuda::attention_decode_fused(q.d(), k.d(), v.d(), dp, dpos.get(), cache.device_view(dseq.get()),
                                                  scale, c.window, c.sinks ? dsinks.get() : nullptr, out.d(),

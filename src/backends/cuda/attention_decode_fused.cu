@@ -364,7 +364,11 @@ int fused_cluster_size() {
 
 template <int kHd>
 void launch_fused(const FusedArgs& args, int n_kv_heads, cudaStream_t stream) {
-  const int n_splits = fused_cluster_size<kHd>();
+  // TURBOSPARK_CUDA_DECODE_FUSED_SPLITS: fewer blocks per KV head (a power of two, for measuring).
+  static const int64_t asked = env_count("TURBOSPARK_CUDA_DECODE_FUSED_SPLITS", kFusedMaxSplits, "1, 2, 4, 8 or 16");
+  TS_CHECK(asked >= 1 && asked <= kFusedMaxSplits && (asked & (asked - 1)) == 0,
+           "TURBOSPARK_CUDA_DECODE_FUSED_SPLITS must be 1, 2, 4, 8 or 16, got {}", asked);
+  const int n_splits = std::min(int(asked), fused_cluster_size<kHd>());
   launch_cluster(attention_decode_fused_kernel<kHd>, dim3(unsigned(n_splits), unsigned(n_kv_heads)), kFusedThreads,
                  0, stream, unsigned(n_splits), args);
 }

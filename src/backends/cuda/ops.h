@@ -111,10 +111,11 @@ bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const Atten
 // (a cluster of split blocks per KV head merging through distributed shared memory: no combine
 // kernel), for head_dim 16/32/64/128 and up to 8 query heads per KV head; false, launching
 // nothing, outside those shapes. Correct at any span; the backend takes it while a step's span
-// bound (KvLayerView::span_bound) is at most attention_decode_fused_max_span() keys (default
-// kDecodeFusedMaxSpan; TURBOSPARK_CUDA_DECODE_FUSED_MAX_SPAN overrides it, 0 turns it off),
-// where its few blocks per head beat the separate kernels.
-constexpr int64_t kDecodeFusedMaxSpan = 1024;
+// bound (KvLayerView::span_bound) is at most attention_decode_fused_max_span() keys:
+// TURBOSPARK_CUDA_DECODE_FUSED_MAX_SPAN=N. Off by default (kDecodeFusedMaxSpan = 0): on the
+// H200 it measured slower than the three separate kernels (Qwen3-30B-A3B Q4_0 after 512
+// tokens: 409.9 / 406.6 vs 414.8 / 413.1 tok/s, alternated in one call).
+constexpr int64_t kDecodeFusedMaxSpan = 0;
 int64_t attention_decode_fused_max_span();
 bool attention_decode_fused_supports(int head_dim, int group);
 bool attention_decode_fused(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
