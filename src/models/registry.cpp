@@ -23,12 +23,12 @@ const std::vector<FamilyEntry>& families() {
       {"qwen2", "Qwen2ForCausalLM", make_qwen2, true},
       {"qwen3", "Qwen3ForCausalLM", make_qwen3, true},
       {"gemma3_text", "Gemma3ForCausalLM", make_gemma3, true},
-      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4, false},
-      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, false},
+      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4, true},
+      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, true},
       {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe, true},
-      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, false},
-      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, false},
-      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, false},
+      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, true},
+      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, true},
+      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, true},
   };
   return kFamilies;
 }

@@ -128,6 +128,14 @@ TEST_P(CudaGolden, GreedyIdsEqualTheCpuBackend) {
 INSTANTIATE_TEST_SUITE_P(Decoder, CudaGolden,
                          ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen3_moe_norenorm_tiny", "qwen2_tiny",
                                            "llama_tiny", "gemma3_tiny", "gemma3_p6_tiny"));
+// The families with their own forward: Qwen4-Exp (GatedDeltaNet, QSA with ties at relu 0,
+// hyper-connections with 2 and 4 streams, n-gram PLE at chunk spans 1, 2, 3, 5 and the
+// maximum), gpt-oss (sinks, sliding windows, YaRN, clamped GLU with biases, bf16 and MXFP4
+// experts) and Gemma 4 (per-layer head dims, KV sharing, dense MLP beside the MoE).
+INSTANTIATE_TEST_SUITE_P(Hybrid, CudaGolden,
+                         ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny", "gpt_oss_tiny",
+                                           "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny", "gemma4_dense_tiny",
+                                           "gemma4_moe_tiny", "gemma4_mm_tiny"));
 
 // The long-prompt goldens (tools/fixtures/make_long_goldens.py): 160 tokens cross the
 // 64-row micro-batch boundary and the GEMV/GEMM switch several times.
@@ -152,6 +160,10 @@ TEST_P(CudaLongGolden, LongPromptMatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Decoder, CudaLongGolden,
                          ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen2_tiny", "llama_tiny", "gemma3_tiny"));
+INSTANTIATE_TEST_SUITE_P(Hybrid, CudaLongGolden,
+                         ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny", "gpt_oss_tiny",
+                                           "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny", "gemma4_dense_tiny",
+                                           "gemma4_moe_tiny", "gemma4_mm_tiny"));
 
 // GGUF fixtures (llama.cpp's converter) on CUDA: the block formats' device kernels on a
 // whole model.
@@ -249,16 +261,10 @@ TEST(CudaGgufGolden, BlockFormatsMatchLlamaCpp) {
   }
 }
 
-TEST(CudaRefusals, FamiliesWithoutCudaKernelsAreRefusedByName) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  auto cuda = make_cuda_backend(0);
-  try {
-    load_model(fixture("qwen4_exp_tiny"), *cuda);
-    FAIL() << "qwen4_exp loaded on cuda";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("Qwen4ExpForCausalLM is not supported on --device cuda"), std::string::npos)
-        << e.what();
-  }
+// Every registered family runs on the GPU now (FamilyEntry::cuda): a family added without
+// CUDA kernels must say so there, and is then refused by name before any weight is uploaded.
+TEST(CudaRefusals, EveryRegisteredFamilyRunsOnCuda) {
+  for (const FamilyEntry& f : families()) EXPECT_TRUE(f.cuda) << f.architecture;
 }
 
 TEST(CudaRefusals, AModelThatDoesNotFitIsRefusedWithByteCounts) {

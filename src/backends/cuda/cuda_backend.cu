@@ -393,25 +393,31 @@ class CudaBackend final : public Backend {
     matmul_->moe_experts(experts, x, idx, weight, k, out, stream_);
   }
 
-  // Qwen4-Exp's hybrid ops come with the next CUDA issue; the registry refuses the family on
-  // this backend before a forward could reach them (FamilyEntry::cuda).
-  [[noreturn]] void not_yet(const char* op) {
-    fail("cuda: {} is not implemented on the CUDA backend yet (run this model with --device cpu)", op);
+  // Qwen4-Exp's hybrid ops (causal_conv1d.cu, gated_delta_rule.cu, hyper_connection.cu, qsa.cu).
+  void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act,
+                     const Mat& out) override {
+    cuda::causal_conv1d(in, w, kernel, dilation, state, act, out, stream_);
   }
-  void causal_conv1d(const Mat&, const float*, int, int, const Mat&, Act, const Mat&) override { not_yet("causal_conv1d"); }
-  void gated_delta_rule(const Mat&, const Mat&, const Mat&, const float*, const float*, int, int, int, int, const Mat&,
-                        const Mat&) override {
-    not_yet("gated_delta_rule");
+  void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
+                        int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out) override {
+    cuda::gated_delta_rule(qkv, a, b, a_log, dt_bias, n_k_heads, n_v_heads, dk, dv, state, out, stream_);
   }
-  void hc_mix(const Mat&, const Mat&, int, const Mat&) override { not_yet("hc_mix"); }
-  void hc_inject(const Mat&, const Mat&, const Mat&, int) override { not_yet("hc_inject"); }
-  void ple_gate(const Mat&, const Mat&, const Mat&, int, const Mat&) override { not_yet("ple_gate"); }
-  void qsa_select(const QsaView&, const Mat&, const Mat&, const int64_t*, int32_t*, int32_t*, int) override {
-    not_yet("qsa_select");
+  void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) override {
+    cuda::hc_mix(weight, normed, n_streams, mixed, stream_);
   }
-  void attention_selected(const Mat&, const KvLayerView&, int, float, const int32_t*, const int32_t*, int,
-                          const Mat&) override {
-    not_yet("attention_selected");
+  void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams) override {
+    cuda::hc_inject(streams, branch, inject, n_streams, stream_);
+  }
+  void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out) override {
+    cuda::ple_gate(key, query, value, n_streams, out, stream_);
+  }
+  void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
+                  int32_t* selected, int32_t* counts, int max_selected) override {
+    cuda::qsa_select(qsa, index_q, raw_keys, positions, selected, counts, max_selected, stream_);
+  }
+  void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
+                          const int32_t* counts, int max_selected, const Mat& out) override {
+    cuda::attention_selected(q, kv, n_heads, scale, selected, counts, max_selected, out, stream_);
   }
 
  private:

@@ -66,6 +66,23 @@ void softmax_rows(const Mat& x, const Mat& y, cudaStream_t stream);  // y may al
 // ids int32 [rows]: lowest index on ties, -1 for a row holding a NaN (as the CPU backend).
 void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream);
 
+// ---- causal_conv1d.cu, gated_delta_rule.cu, hyper_connection.cu, qsa.cu ----
+// Qwen4-Exp's hybrid ops (Backend methods of the same names). causal_conv1d's out and
+// ple_gate's out may not alias their inputs. qsa_select's scores of max_context / ratio key
+// blocks (qsa.block_keys.rows) must fit one block's shared memory, 8 bytes each.
+void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act, const Mat& out,
+                   cudaStream_t stream);
+void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
+                      int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out,
+                      cudaStream_t stream);
+void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed, cudaStream_t stream);
+void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams, cudaStream_t stream);
+void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out, cudaStream_t stream);
+void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
+                int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream);
+void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
+                        const int32_t* counts, int max_selected, const Mat& out, cudaStream_t stream);
+
 // ---- kv_cache.cu ----
 // k, v [rows, n_kv_heads * head_dim] into the paged pools at positions[t] of row_seq[t].
 void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions, cudaStream_t stream);

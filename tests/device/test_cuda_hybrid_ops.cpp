@@ -1,0 +1,300 @@
+// Qwen4-Exp's hybrid ops on CUDA (causal_conv1d.cu, gated_delta_rule.cu,
+// hyper_connection.cu, qsa.cu) against the CPU backend over ragged shapes, each op called
+// twice in a row so that carried state (conv history, the delta rule's S, QSA's key tables)
+// is checked after it moved. Outputs are NaN-poisoned first; strided outputs must keep their
+// padding poisoned.
+//
+// Bounds (normalized error, infinite on NaN): elementwise-like ops 1e-6; the delta rule 1e-5
+// (f32 sums over dk in lane order, the state carried over up to 100 rows); QSA block keys
+// 1e-5; selections exactly (the same set of positions per row: the scores' ties at relu 0
+// resolved as torch.topk does on the CPU, ops/topk_like_torch.h); selected attention 1e-5
+// (the cache holds bf16-exact values on both sides).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/ops.h"
+#include "device/device_ops_util.h"
+#include "device/device_util.h"
+#include "ops/backend.h"
+
+namespace turbospark::testing {
+namespace {
+
+std::string dims(std::initializer_list<int64_t> v) {
+  std::string s;
+  for (int64_t x : v) s += (s.empty() ? "" : " ") + std::to_string(x);
+  return s;
+}
+
+// ---------------- causal_conv1d ----------------
+
+TEST(CudaHybridOps, CausalConv1dCarriesState) {
+  REQUIRE_GPU();
+  for (int64_t rows : {1, 2, 5, 64, 300})
+    for (int64_t ch : {1, 7, 100, 1030})
+      for (int kernel : {1, 2, 4})
+        for (int dilation : {1, 3})
+          for (Act act : {Act::kSilu, Act::kIdentity}) {
+            const int64_t span = int64_t(kernel - 1) * dilation;
+            SCOPED_TRACE("rows ch kernel dilation: " + dims({rows, ch, kernel, dilation}) + " act " +
+                         std::to_string(int(act)));
+            const std::vector<float> w = random_floats(size_t(ch * kernel), 5, -1.f, 1.f);
+            DeviceBuffer<float> dw(w);
+            Strided state(span, ch, 2, 6);
+            for (int call = 0; call < 2; ++call) {
+              Strided in(rows, ch, 3, uint32_t(7 + call), -2.f, 2.f);
+              Strided out(rows, ch, 1, 8);
+              out.poison();
+              cpu().causal_conv1d(in.h(), w.data(), kernel, dilation, state.h(), act, out.h());
+              cuda::causal_conv1d(in.d(), dw.get(), kernel, dilation, state.d(), act, out.d(), stream());
+              EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), 1e-6) << "call " << call;
+              EXPECT_TRUE(out.dev_pads_poisoned());
+              if (span > 0) {
+                EXPECT_LT(normalized_error(state.dev_dense(), state.host_dense()), 1e-6) << "state, call " << call;
+              }
+            }
+          }
+}
+
+// ---------------- gated_delta_rule ----------------
+
+TEST(CudaHybridOps, GatedDeltaRuleMatchesCpuAcrossCalls) {
+  REQUIRE_GPU();
+  struct Heads {
+    int nk, nv, dk, dv;
+  };
+  for (const Heads& hd : {Heads{1, 1, 8, 8}, Heads{2, 4, 8, 8}, Heads{1, 2, 16, 24}, Heads{4, 8, 32, 32},
+                          Heads{2, 4, 128, 128}, Heads{1, 1, 200, 40}, Heads{2, 2, 256, 64}, Heads{1, 3, 5, 33}})
+    for (int64_t rows : {1, 3, 17, 100}) {
+      SCOPED_TRACE("nk nv dk dv rows: " + dims({hd.nk, hd.nv, hd.dk, hd.dv, rows}));
+      const int64_t key_dim = int64_t(hd.nk) * hd.dk, width = 2 * key_dim + int64_t(hd.nv) * hd.dv;
+      const std::vector<float> a_log = random_floats(size_t(hd.nv), 11, -1.f, 1.f);
+      const std::vector<float> dt_bias = random_floats(size_t(hd.nv), 12, -0.5f, 0.5f);
+      DeviceBuffer<float> da_log(a_log), ddt(dt_bias);
+      Strided state(hd.nv, int64_t(hd.dk) * hd.dv, 0, 13, -0.5f, 0.5f);
+      for (int call = 0; call < 2; ++call) {
+        Strided qkv(rows, width, 5, uint32_t(14 + call), -1.f, 1.f);
+        // a spans softplus's linear regime (> 20) too; b both signs.
+        Strided a(rows, hd.nv, 1, uint32_t(16 + call), -4.f, 24.f);
+        Strided b(rows, hd.nv, 0, uint32_t(18 + call), -3.f, 3.f);
+        Strided out(rows, int64_t(hd.nv) * hd.dv, 2, 20);
+        out.poison();
+        cpu().gated_delta_rule(qkv.h(), a.h(), b.h(), a_log.data(), dt_bias.data(), hd.nk, hd.nv, hd.dk, hd.dv,
+                               state.h(), out.h());
+        cuda::gated_delta_rule(qkv.d(), a.d(), b.d(), da_log.get(), ddt.get(), hd.nk, hd.nv, hd.dk, hd.dv, state.d(),
+                               out.d(), stream());
+        EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), 1e-5) << "call " << call;
+        EXPECT_TRUE(out.dev_pads_poisoned());
+        EXPECT_LT(normalized_error(state.dev_dense(), state.host_dense()), 1e-5) << "state, call " << call;
+      }
+    }
+}
+
+// Feeding a prompt row by row or all at once leaves the same outputs and state: the
+// recurrent kernel is chunk-invariant up to f32 rounding.
+TEST(CudaHybridOps, GatedDeltaRuleIsChunkInvariant) {
+  REQUIRE_GPU();
+  const int nk = 2, nv = 4, dk = 64, dv = 64;
+  const int64_t rows = 37, width = 2 * int64_t(nk) * dk + int64_t(nv) * dv;
+  const std::vector<float> a_log = random_floats(nv, 21), dt_bias = random_floats(nv, 22);
+  DeviceBuffer<float> da_log(a_log), ddt(dt_bias);
+  Strided qkv(rows, width, 0, 23), a(rows, nv, 0, 24), b(rows, nv, 0, 25);
+  Strided whole_state(nv, int64_t(dk) * dv, 0, 26), step_state(nv, int64_t(dk) * dv, 0, 26);
+  Strided whole(rows, int64_t(nv) * dv, 0, 27), steps(rows, int64_t(nv) * dv, 0, 27);
+  cuda::gated_delta_rule(qkv.d(), a.d(), b.d(), da_log.get(), ddt.get(), nk, nv, dk, dv, whole_state.d(), whole.d(),
+                         stream());
+  for (int64_t t = 0; t < rows; t += 5) {
+    const int64_t m = std::min<int64_t>(5, rows - t);
+    cuda::gated_delta_rule(qkv.d().rows_slice(t, m), a.d().rows_slice(t, m), b.d().rows_slice(t, m), da_log.get(),
+                           ddt.get(), nk, nv, dk, dv, step_state.d(), steps.d().rows_slice(t, m), stream());
+  }
+  EXPECT_LT(normalized_error(steps.dev_dense(), whole.dev_dense()), 1e-6);
+  EXPECT_LT(normalized_error(step_state.dev_dense(), whole_state.dev_dense()), 1e-6);
+}
+
+TEST(CudaHybridOps, GatedDeltaRuleRefusesWhatItCannotHold) {
+  REQUIRE_GPU();
+  DeviceBuffer<float> buf(size_t(1) << 20);
+  Mat m(buf.get(), 1, 4096);
+  EXPECT_THROW(cuda::gated_delta_rule(m, m, m, buf.get(), buf.get(), 1, 1, 300, 8, Mat(buf.get(), 1, 2400), m, stream()),
+               Error);
+  EXPECT_THROW(cuda::gated_delta_rule(m, m, m, buf.get(), buf.get(), 2, 3, 8, 8, Mat(buf.get(), 3, 64), m, stream()),
+               Error);
+}
+
+// ---------------- hc_mix, hc_inject, ple_gate ----------------
+
+TEST(CudaHybridOps, HyperConnectionMixInjectAndPleGate) {
+  REQUIRE_GPU();
+  for (int64_t rows : {1, 5, 64})
+    for (int64_t H : {1, 7, 32, 1030})
+      for (int C : {1, 2, 4}) {
+        SCOPED_TRACE("rows H C: " + dims({rows, H, C}));
+        Strided weight(rows, C * H, 3, 31), normed(rows, C * H, 1, 32);
+        Strided mixed(rows, H, 2, 33);
+        mixed.poison();
+        cpu().hc_mix(weight.h(), normed.h(), C, mixed.h());
+        cuda::hc_mix(weight.d(), normed.d(), C, mixed.d(), stream());
+        EXPECT_LT(normalized_error(mixed.dev_dense(), mixed.host_dense()), 1e-6) << "hc_mix";
+        EXPECT_TRUE(mixed.dev_pads_poisoned());
+
+        Strided streams(rows, C * H, 1, 34), branch(rows, H, 0, 35), inject(rows, C, 2, 36);
+        cpu().hc_inject(streams.h(), branch.h(), inject.h(), C);
+        cuda::hc_inject(streams.d(), branch.d(), inject.d(), C, stream());
+        EXPECT_LT(normalized_error(streams.dev_dense(), streams.host_dense()), 1e-6) << "hc_inject";
+
+        // Scaled keys: some gates near 0 (the sqrt(max(|g|, 1e-6)) floor), some large.
+        Strided key(rows, C * H, 1, 37, -3.f, 3.f), query(rows, C * H, 0, 38, -3.f, 3.f), value(rows, H, 2, 39);
+        Strided out(rows, C * H, 3, 40);
+        out.poison();
+        cpu().ple_gate(key.h(), query.h(), value.h(), C, out.h());
+        cuda::ple_gate(key.d(), query.d(), value.d(), C, out.d(), stream());
+        EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), 1e-6) << "ple_gate";
+        EXPECT_TRUE(out.dev_pads_poisoned());
+      }
+}
+
+// ---------------- qsa_select ----------------
+
+struct QsaCase {
+  int n_heads, head_dim, rotary_dim, ratio, block_topk;
+  int64_t context;
+  int chunk;
+  std::string name() const {
+    return "heads " + std::to_string(n_heads) + " dim " + std::to_string(head_dim) + " rotary " +
+           std::to_string(rotary_dim) + " ratio " + std::to_string(ratio) + " top " + std::to_string(block_topk) +
+           " context " + std::to_string(context) + " chunk " + std::to_string(chunk);
+  }
+};
+
+// Feeds `context` positions in micro-batches of `chunk` rows to both backends and compares
+// each micro-batch's selections (as sets per row, with their counts) and the key tables.
+// Returns how many rows had more complete blocks than they keep (where the top-k decided).
+int run_qsa(const QsaCase& c) {
+  const int d = c.head_dim;
+  const int max_sel = c.block_topk * c.ratio + c.ratio - 1;
+  const int64_t n_blocks = c.context / c.ratio + 1;
+  Strided raw_table(c.context, d, 0, 41), block_table(n_blocks, d, 1, 42);
+  raw_table.poison();
+  block_table.poison();
+  std::fill(raw_table.host.begin(), raw_table.host.end(), NAN);
+  std::fill(block_table.host.begin(), block_table.host.end(), NAN);
+  const std::vector<float> k_norm = random_floats(size_t(d), 43, -0.5f, 0.5f);
+  std::vector<float> inv_freq(size_t(c.rotary_dim / 2));
+  for (int i = 0; i < c.rotary_dim / 2; ++i) inv_freq[size_t(i)] = std::pow(10000.f, -2.f * float(i) / float(c.rotary_dim));
+  DeviceBuffer<float> dk_norm(k_norm), dinv(inv_freq);
+  QsaView hv, dv;
+  hv.raw_keys = raw_table.h();
+  hv.block_keys = block_table.h();
+  hv.k_norm = k_norm.data();
+  hv.inv_freq = inv_freq.data();
+  hv.rotary_dim = c.rotary_dim;
+  hv.ratio = c.ratio;
+  hv.block_topk = c.block_topk;
+  hv.n_heads = c.n_heads;
+  hv.head_dim = d;
+  dv = hv;
+  dv.raw_keys = raw_table.d();
+  dv.block_keys = block_table.d();
+  dv.k_norm = dk_norm.get();
+  dv.inv_freq = dinv.get();
+  int decided = 0;
+  for (int64_t start = 0; start < c.context; start += c.chunk) {
+    const int64_t m = std::min<int64_t>(c.chunk, c.context - start);
+    SCOPED_TRACE("rows from " + std::to_string(start));
+    // One index head: about half the key blocks score exactly 0 (every dot negative), so ties
+    // at the cutoff are the rule, not the exception.
+    Strided iq(m, int64_t(c.n_heads) * d, 2, uint32_t(44 + start), -1.f, 1.f);
+    Strided ik(m, d, 1, uint32_t(45 + start), -1.f, 1.f);
+    std::vector<int64_t> pos(static_cast<size_t>(m));
+    for (int64_t t = 0; t < m; ++t) pos[size_t(t)] = start + t;
+    DeviceBuffer<int64_t> dpos(pos);
+    std::vector<int32_t> sel(size_t(m * max_sel), -7), counts(size_t(m), -7);
+    DeviceBuffer<int32_t> dsel(sel), dcounts(counts);
+    cpu().qsa_select(hv, iq.h(), ik.h(), pos.data(), sel.data(), counts.data(), max_sel);
+    cuda::qsa_select(dv, iq.d(), ik.d(), dpos.get(), dsel.get(), dcounts.get(), max_sel, stream());
+    sync();
+    const std::vector<int32_t> got_sel = dsel.download(), got_counts = dcounts.download();
+    for (int64_t t = 0; t < m; ++t) {
+      EXPECT_EQ(got_counts[size_t(t)], counts[size_t(t)]) << "row " << start + t;
+      if (got_counts[size_t(t)] != counts[size_t(t)]) continue;
+      std::vector<int32_t> want(sel.begin() + t * max_sel, sel.begin() + t * max_sel + counts[size_t(t)]);
+      std::vector<int32_t> got(got_sel.begin() + t * max_sel, got_sel.begin() + t * max_sel + counts[size_t(t)]);
+      std::sort(want.begin(), want.end());
+      std::sort(got.begin(), got.end());
+      EXPECT_EQ(got, want) << "row " << start + t;
+      decided += (start + t + 1) / c.ratio > c.block_topk;
+    }
+  }
+  // Every written row of both tables (the rest stays NaN / poisoned on both sides).
+  const int64_t complete = c.context / c.ratio;
+  const std::vector<float> got_raw = raw_table.dev_dense(), want_raw = raw_table.host_dense();
+  EXPECT_EQ(got_raw, want_raw);
+  const std::vector<float> got_blocks = block_table.dev_dense(), want_blocks = block_table.host_dense();
+  EXPECT_LT(normalized_error(got_blocks.data(), want_blocks.data(), size_t(complete * d)), 1e-5);
+  return decided;
+}
+
+TEST(CudaHybridOps, QsaSelectMatchesCpuTiesIncluded) {
+  REQUIRE_GPU();
+  int decided = 0;
+  for (const QsaCase& c : {QsaCase{1, 16, 8, 4, 2, 40, 1}, QsaCase{1, 16, 8, 4, 2, 40, 3},
+                           QsaCase{1, 16, 8, 4, 2, 40, 40}, QsaCase{2, 16, 16, 8, 2, 100, 7},
+                           QsaCase{4, 64, 32, 4, 3, 300, 64}, QsaCase{1, 32, 32, 1, 5, 200, 17},
+                           QsaCase{2, 128, 64, 16, 4, 1000, 250}, QsaCase{1, 16, 16, 2, 1, 700, 700}}) {
+    SCOPED_TRACE(c.name());
+    decided += run_qsa(c);
+  }
+  EXPECT_GT(decided, 1000);  // rows whose selection the top-k (not "keep every block") decided
+}
+
+// ---------------- attention_selected ----------------
+
+TEST(CudaHybridOps, AttentionOverSelectedPositions) {
+  REQUIRE_GPU();
+  struct Case {
+    int n_heads, n_kv_heads, head_dim, max_selected;
+    int64_t rows, context;
+    int n_seqs;
+  };
+  for (const Case& c : {Case{4, 2, 16, 11, 5, 40, 1}, Case{8, 1, 64, 40, 17, 300, 1}, Case{2, 2, 128, 2111, 3, 3000, 1},
+                        Case{16, 4, 256, 70, 9, 500, 3}, Case{3, 1, 80, 1, 4, 50, 2}}) {
+    SCOPED_TRACE("heads " + dims({c.n_heads, c.n_kv_heads, c.head_dim, c.max_selected, c.rows, c.context, c.n_seqs}));
+    PagedCache cache(c.n_seqs, c.context, c.n_kv_heads, c.head_dim, uint32_t(51 + c.head_dim));
+    std::vector<int32_t> seq(size_t(c.rows));
+    std::vector<int32_t> sel(size_t(c.rows * c.max_selected), 0), counts(size_t(c.rows));
+    std::mt19937 rng(52);
+    for (int64_t t = 0; t < c.rows; ++t) {
+      seq[size_t(t)] = int32_t(t % c.n_seqs);
+      const int64_t p = c.context - 1 - t;  // the row's own position
+      // A random subset of [0, p] in random order, of 1..max_selected positions (the last
+      // rows take the full selection).
+      std::vector<int32_t> all(size_t(p + 1));
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      const int64_t n = t == c.rows - 1 ? std::min<int64_t>(c.max_selected, p + 1)
+                                        : 1 + int64_t(rng() % uint32_t(std::min<int64_t>(c.max_selected, p + 1)));
+      std::copy_n(all.begin(), n, sel.begin() + t * c.max_selected);
+      counts[size_t(t)] = int32_t(n);
+    }
+    DeviceBuffer<int32_t> dsel(sel), dcounts(counts), dseq(seq);
+    const int64_t width = int64_t(c.n_heads) * c.head_dim;
+    Strided q(c.rows, width, 3, 53, -2.f, 2.f), out(c.rows, width, 1, 54);
+    out.poison();
+    const float scale = 1.f / std::sqrt(float(c.head_dim));
+    cpu().attention_selected(q.h(), cache.host_view(c.n_seqs > 1 ? seq.data() : nullptr), c.n_heads, scale, sel.data(),
+                             counts.data(), c.max_selected, out.h());
+    cuda::attention_selected(q.d(), cache.device_view(c.n_seqs > 1 ? dseq.get() : nullptr), c.n_heads, scale,
+                             dsel.get(), dcounts.get(), c.max_selected, out.d(), stream());
+    EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), 1e-5);
+    EXPECT_TRUE(out.dev_pads_poisoned());
+  }
+}
+
+}  // namespace
+}  // namespace turbospark::testing
