@@ -1,5 +1,8 @@
 #include "models/registry.h"
 
+#include <cstdlib>
+#include <string>
+
 #include "core/error.h"
 #include "formats/hf_config.h"
 #include "formats/gguf_model.h"
@@ -16,19 +19,25 @@ std::unique_ptr<Model> make_gemma3(const HfConfig&, const Checkpoint&, Backend&)
 std::unique_ptr<Model> make_gpt_oss(const HfConfig&, const Checkpoint&, Backend&);
 std::unique_ptr<Model> make_gemma4(const HfConfig&, const Checkpoint&, Backend&);
 
+bool cuda_unverified_allowed() {
+  const char* v = std::getenv("TURBOSPARK_CUDA_UNVERIFIED");
+  return v && std::string(v) == "1";
+}
+
 const std::vector<FamilyEntry>& families() {
   static const std::vector<FamilyEntry> kFamilies = {
-      // model_type, architecture, factory, runs on CUDA
+      // model_type, architecture, factory, runs on CUDA (false: its CUDA kernels exist but have
+      // not yet passed tests/device/run.sh on a GPU; refused unless TURBOSPARK_CUDA_UNVERIFIED=1)
       {"llama", "LlamaForCausalLM", make_llama, true},
       {"qwen2", "Qwen2ForCausalLM", make_qwen2, true},
       {"qwen3", "Qwen3ForCausalLM", make_qwen3, true},
       {"gemma3_text", "Gemma3ForCausalLM", make_gemma3, true},
-      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4, true},
-      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, true},
+      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4, false},
+      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, false},
       {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe, true},
-      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, true},
-      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, true},
-      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, true},
+      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, false},
+      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, false},
+      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, false},
   };
   return kFamilies;
 }
@@ -50,9 +59,10 @@ LoadedModel load_model(const std::string& model_dir, Backend& backend) {
     fail("{}: unsupported architecture {} (model_type {}); supported: {}", config.path(),
          arch.empty() ? "<none>" : arch, type.empty() ? "<none>" : type, known);
   }
-  if (backend.name() != "cpu" && !entry->cuda) {
-    fail("{}: {} is not supported on --device {} yet (it runs on --device cpu)", config.path(), entry->architecture,
-         backend.name());
+  if (backend.name() != "cpu" && !entry->cuda && !cuda_unverified_allowed()) {
+    fail("{}: {} is not supported on --device {} yet (it runs on --device cpu; TURBOSPARK_CUDA_UNVERIFIED=1 runs its "
+         "GPU kernels, which have not passed the device tests yet)",
+         config.path(), entry->architecture, backend.name());
   }
   LoadedModel loaded;
   loaded.checkpoint = gguf_checkpoint ? gguf_checkpoint : std::make_shared<Checkpoint>(model_dir);

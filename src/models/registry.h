@@ -19,6 +19,9 @@ struct FamilyEntry {
 };
 
 const std::vector<FamilyEntry>& families();
+// TURBOSPARK_CUDA_UNVERIFIED=1: families whose CUDA kernels are written but have not yet
+// passed the device tests load on the GPU anyway (the device tests set it to test them).
+bool cuda_unverified_allowed();
 
 // Loads config.json and the safetensors checkpoint in `model_dir` and builds the family's
 // model, its weights and parameters resident on `backend` (which the model must not

@@ -36,6 +36,10 @@ using testing::max_rel_error;
 
 constexpr double kCudaLogitTol = 3e-2;
 
+// The hybrid and gpt-oss / Gemma 4 goldens below are what lets FamilyEntry::cuda turn true:
+// they run on kernels the registry still calls unverified.
+[[maybe_unused]] const bool kUnverifiedAllowed = setenv("TURBOSPARK_CUDA_UNVERIFIED", "1", 1) == 0;
+
 bool have_gpu() { return cuda_available(); }
 
 class CudaGolden : public ::testing::TestWithParam<std::string> {
@@ -261,10 +265,21 @@ TEST(CudaGgufGolden, BlockFormatsMatchLlamaCpp) {
   }
 }
 
-// Every registered family runs on the GPU now (FamilyEntry::cuda): a family added without
-// CUDA kernels must say so there, and is then refused by name before any weight is uploaded.
-TEST(CudaRefusals, EveryRegisteredFamilyRunsOnCuda) {
-  for (const FamilyEntry& f : families()) EXPECT_TRUE(f.cuda) << f.architecture;
+// Families whose CUDA kernels have not yet passed these tests (FamilyEntry::cuda false) are
+// refused by name unless TURBOSPARK_CUDA_UNVERIFIED=1, which this binary sets for the goldens.
+TEST(CudaRefusals, UnverifiedFamiliesAreRefusedByName) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto cuda = make_cuda_backend(0);
+  unsetenv("TURBOSPARK_CUDA_UNVERIFIED");
+  try {
+    load_model(fixture("qwen4_exp_tiny"), *cuda);
+    ADD_FAILURE() << "qwen4_exp loaded on cuda";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Qwen4ExpForCausalLM is not supported on --device cuda"), std::string::npos)
+        << e.what();
+  }
+  setenv("TURBOSPARK_CUDA_UNVERIFIED", "1", 1);
+  EXPECT_NO_THROW(load_model(fixture("qwen4_exp_tiny"), *cuda));
 }
 
 TEST(CudaRefusals, AModelThatDoesNotFitIsRefusedWithByteCounts) {
