@@ -246,11 +246,14 @@ struct State : SequenceState {
   std::vector<PleState> ple;
   int32_t eos = 0;
   int context = 0;
+  BackendArray<int32_t> qsa_nan;  // [n_layers] QsaState::nan_score of each layer, zeroed by reset()
+  std::vector<int32_t> qsa_nan_host;
   // Zeroes every recurrent state through the backend (ordered with queued work) and refills
   // the host n-gram contexts with EOS. QSA keys need no clearing: positions are rewritten
   // before they are read.
   void reset() override {
     backend->zero_bytes(storage.get(), storage_floats * 4);
+    backend->zero_bytes(qsa_nan.data(), qsa_nan.size() * 4);
     for (auto& p : ple) p.context.assign(size_t(context), eos);
   }
 };
@@ -525,6 +528,9 @@ std::unique_ptr<SequenceState> Qwen4Exp::new_sequence_state(Backend& be, int64_t
     }
     if (pass == 0) arena.allocate(be);
   }
+  st->qsa_nan = be.alloc_array<int32_t>(n);
+  st->qsa_nan_host.assign(size_t(n), 0);
+  for (int i = 0; i < n; ++i) st->qsa[size_t(i)].nan_score = st->qsa_nan.data() + i;
   st->storage = arena.storage();
   st->storage_floats = arena.total_floats();
   st->reset();
@@ -587,6 +593,14 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
   be.matmul(lm_head_, out, logits);
   trace("lm_head", hp_.n_layers, logits);
   download_outputs(be, b, logits);
+  // After the step's own download (the queue has drained there): a NaN block score would have
+  // picked the attended tokens by accident, so the run stops naming the first such layer.
+  if (hp_.qsa.ratio > 0) {
+    be.download_bytes(st.qsa_nan_host.data(), st.qsa_nan.data(), int64_t(st.qsa_nan_host.size()) * 4);
+    for (int i = 0; i < hp_.n_layers; ++i) {
+      if (st.qsa_nan_host[size_t(i)]) fail("layer {}: QSA indexer produced a NaN block score", i);
+    }
+  }
 }
 
 }  // namespace

@@ -182,6 +182,10 @@ struct QsaView {
   int n_heads = 0;
   int head_dim = 0;
   float eps = 1e-6f;
+  // Backend memory, or null: set to 1 when a block score comes out NaN (which would decide the
+  // selection by accident); the model reports the layer after the step (the seed's rule: no
+  // readback mid-layer).
+  int32_t* nan_score = nullptr;
 };
 
 // A recorded step a backend can replay (a CUDA graph); opaque, owned by whoever runs the

@@ -227,6 +227,37 @@ TEST(Qwen4ExpBlocks, QsaSelectsTopBlocksPlusTail) {
   EXPECT_EQ(cnt[2], 3);
 }
 
+// A NaN in layer 1's indexer weights makes every block score NaN there while the attention
+// itself stays finite (the indexer only picks positions): the selection would be decided by
+// accident, so the step fails naming the layer (the seed's rule). Clean weights never trip it.
+TEST(Qwen4Exp, NanBlockScoreIsReportedByLayer) {
+  const std::string src = fixture("qwen4_exp_tiny");
+  Checkpoint ck(src);
+  const std::string poisoned = "model.layers.1.self_attn.indexer.index_qk_proj.weight";
+  std::vector<TensorWriteSpec> out;
+  for (const auto& [name, t] : ck.all()) {
+    out.push_back({name, t->dtype, t->shape, [src_t = t, nan = name == poisoned](uint8_t* d, size_t n) {
+                     std::memcpy(d, src_t->data, n);
+                     if (nan) d[0] = 0xc0, d[1] = 0x7f;  // bf16 quiet NaN in the first element
+                   }});
+  }
+  testing::TempDir tmp;
+  write_safetensors(tmp.str() + "/model.safetensors", out);
+  std::filesystem::copy_file(src + "/config.json", tmp.str() + "/config.json");
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(tmp.str(), *be);
+  Session s(*m.model, *be);
+  try {
+    s.feed(golden_tokens("qwen4_exp_tiny"), 0, true);
+    FAIL() << "NaN block scores went unreported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1: QSA indexer produced a NaN block score"), std::string::npos) << e.what();
+  }
+  LoadedModel clean = load_model(src, *be);
+  Session ok(*clean.model, *be);
+  EXPECT_NO_THROW(ok.feed(golden_tokens("qwen4_exp_tiny"), 0, true));
+}
+
 // Malformed configs: one line naming the field.
 void expect_config_error(const std::function<void(nlohmann::json&)>& edit, const std::string& needle) {
   testing::TempDir tmp;

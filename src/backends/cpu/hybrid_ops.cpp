@@ -231,6 +231,7 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
         for (int i = 0; i < d; ++i) dot += qh[i] * kb[i];
         s += std::max(dot, 0.f);
       }
+      if (std::isnan(s) && qsa.nan_score) *qsa.nan_score = 1;
       scores.emplace_back(s * inv_sqrt, blk);
     }
     const size_t keep = std::min<size_t>(size_t(qsa.block_topk), scores.size());

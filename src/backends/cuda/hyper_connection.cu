@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < hidden; i += kThreads) g += k[i] * q[i];
   g = block_sum(g, red) * (1.f / sqrtf(float(hidden)));
   const float sign = g > 0.f ? 1.f : (g < 0.f ? -1.f : 0.f);
-  const float s = sqrtf(fmaxf(fabsf(g), 1e-6f)) * sign;
+  const float mag = fabsf(g) < 1e-6f ? 1e-6f : fabsf(g);  // std::max(|g|, 1e-6f): a NaN stays NaN, as on the CPU
+  const float s = sqrtf(mag) * sign;
   const float sig = 1.f / (1.f + expf(-s));
   const float* v = value + t * v_stride;
   float* o = out + t * o_stride + int64_t(c) * hidden;

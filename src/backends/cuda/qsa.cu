@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kSelectThreads)
     qsa_select_kernel(const float* __restrict__ index_q, int64_t q_stride, const int64_t* __restrict__ positions,
                       const float* __restrict__ block_keys, int64_t bk_stride, int n_heads, int d, int ratio,
-                      int block_topk, int32_t* selected, int32_t* counts, int max_selected) {
+                      int block_topk, int32_t* selected, int32_t* counts, int max_selected, int32_t* nan_score) {
   extern __shared__ ScoredIndex scored[];  // [n_blocks]
   const int64_t t = blockIdx.x;
   const int64_t p = positions[t];
@@ -103,7 +103,10 @@ __global__ void __launch_bounds__(kSelectThreads)
       dot = warp_sum(dot);
       s += dot < 0.f ? 0.f : dot;  // std::max(dot, 0.f), as the CPU: a NaN stays NaN
     }
-    if (lane == 0) scored[blk] = ScoredIndex{s * inv_sqrt, blk};
+    if (lane == 0) {
+      scored[blk] = ScoredIndex{s * inv_sqrt, blk};
+      if (isnan(s) && nan_score) *nan_score = 1;
+    }
   }
   __syncthreads();
   const int keep = block_topk < n_blocks ? block_topk : n_blocks;
@@ -162,13 +165,17 @@ __global__ void __launch_bounds__(kThreads)
 
 // Raises a kernel's dynamic shared memory limit to `bytes` when past the default 48 KiB;
 // fails naming `what` when the device has less.
+// The kernel's static shared memory counts against both limits.
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes, const char* what) {
-  if (bytes <= 48 * 1024) return;
+  cudaFuncAttributes attr = {};
+  TS_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel), "{}: kernel attributes", what);
+  if (bytes + attr.sharedSizeBytes <= 48 * 1024) return;
   int device = 0, limit = 0;
   TS_CUDA_CHECK(cudaGetDevice(&device), "current device");
   TS_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "smem limit");
-  TS_CHECK(bytes <= size_t(limit), "{}: needs {} bytes of shared memory per block, the device has {}", what, bytes,
+  TS_CHECK(bytes + attr.sharedSizeBytes <= size_t(limit),
+           "{}: needs {} bytes of shared memory per block, the device has {}", what, bytes + attr.sharedSizeBytes,
            limit);
   TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
                 "{}: shared memory of {} bytes", what, bytes);
@@ -206,7 +213,7 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
   allow_smem(qsa_select_kernel, smem, "qsa_select (scores of max_context / ratio key blocks)");
   qsa_select_kernel<<<unsigned(n), kSelectThreads, smem, stream>>>(
       index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
-      qsa.block_topk, selected, counts, max_selected);
+      qsa.block_topk, selected, counts, max_selected, qsa.nan_score);
   TS_CUDA_LAUNCH_CHECK("qsa_select rows {} heads {} dim {} blocks up to {}", n, qsa.n_heads, d, qsa.block_keys.rows);
 }
 

@@ -33,6 +33,7 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
   view.n_heads = qp.n_heads;
   view.head_dim = id;
   view.eps = p.norm_eps;
+  view.nan_score = state.nan_score;
   const int max_sel = qp.max_selected();
   TS_CHECK(s.selected.size() >= rows * max_sel && s.counts.size() >= rows, "QSA selection buffers hold {} rows, need {}",
            s.counts.size(), rows);

@@ -30,6 +30,7 @@ struct QsaAttentionWeights {
 struct QsaState {
   Mat raw_keys;    // [max_context, index_dim]
   Mat block_keys;  // [max_context / ratio + 1, index_dim]
+  int32_t* nan_score = nullptr;  // backend memory: 1 once a block score was NaN (QsaView::nan_score)
 };
 
 struct QsaScratch {
