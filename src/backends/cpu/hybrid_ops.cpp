@@ -130,6 +130,102 @@ void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat&
   });
 }
 
+void gated_delta_rule_chunked(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
+                              const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state,
+                              const Mat& out, int chunk) {
+  TS_CHECK(chunk >= 1, "gated_delta_rule_chunked: chunk {}", chunk);
+  const int group = n_v_heads / n_k_heads;
+  const int64_t key_dim = int64_t(n_k_heads) * dk;
+  const float q_scale = 1.f / std::sqrt(float(dk));
+  pool.parallel_for(n_v_heads, 1, [&](int64_t h0, int64_t h1) {
+    const size_t C = size_t(chunk);
+    std::vector<float> q(C * size_t(dk)), k(C * size_t(dk)), u(C * size_t(dv)), cum(C), beta(C);
+    std::vector<float> kk(C * C), qk(C * C);  // [t][s]: beta_t e^{cum_t - cum_s} k_t.k_s (s < t); e^{..} q_t.k_s (s <= t)
+    for (int64_t h = h0; h < h1; ++h) {
+      float* S = state.row(h);
+      const int64_t kh = h / group;
+      const float A = -std::exp(a_log[h]);
+      for (int64_t c0 = 0; c0 < qkv.rows; c0 += chunk) {
+        const int64_t n = std::min<int64_t>(chunk, qkv.rows - c0);
+        // Rows of the chunk: normalized q (scaled) and k, beta, cumulative log decay.
+        float running = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          const float* row = qkv.row(c0 + t);
+          const float* qs = row + kh * dk;
+          const float* ks = row + key_dim + kh * dk;
+          float qn = 0.f, kn = 0.f;
+          for (int i = 0; i < dk; ++i) {
+            qn += qs[i] * qs[i];
+            kn += ks[i] * ks[i];
+          }
+          const float qinv = 1.f / std::sqrt(qn + 1e-6f) * q_scale, kinv = 1.f / std::sqrt(kn + 1e-6f);
+          for (int i = 0; i < dk; ++i) {
+            q[size_t(t * dk + i)] = qs[i] * qinv;
+            k[size_t(t * dk + i)] = ks[i] * kinv;
+          }
+          const float x = a.row(c0 + t)[h] + dt_bias[h];
+          const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
+          running += A * softplus;
+          cum[size_t(t)] = running;
+          beta[size_t(t)] = 1.f / (1.f + std::exp(-b.row(c0 + t)[h]));
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t s = 0; s <= t; ++s) {
+            float dkk = 0.f, dqk = 0.f;
+            for (int i = 0; i < dk; ++i) {
+              dkk += k[size_t(t * dk + i)] * k[size_t(s * dk + i)];
+              dqk += q[size_t(t * dk + i)] * k[size_t(s * dk + i)];
+            }
+            const float decay = std::exp(cum[size_t(t)] - cum[size_t(s)]);
+            kk[size_t(t) * C + size_t(s)] = beta[size_t(t)] * decay * dkk;
+            qk[size_t(t) * C + size_t(s)] = decay * dqk;
+          }
+        }
+        // u = beta (v - e^{cum} S0^T k), then the triangular solve, column by column.
+        for (int64_t t = 0; t < n; ++t) {
+          const float* vs = qkv.row(c0 + t) + 2 * key_dim + h * dv;
+          const float g = std::exp(cum[size_t(t)]);
+          for (int j = 0; j < dv; ++j) {
+            float sk = 0.f;
+            for (int i = 0; i < dk; ++i) sk += S[int64_t(i) * dv + j] * k[size_t(t * dk + i)];
+            u[size_t(t * dv + j)] = beta[size_t(t)] * (vs[j] - g * sk);
+          }
+        }
+        for (int j = 0; j < dv; ++j) {
+          for (int64_t t = 1; t < n; ++t) {
+            float acc = u[size_t(t * dv + j)];
+            for (int64_t s = 0; s < t; ++s) acc -= kk[size_t(t) * C + size_t(s)] * u[size_t(s * dv + j)];
+            u[size_t(t * dv + j)] = acc;
+          }
+        }
+        // Outputs from the chunk's starting state, then the state moves to the chunk's end.
+        for (int64_t t = 0; t < n; ++t) {
+          float* o = out.row(c0 + t) + h * dv;
+          const float g = std::exp(cum[size_t(t)]);
+          for (int j = 0; j < dv; ++j) {
+            float sq = 0.f;
+            for (int i = 0; i < dk; ++i) sq += S[int64_t(i) * dv + j] * q[size_t(t * dk + i)];
+            float acc = g * sq;
+            for (int64_t s = 0; s <= t; ++s) acc += qk[size_t(t) * C + size_t(s)] * u[size_t(s * dv + j)];
+            o[j] = acc;
+          }
+        }
+        const float last = cum[size_t(n - 1)];
+        const float g_last = std::exp(last);
+        for (int i = 0; i < dk; ++i) {
+          for (int j = 0; j < dv; ++j) {
+            float acc = g_last * S[int64_t(i) * dv + j];
+            for (int64_t s = 0; s < n; ++s) {
+              acc += std::exp(last - cum[size_t(s)]) * k[size_t(s * dk + i)] * u[size_t(s * dv + j)];
+            }
+            S[int64_t(i) * dv + j] = acc;
+          }
+        }
+      }
+    }
+  });
+}
+
 void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) {
   const int64_t H = mixed.cols;
   for (int64_t t = 0; t < mixed.rows; ++t) {
