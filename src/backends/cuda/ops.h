@@ -72,9 +72,15 @@ void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream);
 // blocks (qsa.block_keys.rows) must fit one block's shared memory, 8 bytes each.
 void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act, const Mat& out,
                    cudaStream_t stream);
+// gated_delta_rule's two forms: the recurrent one (a row at a time, the state in registers) and
+// the chunked one (a chunk of rows solved at once from the state at its start). kAuto takes the
+// chunked form from kGdnChunkedMinRows rows (TURBOSPARK_CUDA_GDN_CHUNKED=0: never); kChunked
+// insists (refused for key heads too large for a chunk in shared memory).
+enum class GdnForm { kAuto, kRecurrent, kChunked };
+constexpr int64_t kGdnChunkedMinRows = 32;
 void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
                       int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out,
-                      cudaStream_t stream);
+                      cudaStream_t stream, GdnForm form = GdnForm::kAuto);
 void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed, cudaStream_t stream);
 void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams, cudaStream_t stream);
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out, cudaStream_t stream);
