@@ -185,6 +185,18 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
   }
   const int64_t n_routed = info.routed_weight_bytes / info.expert_bytes;
   slots = std::min(slots, std::max<int64_t>(n_routed, k));
+  if (rt.backend->experts_on_host()) {
+    // The device tier: slots in device memory, fed from the checkpoint's pages in host memory.
+    if (f.speculate) fail("--expert-speculate: not on --device {} yet (the disk tier on --device cpu has it)", rt.backend->name());
+    rt.backend->set_expert_cache(slots, k, policy);
+    if (!quiet) {
+      fmt::print(stderr, "expert streaming: {} device slots x {:.2f} MiB = {:.2f} GiB for {} routed experts ({:.2f} GiB) "
+                 "in host memory, {} ({})\n",
+                 slots, double(info.expert_bytes) / (1 << 20), double(slots * info.expert_bytes) / (1 << 30), n_routed,
+                 double(info.routed_weight_bytes) / (1 << 30), eviction_policy_name(policy), why);
+    }
+    return;
+  }
   ExpertStreamOptions o;
   o.slots = slots;
   o.top_k = k;
@@ -213,6 +225,10 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
 
 void print_expert_cache_summary(const LoadedRuntime& rt) {
   if (rt.experts) fmt::print(stderr, "{}\n", rt.experts->summary());
+  if (rt.backend) {
+    const std::string device = rt.backend->expert_cache_summary();
+    if (!device.empty()) fmt::print(stderr, "{}\n", device);
+  }
 }
 
 LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet,
@@ -222,6 +238,15 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
   LoadedRuntime rt;
   rt.backend = make_backend(device, threads);
   if (!quiet) fmt::print(stderr, "loading {} on {} ...\n", path, rt.backend->name());
+  // Streaming asked for on a device: its routed experts must stay in host memory from the load on.
+  if (rt.backend->name() != "cpu" && (experts.slots > 0 || experts.gb > 0)) {
+    if (!experts.store.empty()) {
+      fail("--expert-store: not on --device {} yet (its device tier streams from the checkpoint itself; the store "
+           "serves the disk tier on --device cpu)",
+           rt.backend->name());
+    }
+    rt.backend->keep_experts_on_host();
+  }
   try {
     rt.model = load_model(path, *rt.backend);
   } catch (const Error& e) {

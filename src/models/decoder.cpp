@@ -134,7 +134,7 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
           // (GGUF's *_exps tensors): each expert a contiguous slice of each.
           auto slice = [&](const std::string& name, int64_t rows, int64_t cols) {
             Weight w;
-            w.view = ld.resident(ck.matrix_in_stack(p + name, e, E, rows, cols), p + name);
+            w.view = ld.expert_view(ck.matrix_in_stack(p + name, e, E, rows, cols), p + name);
             w.name = p + name;
             return w;
           };
@@ -143,17 +143,17 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
           ew.down = slice(names.stacked_down, H, I);
         } else if (fused) {
           const std::string& gu_name = p + names.fused_gate_up;
-          const WeightView gate_up = ld.resident(ck.matrix_in_stack(gu_name, e, E, 2 * I, H), gu_name);
+          const WeightView gate_up = ld.expert_view(ck.matrix_in_stack(gu_name, e, E, 2 * I, H), gu_name);
           ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows
           ew.up.view = gate_up.rows_slice(I, I);
-          ew.down.view = ld.resident(ck.matrix_in_stack(p + names.fused_down, e, E, H, I), p + names.fused_down);
+          ew.down.view = ld.expert_view(ck.matrix_in_stack(p + names.fused_down, e, E, H, I), p + names.fused_down);
           ew.gate.name = ew.up.name = p + names.fused_gate_up;
           ew.down.name = p + names.fused_down;
         } else {
           const std::string ep = p + fmt::format(fmt::runtime(names.expert), e);
-          ew.gate = ld.matrix(ep + "gate_proj.weight", I, H, i);
-          ew.up = ld.matrix(ep + "up_proj.weight", I, H, i);
-          ew.down = ld.matrix(ep + "down_proj.weight", H, I, i);
+          ew.gate = ld.expert_matrix(ep + "gate_proj.weight", I, H, i);
+          ew.up = ld.expert_matrix(ep + "up_proj.weight", I, H, i);
+          ew.down = ld.expert_matrix(ep + "down_proj.weight", H, I, i);
         }
         for (Weight* w : {&ew.gate, &ew.up, &ew.down}) {
           w->layer = i;

@@ -382,10 +382,10 @@ class Gemma4Model final : public Model {
         for (int e = 0; e < E; ++e) {
           ExpertWeights ew;
           // Gate rows first, then up rows; rows_slice moves packed formats' scale planes too.
-          const WeightView fused = ld.resident(ck.matrix_in_stack(gate_up, e, E, 2 * I, H), gate_up);
+          const WeightView fused = ld.expert_view(ck.matrix_in_stack(gate_up, e, E, 2 * I, H), gate_up);
           ew.gate.view = fused.rows_slice(0, I);
           ew.up.view = fused.rows_slice(I, I);
-          ew.down.view = ld.resident(ck.matrix_in_stack(down, e, E, H, I), down);
+          ew.down.view = ld.expert_view(ck.matrix_in_stack(down, e, E, H, I), down);
           ew.gate.name = ew.up.name = gate_up;
           ew.down.name = down;
           ew.act = Act::kGeluTanh;

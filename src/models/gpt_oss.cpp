@@ -261,11 +261,11 @@ void GptOssModel::load_experts(const WeightLoader& ld, const std::string& p, int
     // [out, in] whatever the storage: MXFP4 planes in place, bf16 [in, out] transposed once
     // by the checkpoint.
     // The fused matrix is made resident once; gate and up are its even and odd rows.
-    const WeightView gu = ld.resident(ck.expert_matrix(gate_up, e, E, 2 * I, H, StackLayout::kInOut), gate_up);
+    const WeightView gu = ld.expert_view(ck.expert_matrix(gate_up, e, E, 2 * I, H, StackLayout::kInOut), gate_up);
     ew.gate.view = every_other_row(gu, 0);
     ew.up.view = every_other_row(gu, 1);
     ew.gate_up_interleaved = true;
-    ew.down.view = ld.resident(ck.expert_matrix(down, e, E, H, I, StackLayout::kInOut), down);
+    ew.down.view = ld.expert_view(ck.expert_matrix(down, e, E, H, I, StackLayout::kInOut), down);
     if (e == 0) expert_bytes_ = gu.bytes() + ew.down.view.bytes();
     ew.gate.name = ew.up.name = gate_up;
     ew.down.name = down;

@@ -372,17 +372,17 @@ class Qwen4Exp final : public Model {
       ExpertWeights ew;
       if (fused) {
         const WeightView gate_up =
-            ld.resident(ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H), p + "experts.gate_up_proj");
+            ld.expert_view(ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H), p + "experts.gate_up_proj");
         ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows
         ew.up.view = gate_up.rows_slice(I, I);
-        ew.down.view = ld.resident(ck.matrix_in_stack(p + "experts.down_proj", e, E, H, I), p + "experts.down_proj");
+        ew.down.view = ld.expert_view(ck.matrix_in_stack(p + "experts.down_proj", e, E, H, I), p + "experts.down_proj");
         ew.gate.name = ew.up.name = p + "experts.gate_up_proj";
         ew.down.name = p + "experts.down_proj";
       } else {
         const std::string ep = fmt::format("{}experts.{}.", p, e);
-        ew.gate = ld.matrix(ep + "gate_proj.weight", I, H, layer);
-        ew.up = ld.matrix(ep + "up_proj.weight", I, H, layer);
-        ew.down = ld.matrix(ep + "down_proj.weight", H, I, layer);
+        ew.gate = ld.expert_matrix(ep + "gate_proj.weight", I, H, layer);
+        ew.up = ld.expert_matrix(ep + "up_proj.weight", I, H, layer);
+        ew.down = ld.expert_matrix(ep + "down_proj.weight", H, I, layer);
       }
       for (Weight* w : {&ew.gate, &ew.up, &ew.down}) {
         w->layer = layer;

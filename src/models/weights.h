@@ -32,6 +32,18 @@ struct WeightLoader {
   }
   Param param(std::span<const float> host) const { return be.param(host); }
   WeightView resident(const WeightView& view, const std::string& name) const { return be.resident(view, name); }
+  // A routed expert's stack slice or matrix: resident, unless the backend keeps routed experts
+  // in host memory for expert streaming (Backend::resident_expert).
+  WeightView expert_view(const WeightView& view, const std::string& name) const {
+    return be.resident_expert(view, name);
+  }
+  Weight expert_matrix(const std::string& name, int64_t rows, int64_t cols, int layer) const {
+    Weight w;
+    w.view = be.resident_expert(ck.matrix(name, rows, cols), name);
+    w.name = name;
+    w.layer = layer;
+    return w;
+  }
 };
 
 }  // namespace turbospark

@@ -23,6 +23,7 @@
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "experts/expert_cache.h"
 
 namespace turbospark {
 
@@ -271,6 +272,25 @@ class Backend {
   virtual WeightView resident(const WeightView& host, const std::string& name) { return host; }
   // After the last resident(): reports the upload (bytes, seconds, GB/s) where there was one.
   virtual void end_weights() {}
+  // A routed expert's weights (WeightLoader::expert_view): resident like any weight, unless the
+  // backend was told to keep routed experts in host memory (keep_experts_on_host), which it then
+  // streams into a bounded cache of device slots as the router asks (set_expert_cache).
+  virtual WeightView resident_expert(const WeightView& host, const std::string& name) { return resident(host, name); }
+
+  // ---- expert streaming's device tier (the CPU tier is set_expert_provider) ----
+  // Before the model loads: routed experts stay in host memory. Backends whose weights are host
+  // memory anyway have no such tier and refuse by name.
+  virtual void keep_experts_on_host() {
+    fail("--device {}: routed experts already live in host memory (expert streaming here is the disk tier)", name());
+  }
+  virtual bool experts_on_host() const { return false; }
+  // After it loaded: the cache of `slots` device slots (>= top_k) the experts stream through.
+  virtual void set_expert_cache(int64_t slots, int top_k, EvictionPolicy policy) {
+    (void)slots, (void)top_k, (void)policy;
+    fail("--device {}: no device tier for expert streaming", name());
+  }
+  // The device tier's hit rate, bytes and link speed so far; empty without one.
+  virtual std::string expert_cache_summary() const { return {}; }
 
   // y = x W^T for W [out, in]; one row of x is a GEMV (decode), many a GEMM (prefill).
   virtual void matmul(const Weight& w, const Mat& x, const Mat& y) = 0;

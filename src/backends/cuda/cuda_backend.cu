@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/expert_slots.h"
 #include "backends/cuda/matmul.h"
 #include "backends/cuda/ops.h"
 #include "core/error.h"
@@ -166,7 +167,8 @@ class CudaBackend final : public Backend {
   // the whole step instead of a few hundred, replayed with the position and token already
   // uploaded into the buffers the graph reads.
   void run_step(std::unique_ptr<StepGraph>& slot, const std::function<void()>& record) override {
-    if (!graphs_enabled_) return record();
+    // Streamed experts: each MoE layer waits for its routing on the host, which no graph can hold.
+    if (!graphs_enabled_ || experts_on_host_) return record();
     auto* g = static_cast<CudaStepGraph*>(slot.get());
     if (!g) {
       // First call: eager, so every scratch buffer reaches its size outside any capture.
@@ -241,13 +243,31 @@ class CudaBackend final : public Backend {
     TS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "memory info");
     // Room for activations, the KV cache and cuBLASLt's workspace beside the weights.
     const int64_t reserve = int64_t(1) << 30;
+    if (experts_on_host_) {
+      // Only the dense part comes up, and its size is known once it has: each weight gets its own
+      // allocation (a pool sized by the checkpoint would take the room the expert slots need),
+      // and one that does not fit fails naming itself.
+      pool_bytes_ = 0;
+      weight_pool_ = nullptr;
+      pool_used_ = 0;
+      if (!staging_) {
+        TS_CUDA_CHECK(cudaMallocHost(&staging_, size_t(kStagingBytes)), "pinned staging of {} bytes", kStagingBytes);
+        for (auto& e : staging_done_) TS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event");
+      }
+      uploaded_ = 0;
+      total_expected_ = 0;
+      next_report_ = 0;
+      upload_start_ = Clock::now();
+      progress_ = isatty(2);
+      return;
+    }
     const int64_t needed = total_bytes + reserve;
     if (needed > int64_t(free_b)) {
       fail("cuda: the model needs {:.2f} GiB of device memory ({:.2f} GiB of weights + 1 GiB for activations and "
            "the KV cache) but {} has {:.2f} GiB free{}",
            double(needed) / (1 << 30), double(total_bytes) / (1 << 30), props_.name, double(free_b) / (1 << 30),
-           has_routed_experts ? "; for MoE models expert streaming (keeping routed experts in host memory) is the "
-                                "answer, and it is not implemented yet: run on --device cpu"
+           has_routed_experts ? "; stream its routed experts from host memory (--expert-cache-gb X or "
+                                "--expert-cache-slots N) or run on --device cpu"
                               : "; run on --device cpu");
     }
     // One pool for every weight; views are carved out of it in load order. Slack covers the
@@ -312,6 +332,21 @@ class CudaBackend final : public Backend {
     fmt::print(stderr, "{}weights on {}: {:.2f} GiB in {:.2f} s ({:.1f} GB/s through pinned staging)\n",
                progress_ ? "\r" : "", props_.name, double(uploaded_) / (1 << 30), s, double(uploaded_) / 1e9 / std::max(s, 1e-9));
   }
+
+  // ---- expert streaming (expert_slots.h) ----
+  WeightView resident_expert(const WeightView& host, const std::string& name) override {
+    return experts_on_host_ ? host : resident(host, name);
+  }
+  void keep_experts_on_host() override {
+    TS_CHECK(!weight_pool_ && uploaded_ == 0, "cuda: keep_experts_on_host after weights were uploaded");
+    experts_on_host_ = true;
+  }
+  bool experts_on_host() const override { return experts_on_host_; }
+  void set_expert_cache(int64_t slots, int top_k, EvictionPolicy policy) override {
+    TS_CHECK(experts_on_host_, "cuda: an expert cache without keep_experts_on_host (the experts are resident)");
+    expert_slots_ = std::make_unique<cuda::DeviceExpertSlots>(slots, top_k, policy);
+  }
+  std::string expert_cache_summary() const override { return expert_slots_ ? expert_slots_->summary() : ""; }
 
   // ---- ops ----
   void matmul(const Weight& w, const Mat& x, const Mat& y) override { matmul_->matmul(w.view, x, y, stream_); }
@@ -390,7 +425,8 @@ class CudaBackend final : public Backend {
   void copy(const Mat& src, const Mat& dst) override { cuda::copy(src, dst, stream_); }
   void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
                    int k, const Mat& out) override {
-    matmul_->moe_experts(experts, x, idx, weight, k, out, stream_);
+    if (!experts_on_host_) return matmul_->moe_experts(experts, x, idx, weight, k, out, stream_);
+    moe_streamed(experts, x, idx, weight, k, out);
   }
 
   // Qwen4-Exp's hybrid ops (causal_conv1d.cu, gated_delta_rule.cu, hyper_connection.cu, qsa.cu).
@@ -428,6 +464,79 @@ class CudaBackend final : public Backend {
     void* dst = weight_slot(bytes, name);
     copy_through_staging(dst, src, bytes, name);
     return dst;
+  }
+
+  // Streamed experts: the deliberate sync after the router (its choices decide the loads), then
+  // the experts the rows name come into device slots and the grouped kernels run on the slots.
+  // A micro-batch naming more distinct experts than there are slots (a long prompt through a
+  // small cache) runs in passes of at most `slots` experts: each pass keeps the pairs routed to
+  // its experts, gives the others weight 0 (they point at a loaded expert, and add nothing),
+  // and the passes' outputs are summed.
+  void moe_streamed(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
+                    int k, const Mat& out) {
+    TS_CHECK(expert_slots_, "cuda: routed experts are in host memory but no expert cache was set (set_expert_cache)");
+    const int64_t pairs = x.rows * k;
+    routed_ids_.resize(size_t(pairs));
+    download_bytes(routed_ids_.data(), idx, pairs * 4);
+    auto upload = [this](void* dst, const void* src, int64_t bytes) { stage_copy(dst, src, bytes, "routed expert"); };
+    std::vector<int32_t> distinct;
+    for (int32_t id : routed_ids_) {
+      if (std::find(distinct.begin(), distinct.end(), id) == distinct.end()) distinct.push_back(id);
+    }
+    const int64_t slots = expert_slots_->slots();
+    if (int64_t(distinct.size()) <= slots) {
+      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, routed_ids_, upload);
+      return matmul_->moe_experts(placed, x, idx, weight, k, out, stream_);
+    }
+    routed_weights_.resize(size_t(pairs));
+    download_bytes(routed_weights_.data(), weight, pairs * 4);
+    if (pass_idx_.size() < pairs) {
+      pass_idx_ = alloc_array<int32_t>(pairs);
+      pass_weight_ = alloc_array<float>(pairs);
+    }
+    if (pass_out_.size() < x.rows * out.cols) pass_out_ = alloc_array<float>(x.rows * out.cols);
+    const Mat part(pass_out_.data(), x.rows, out.cols);
+    std::vector<int32_t> ids(static_cast<size_t>(pairs));
+    std::vector<float> weights(static_cast<size_t>(pairs));
+    for (size_t first = 0; first < distinct.size(); first += size_t(slots)) {
+      const size_t last = std::min(distinct.size(), first + size_t(slots));
+      for (int64_t j = 0; j < pairs; ++j) {
+        const int32_t id = routed_ids_[size_t(j)];
+        const bool here = std::find(distinct.begin() + long(first), distinct.begin() + long(last), id) !=
+                          distinct.begin() + long(last);
+        ids[size_t(j)] = here ? id : distinct[first];
+        weights[size_t(j)] = here ? routed_weights_[size_t(j)] : 0.f;
+      }
+      // Stream-ordered after the previous pass's kernels, which read these buffers.
+      upload_bytes(pass_idx_.data(), ids.data(), pairs * 4);
+      upload_bytes(pass_weight_.data(), weights.data(), pairs * 4);
+      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, ids, upload);
+      if (first == 0) {
+        matmul_->moe_experts(placed, x, pass_idx_.data(), pass_weight_.data(), k, out, stream_);
+      } else {
+        matmul_->moe_experts(placed, x, pass_idx_.data(), pass_weight_.data(), k, part, stream_);
+        cuda::add(out, part, stream_);
+      }
+      // The next pass may evict what this one's kernels read: wait for them (one bank).
+      TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "streamed MoE pass");
+    }
+  }
+
+  // Host -> device through the pinned staging halves, ordered on the stream (no load progress).
+  void stage_copy(void* dst, const void* src, int64_t bytes, const char* what) {
+    TS_CHECK(staging_, "cuda: {} copied before any weights were loaded", what);
+    const int64_t half = kStagingBytes / 2;
+    for (int64_t off = 0; off < bytes; off += half) {
+      const int64_t n = std::min(half, bytes - off);
+      const int h = staging_half_;
+      staging_half_ ^= 1;
+      TS_CUDA_CHECK(cudaEventSynchronize(staging_done_[h]), "staging for {}", what);
+      char* stage = static_cast<char*>(staging_) + h * half;
+      std::memcpy(stage, static_cast<const char*>(src) + off, size_t(n));
+      TS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, stage, size_t(n), cudaMemcpyHostToDevice, stream_),
+                    "copy of {} ({} bytes)", what, n);
+      TS_CUDA_CHECK(cudaEventRecord(staging_done_[h], stream_), "staging event");
+    }
   }
 
   // kAlign-aligned room for `bytes` of weight: the pool, or its own allocation past it.
@@ -506,6 +615,15 @@ class CudaBackend final : public Backend {
 
   std::vector<void*> attention_scratch_;
   int64_t attention_scratch_floats_ = 0;
+
+  // Expert streaming: routed experts in host memory, streamed through device slots.
+  bool experts_on_host_ = false;
+  std::unique_ptr<cuda::DeviceExpertSlots> expert_slots_;
+  std::vector<int32_t> routed_ids_;
+  std::vector<float> routed_weights_;
+  BackendArray<int32_t> pass_idx_;  // a pass's masked routing (moe_streamed)
+  BackendArray<float> pass_weight_;
+  BackendArray<float> pass_out_;
 
   bool graphs_enabled_ = graphs_from_env();
   bool capturing_ = false;

@@ -1,0 +1,70 @@
+// Expert streaming's CUDA tier: routed experts stay in host memory (the mapped checkpoint, in
+// the page cache or on disk) and come into a bounded set of device slots as the router asks for
+// them. Which slot holds which (layer, expert), and what to evict, is experts/expert_cache.h's
+// ExpertCache; this class owns the device memory of the slots, copies missing experts in, and
+// hands the MoE kernels the layer's experts with views into the slots.
+//
+// Protocol (one bank, synchronous): the backend downloads the layer's routing (the deliberate
+// sync after the router), place() plans and enqueues the loads on the compute stream, and the
+// MoE kernels queued after them read the slots. Nothing queued still reads a slot when the next
+// place() plans (the download before it waited for the whole queue), so no protect set is
+// needed; overlapping the next layer's loads with this layer's compute (two banks on a copy
+// stream) is the next step.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "experts/expert_cache.h"
+#include "ops/backend.h"
+
+namespace turbospark::cuda {
+
+class DeviceExpertSlots {
+ public:
+  // Copies `bytes` from host memory to the device, ordered on the compute stream.
+  using Upload = std::function<void(void* dst, const void* src, int64_t bytes)>;
+
+  DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy);
+  ~DeviceExpertSlots();
+  DeviceExpertSlots(const DeviceExpertSlots&) = delete;
+  DeviceExpertSlots& operator=(const DeviceExpertSlots&) = delete;
+
+  // `experts`: one layer's routed experts as loaded (views in host memory); `ids`: the experts
+  // the kernels will read (at most slots() distinct ones). Loads the missing ones and returns the layer's
+  // experts with their views in device slots; experts no row names point at a loaded slot
+  // (the kernels read only the named ones). Valid until the next place().
+  const std::vector<ExpertWeights>& place(const std::vector<ExpertWeights>& experts, std::span<const int32_t> ids,
+                                          const Upload& upload);
+
+  // "N slots x M MiB, hits H% (h of n), X GiB loaded at Y GB/s".
+  std::string summary() const;
+  int64_t slots() const { return cache_.slots(); }
+
+ private:
+  // Where each plane of an expert's three views sits in its slot (bytes from the slot's start;
+  // -1 for a plane the view does not have).
+  struct ViewLayout {
+    int64_t data = -1, data_bytes = 0, scales = -1, scales_bytes = 0, biases = -1, biases_bytes = 0;
+  };
+  void allocate(const ExpertWeights& e0);
+  WeightView in_slot(const WeightView& host, const ViewLayout& layout, int32_t slot) const;
+  void load(const ExpertWeights& e, int32_t slot, const Upload& upload);
+
+  ExpertCache cache_;
+  ViewLayout layout_[3];  // gate, up, down
+  int64_t slot_bytes_ = 0;
+  void* memory_ = nullptr;
+  std::vector<std::vector<ExpertWeights>> placed_;  // per layer: stable storage the MoE table is keyed by
+  std::vector<int32_t> unique_;
+  int64_t bytes_loaded_ = 0;
+  double load_seconds_ = 0;
+};
+
+}  // namespace turbospark::cuda
