@@ -100,7 +100,7 @@ cli_check "generate ids equal with and without the fused decode attention ($nofu
 # Expert streaming's device tier: routed experts in host memory through 2 device slots (every
 # layer evicts) answer with the resident run's greedy ids, and the run reports its cache.
 stream_out=$("$build/turbospark" $moe_args --expert-cache-slots 2 2>&1)
-stream_ids=$(grep -E '^[0-9]+( [0-9]+)*$' <<<"$stream_out" | head -1)
+stream_ids=$(grep -E '^[0-9]+(,[0-9]+)*$' <<<"$stream_out" | head -1)
 cli_check "streamed experts give the resident ids ($nofused_ids)" "^${nofused_ids:-none}\$" echo "$stream_ids"
 cli_check "streamed experts report the device cache" "expert streaming: 2 device slots" echo "$stream_out"
 # `serve` on the GPU: one completion from the Q4_0 fixture GGUF over HTTP, then SIGTERM exits 0.
