@@ -333,6 +333,25 @@ TEST(ChatTemplateLimits, DeepOrHugeTemplatesAreRefusedByName) {
 // What a template builds is bounded too (a template comes inside a downloaded GGUF): loop
 // iterations over the whole render, the output and any string, lists; refused by name, before
 // the memory is taken or the time spent.
+// Integer powers by squaring: exponents of billions with a base of 0 or +-1 (which never
+// overflow) answer at once (a loop of e multiplications took minutes: fuzz_chat_template's slow
+// unit, now a regression input), and overflow is still refused exactly where Python's result
+// leaves 64 bits.
+TEST(ChatTemplateLimits, IntegerPowersTakeLogarithmicTime) {
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(render("{{ 0 ** 50111101012 }}"), "0");
+  EXPECT_EQ(render("{{ 1 ** 9223372036854775807 }}"), "1");
+  EXPECT_EQ(render("{{ (-1) ** 9223372036854775807 }}"), "-1");
+  EXPECT_EQ(render("{{ (-1) ** 9223372036854775806 }}"), "1");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  EXPECT_EQ(render("{{ 3 ** 5 }} {{ 2 ** 0 }} {{ 0 ** 0 }} {{ 7 ** 1 }}"), "243 1 1 7");
+  EXPECT_EQ(render("{{ 2 ** 62 }}"), "4611686018427387904");
+  EXPECT_EQ(render("{{ (-2) ** 63 }}"), "-9223372036854775808");
+  EXPECT_NE(error_of("{{ 2 ** 63 }}").find("integer overflow"), std::string::npos);
+  EXPECT_NE(error_of("{{ 3 ** 40 }}").find("integer overflow"), std::string::npos);
+  EXPECT_NE(error_of("{{ 10 ** 1000000000000 }}").find("integer overflow"), std::string::npos);
+}
+
 TEST(ChatTemplateLimits, RunawayOutputLoopsAndValuesAreRefusedByName) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_NE(error_of("{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}")
