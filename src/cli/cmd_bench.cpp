@@ -161,6 +161,8 @@ void add_bench_command(CLI::App& app) {
                  decode_acquires > 0 ? 100.0 * (1.0 - double(decode_loads) / double(decode_acquires)) : 0.0);
       fmt::print("{}\n", rt.experts->summary());
     }
+    // The device tier's cache over the whole bench (every repeat, prompt and decode).
+    if (const std::string device = rt.backend->expert_cache_summary(); !device.empty()) fmt::print("{}\n", device);
     if (prompt_routes) {
       fmt::print("prompt {}\n", prompt_routes->summary());
       fmt::print("decode {} (histogram: {})\n", decode_routes->summary(), o->router_stats);

@@ -163,7 +163,8 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
     // (the CUDA tier is not built yet).
     if (rt.backend->name() != "cpu") {
       if (!f.store.empty()) fail("--expert-store: expert streaming is not supported on --device {} yet", rt.backend->name());
-      no_speculation(fmt::format("expert streaming is not supported on --device {} yet", rt.backend->name()));
+      no_speculation(fmt::format("on --device {} experts stream only when asked (--expert-cache-gb X or "
+                                 "--expert-cache-slots N)", rt.backend->name()));
       return;
     }
     const int64_t avail = std::max<int64_t>(available_memory_bytes(), 0);
@@ -188,7 +189,7 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
   if (rt.backend->experts_on_host()) {
     // The device tier: slots in device memory, fed from the checkpoint's pages in host memory.
     if (f.speculate) fail("--expert-speculate: not on --device {} yet (the disk tier on --device cpu has it)", rt.backend->name());
-    rt.backend->set_expert_cache(slots, k, policy);
+    rt.backend->set_expert_cache(slots, k, policy, model.first_expert_of_each_layer());
     if (!quiet) {
       fmt::print(stderr, "expert streaming: {} device slots x {:.2f} MiB = {:.2f} GiB for {} routed experts ({:.2f} GiB) "
                  "in host memory, {} ({})\n",
@@ -239,7 +240,8 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
   rt.backend = make_backend(device, threads);
   if (!quiet) fmt::print(stderr, "loading {} on {} ...\n", path, rt.backend->name());
   // Streaming asked for on a device: its routed experts must stay in host memory from the load on.
-  if (rt.backend->name() != "cpu" && (experts.slots > 0 || experts.gb > 0)) {
+  // (--expert-cache-slots 0 is off, whatever else is given: configure_expert_streaming's rule.)
+  if (rt.backend->name() != "cpu" && experts.slots != 0 && (experts.slots > 0 || experts.gb > 0)) {
     if (!experts.store.empty()) {
       fail("--expert-store: not on --device {} yet (its device tier streams from the checkpoint itself; the store "
            "serves the disk tier on --device cpu)",

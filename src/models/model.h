@@ -115,6 +115,15 @@ class Model {
   virtual bool guesses_next_experts() const { return false; }
   // Every routed expert's weights (expert streaming: which bytes not to page in).
   virtual void for_each_routed_expert(const std::function<void(const ExpertWeights&)>& fn) const { (void)fn; }
+  // The first routed expert of every MoE layer (pointers into the model), in layer order:
+  // what a device expert cache lays its slots out from (Backend::set_expert_cache).
+  std::vector<const ExpertWeights*> first_expert_of_each_layer() const {
+    std::vector<const ExpertWeights*> out;
+    for_each_routed_expert([&](const ExpertWeights& e) {
+      if (out.empty() || out.back()->gate.layer != e.gate.layer) out.push_back(&e);
+    });
+    return out;
+  }
   virtual std::unique_ptr<ModelWorkspace> new_workspace(Backend& backend, int64_t max_rows) const = 0;
   virtual std::unique_ptr<SequenceState> new_sequence_state(Backend& backend, int64_t max_context) const {
     return nullptr;

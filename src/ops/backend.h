@@ -284,9 +284,11 @@ class Backend {
     fail("--device {}: routed experts already live in host memory (expert streaming here is the disk tier)", name());
   }
   virtual bool experts_on_host() const { return false; }
-  // After it loaded: the cache of `slots` device slots (>= top_k) the experts stream through.
-  virtual void set_expert_cache(int64_t slots, int top_k, EvictionPolicy policy) {
-    (void)slots, (void)top_k, (void)policy;
+  // After it loaded: the cache of `slots` device slots (>= top_k) the experts stream through,
+  // laid out from one routed expert of every MoE layer (Model::for_each_routed_expert).
+  virtual void set_expert_cache(int64_t slots, int top_k, EvictionPolicy policy,
+                                std::span<const ExpertWeights* const> layer_experts) {
+    (void)slots, (void)top_k, (void)policy, (void)layer_experts;
     fail("--device {}: no device tier for expert streaming", name());
   }
   // The device tier's hit rate, bytes and link speed so far; empty without one.

@@ -56,13 +56,17 @@ TEST_P(CudaExpertStreaming, LogitsEqualResidentAtEverySlotCount) {
     Session s(*resident.model, *resident_backend);
     want.push_back(s.feed(tokens, chunk, true));
   }
+  const EvictionPolicy policies[] = {EvictionPolicy::kLru, EvictionPolicy::kLfu, EvictionPolicy::kFrequencyLru};
+  int round = 0;
   for (int64_t slots : {int64_t(k), int64_t(k) + 1, 2 * int64_t(k), 3 * int64_t(k), E}) {
     if (slots > E && slots != int64_t(k)) continue;
-    SCOPED_TRACE(c.fixture + " " + c.file + " slots " + std::to_string(slots) + " of " + std::to_string(E));
+    const EvictionPolicy policy = policies[round++ % 3];
+    SCOPED_TRACE(c.fixture + " " + c.file + " slots " + std::to_string(slots) + " of " + std::to_string(E) + " " +
+                 std::string(eviction_policy_name(policy)));
     auto be = make_cuda_backend(0);
     be->keep_experts_on_host();
     LoadedModel streamed = load_model(path, *be);
-    be->set_expert_cache(slots, k, EvictionPolicy::kLru);
+    be->set_expert_cache(slots, k, policy, streamed.model->first_expert_of_each_layer());
     for (size_t i = 0; i < chunks.size(); ++i) {
       // Twice: the first run starts cold, the second meets what the first left in the slots.
       for (int pass = 0; pass < 2; ++pass) {
@@ -73,8 +77,14 @@ TEST_P(CudaExpertStreaming, LogitsEqualResidentAtEverySlotCount) {
             << "chunk " << chunks[i] << (pass ? " (warm)" : " (cold)");
       }
     }
+    // The cache really ran: loads on the cold passes, hits on the warm ones ("(h of n)").
     const std::string summary = be->expert_cache_summary();
-    EXPECT_NE(summary.find("hits"), std::string::npos) << summary;
+    long long hits = -1, asked = -1;
+    const size_t at = summary.find("% (");
+    ASSERT_NE(at, std::string::npos) << summary;
+    ASSERT_EQ(std::sscanf(summary.c_str() + at, "%% (%lld of %lld)", &hits, &asked), 2) << summary;
+    EXPECT_GT(hits, 0) << summary;
+    EXPECT_GT(asked, hits) << summary;
     std::printf("[ measured ] %s slots %lld: %s\n", c.fixture.c_str(), static_cast<long long>(slots), summary.c_str());
   }
 }
@@ -94,15 +104,24 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
-// Fewer slots than a token's experts are refused by name (the cache's own rule), and a dense
-// model has no routed experts to keep on the host (nothing streams; the resident path runs).
+// Fewer slots than a token's experts are refused by name (the cache's own rule), and so is a
+// cache the device cannot hold.
 TEST(CudaExpertStreamingRefusals, FewerSlotsThanTopK) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   auto be = make_cuda_backend(0);
   be->keep_experts_on_host();
   LoadedModel m = load_model(fixture("qwen3_moe_tiny"), *be);
-  EXPECT_THROW(be->set_expert_cache(m.model->experts_per_token() - 1, m.model->experts_per_token(), EvictionPolicy::kLru),
+  EXPECT_THROW(be->set_expert_cache(m.model->experts_per_token() - 1, m.model->experts_per_token(), EvictionPolicy::kLru,
+                                    m.model->first_expert_of_each_layer()),
                Error);
+  // A cache larger than the device: refused by name before anything runs.
+  try {
+    be->set_expert_cache(int64_t(1) << 40, m.model->experts_per_token(), EvictionPolicy::kLru,
+                         m.model->first_expert_of_each_layer());
+    ADD_FAILURE() << "a cache of 2^40 slots was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not fit"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

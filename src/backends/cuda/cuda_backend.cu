@@ -342,9 +342,12 @@ class CudaBackend final : public Backend {
     experts_on_host_ = true;
   }
   bool experts_on_host() const override { return experts_on_host_; }
-  void set_expert_cache(int64_t slots, int top_k, EvictionPolicy policy) override {
+  void set_expert_cache(int64_t slots, int top_k, EvictionPolicy policy,
+                        std::span<const ExpertWeights* const> layer_experts) override {
     TS_CHECK(experts_on_host_, "cuda: an expert cache without keep_experts_on_host (the experts are resident)");
-    expert_slots_ = std::make_unique<cuda::DeviceExpertSlots>(slots, top_k, policy);
+    TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "expert cache");  // the load's queue settles what is free
+    expert_slots_.reset();
+    expert_slots_ = std::make_unique<cuda::DeviceExpertSlots>(slots, top_k, policy, layer_experts);
   }
   std::string expert_cache_summary() const override { return expert_slots_ ? expert_slots_->summary() : ""; }
 
@@ -475,6 +478,7 @@ class CudaBackend final : public Backend {
   void moe_streamed(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
                     int k, const Mat& out) {
     TS_CHECK(expert_slots_, "cuda: routed experts are in host memory but no expert cache was set (set_expert_cache)");
+    if (x.rows == 0) return;
     const int64_t pairs = x.rows * k;
     routed_ids_.resize(size_t(pairs));
     download_bytes(routed_ids_.data(), idx, pairs * 4);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "core/error.h"
 #include "core/quant.h"
@@ -21,76 +22,133 @@ int64_t align_up(int64_t v) { return (v + kPlaneAlign - 1) / kPlaneAlign * kPlan
 // interleaved gate/up views step over each other's rows, and the copy keeps that layout).
 int64_t span(int64_t rows, int64_t stride, int64_t packed_row) { return rows <= 0 ? 0 : (rows - 1) * stride + packed_row; }
 
-int64_t packed_data_row(const WeightView& w) {
-  if (is_grouped(w.dtype)) return grouped_row_bytes(w.dtype, w.cols);
-  if (is_quantized(w.dtype)) return row_bytes(w.dtype, w.cols);
-  return w.cols * int64_t(dtype_size(w.dtype));
-}
-
 int64_t packed_group_row(const WeightView& w) {
   const int64_t groups = w.group_size > 0 ? w.cols / w.group_size : 0;
   return groups * int64_t(w.dtype == DType::MXFP4 ? 1 : dtype_size(w.scales_dtype));
 }
 
+// A view's three planes: host pointer and span (null / 0 where absent).
+struct HostPlane {
+  const uint8_t* p = nullptr;
+  int64_t bytes = 0;
+};
+void host_planes(const WeightView& w, HostPlane out[3]) {
+  int64_t packed = 0;
+  if (is_grouped(w.dtype)) {
+    packed = grouped_row_bytes(w.dtype, w.cols);
+  } else if (is_quantized(w.dtype)) {
+    packed = row_bytes(w.dtype, w.cols);
+  } else {
+    packed = w.cols * int64_t(dtype_size(w.dtype));
+  }
+  out[0] = {static_cast<const uint8_t*>(w.data), span(w.rows, w.row_bytes, packed)};
+  out[1] = w.scales ? HostPlane{static_cast<const uint8_t*>(w.scales), span(w.rows, w.scales_row_bytes, packed_group_row(w))}
+                    : HostPlane{};
+  out[2] = w.biases ? HostPlane{static_cast<const uint8_t*>(w.biases), span(w.rows, w.biases_row_bytes, packed_group_row(w))}
+                    : HostPlane{};
+}
+
 }  // namespace
 
-DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy) : cache_(slots, top_k, policy) {}
+DeviceExpertSlots::LayerLayout DeviceExpertSlots::layout_of(const ExpertWeights& e, int64_t* slot_bytes) {
+  LayerLayout layout;
+  layout.known = true;
+  const WeightView* views[3] = {&e.gate.view, &e.up.view, &e.down.view};
+  HostPlane planes[3][3];
+  for (int v = 0; v < 3; ++v) host_planes(*views[v], planes[v]);
+  // The gate's planes grow to cover an up plane that starts inside them (interleaved rows).
+  for (int k = 0; k < 3; ++k) {
+    const HostPlane& g = planes[0][k];
+    const HostPlane& u = planes[1][k];
+    if (g.p && u.p && u.p >= g.p && u.p < g.p + g.bytes) {
+      planes[0][k].bytes = std::max(g.bytes, int64_t(u.p - g.p) + u.bytes);
+      layout.view[1].shared_offset[k] = int64_t(u.p - g.p);
+    }
+  }
+  int64_t at = 0;
+  for (int v = 0; v < 3; ++v) {
+    for (int k = 0; k < 3; ++k) {
+      if (!planes[v][k].p || layout.view[v].shared_offset[k] >= 0) continue;
+      layout.view[v].plane[k] = {at, planes[v][k].bytes};
+      at += align_up(planes[v][k].bytes);
+    }
+  }
+  *slot_bytes = at;
+  return layout;
+}
+
+DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy,
+                                     std::span<const ExpertWeights* const> layer_experts) {
+  TS_CHECK(!layer_experts.empty(), "expert cache: no routed experts to lay out");
+  TS_CHECK(slots >= top_k && top_k >= 1, "expert cache: {} slots for top-{} routing: at least {} are needed", slots, top_k,
+           top_k);
+  for (const ExpertWeights* e : layer_experts) {
+    const int layer = e->gate.layer;
+    TS_CHECK(layer >= 0, "expert cache: routed expert {} without a layer index", e->gate.name);
+    if (layouts_.size() <= size_t(layer)) layouts_.resize(size_t(layer) + 1);
+    int64_t bytes = 0;
+    layouts_[size_t(layer)] = layout_of(*e, &bytes);
+    slot_bytes_ = std::max(slot_bytes_, bytes);
+  }
+  const int64_t total = slots > (int64_t(1) << 62) / std::max<int64_t>(slot_bytes_, 1) ? INT64_MAX : slot_bytes_ * slots;
+  size_t free_b = 0, total_b = 0;
+  cudaMemGetInfo(&free_b, &total_b);
+  // Activations and scratch still to come: leave 512 MiB.
+  const int64_t room = int64_t(free_b) - (int64_t(512) << 20);
+  if (total > room || cudaMalloc(&memory_, size_t(total)) != cudaSuccess) {
+    cudaGetLastError();
+    memory_ = nullptr;
+    fail("cuda: the expert cache of {} slots x {:.2f} MiB = {:.2f} GiB does not fit ({:.2f} GiB free after the "
+         "resident weights, 0.5 GiB kept for activations): give fewer --expert-cache-slots or a smaller "
+         "--expert-cache-gb",
+         slots, double(slot_bytes_) / (1 << 20), double(total) / (1 << 30), double(free_b) / (1 << 30));
+  }
+  cache_ = std::make_unique<ExpertCache>(slots, top_k, policy);
+}
 
 DeviceExpertSlots::~DeviceExpertSlots() {
   if (memory_) cudaFree(memory_);
 }
 
-void DeviceExpertSlots::allocate(const ExpertWeights& e0) {
-  int64_t at = 0;
-  const WeightView* views[3] = {&e0.gate.view, &e0.up.view, &e0.down.view};
-  for (int v = 0; v < 3; ++v) {
-    const WeightView& w = *views[v];
-    ViewLayout& l = layout_[v];
-    l.data = at;
-    l.data_bytes = span(w.rows, w.row_bytes, packed_data_row(w));
-    at += align_up(l.data_bytes);
-    if (w.scales) {
-      l.scales = at;
-      l.scales_bytes = span(w.rows, w.scales_row_bytes, packed_group_row(w));
-      at += align_up(l.scales_bytes);
-    }
-    if (w.biases) {
-      l.biases = at;
-      l.biases_bytes = span(w.rows, w.biases_row_bytes, packed_group_row(w));
-      at += align_up(l.biases_bytes);
-    }
-  }
-  slot_bytes_ = at;
-  const int64_t total = slot_bytes_ * cache_.slots();
-  if (cudaMalloc(&memory_, size_t(total)) != cudaSuccess) {
-    cudaGetLastError();
-    size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
-    fail("cuda: the expert cache of {} slots x {:.2f} MiB = {:.2f} GiB does not fit ({:.2f} GiB free): give fewer "
-         "--expert-cache-slots or a smaller --expert-cache-gb",
-         cache_.slots(), double(slot_bytes_) / (1 << 20), double(total) / (1 << 30), double(free_b) / (1 << 30));
-  }
-}
-
-WeightView DeviceExpertSlots::in_slot(const WeightView& host, const ViewLayout& l, int32_t slot) const {
+WeightView DeviceExpertSlots::in_slot(const WeightView& host, const ViewPlanes& planes,
+                                      const ViewPlanes& gate_planes, int32_t slot) const {
   char* base = static_cast<char*>(memory_) + int64_t(slot) * slot_bytes_;
+  const void* host_ptr[3] = {host.data, host.scales, host.biases};
+  void* dev[3] = {nullptr, nullptr, nullptr};
+  for (int k = 0; k < 3; ++k) {
+    if (!host_ptr[k]) continue;
+    if (planes.shared_offset[k] >= 0) {
+      dev[k] = base + gate_planes.plane[k].offset + planes.shared_offset[k];
+    } else {
+      dev[k] = base + planes.plane[k].offset;
+    }
+  }
   WeightView d = host;
-  d.data = base + l.data;
-  if (host.scales) d.scales = base + l.scales;
-  if (host.biases) d.biases = base + l.biases;
+  d.data = dev[0];
+  d.scales = dev[1];
+  d.biases = dev[2];
   return d;
 }
 
-void DeviceExpertSlots::load(const ExpertWeights& e, int32_t slot, const Upload& upload) {
+void DeviceExpertSlots::load(const ExpertWeights& e, const LayerLayout& layout, int32_t slot, const Upload& upload) {
   char* base = static_cast<char*>(memory_) + int64_t(slot) * slot_bytes_;
   const WeightView* views[3] = {&e.gate.view, &e.up.view, &e.down.view};
+  HostPlane planes[3][3];
+  for (int v = 0; v < 3; ++v) host_planes(*views[v], planes[v]);
   for (int v = 0; v < 3; ++v) {
-    const WeightView& w = *views[v];
-    const ViewLayout& l = layout_[v];
-    upload(base + l.data, w.data, l.data_bytes);
-    if (w.scales) upload(base + l.scales, w.scales, l.scales_bytes);
-    if (w.biases) upload(base + l.biases, w.biases, l.biases_bytes);
-    bytes_loaded_ += l.data_bytes + l.scales_bytes + l.biases_bytes;
+    for (int k = 0; k < 3; ++k) {
+      const Plane& dst = layout.view[v].plane[k];
+      if (layout.view[v].shared_offset[k] >= 0) continue;
+      TS_CHECK((dst.offset >= 0) == (planes[v][k].p != nullptr),
+               "expert cache: expert {} of layer {} is stored unlike the layer's first expert", e.gate.expert,
+               e.gate.layer);
+      if (!planes[v][k].p) continue;
+      // The gate's plane covers an up plane inside it: the layout's (larger) span.
+      TS_CHECK(dst.bytes >= planes[v][k].bytes, "expert cache: expert {} of layer {}: a plane of {} bytes in {}",
+               e.gate.expert, e.gate.layer, planes[v][k].bytes, dst.bytes);
+      upload(base + dst.offset, planes[v][k].p, dst.bytes);
+      bytes_loaded_ += dst.bytes;
+    }
   }
 }
 
@@ -99,24 +157,28 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
   TS_CHECK(!experts.empty() && !ids.empty(), "expert cache: {} experts, {} routed rows", experts.size(), ids.size());
   const int32_t layer = experts[0].gate.layer;
   const int64_t n_experts = int64_t(experts.size());
-  TS_CHECK(layer >= 0, "expert cache: routed experts without a layer index ({})", experts[0].gate.name);
-  if (!memory_) allocate(experts[0]);
+  TS_CHECK(layer >= 0 && size_t(layer) < layouts_.size() && layouts_[size_t(layer)].known,
+           "expert cache: layer {} was not laid out (set_expert_cache with one expert of every MoE layer)", layer);
+  const LayerLayout& layout = layouts_[size_t(layer)];
   // The distinct experts in order of first use (the order the kernels meet them).
   unique_.clear();
   for (int32_t id : ids) {
     TS_CHECK(id >= 0 && id < n_experts, "expert cache: layer {} routed a row to expert {} of {}", layer, id, n_experts);
     if (std::find(unique_.begin(), unique_.end(), id) == unique_.end()) unique_.push_back(id);
   }
-  TS_CHECK(int64_t(unique_.size()) <= cache_.slots(), "expert cache: {} distinct experts at once in {} slots",
-           unique_.size(), cache_.slots());
-  const ExpertCache::Plan plan = cache_.plan(layer, unique_);
+  TS_CHECK(int64_t(unique_.size()) <= cache_->slots(), "expert cache: {} distinct experts at once in {} slots",
+           unique_.size(), cache_->slots());
+  const ExpertCache::Plan plan = cache_->plan(layer, unique_);
   const auto t0 = Clock::now();
   for (size_t i = 0; i < unique_.size(); ++i) {
     if (!plan.load[i]) continue;
     try {
-      load(experts[size_t(unique_[i])], plan.slot[i], upload);
+      load(experts[size_t(unique_[i])], layout, plan.slot[i], upload);
     } catch (...) {
-      cache_.invalidate(plan.slot[i]);  // its bytes are not the expert's
+      // This load and every later one in the plan never happened: those slots hold no expert.
+      for (size_t j = i; j < unique_.size(); ++j) {
+        if (plan.load[j]) cache_->invalidate(plan.slot[j]);
+      }
       throw;
     }
   }
@@ -124,24 +186,25 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
 
   if (placed_.size() <= size_t(layer)) placed_.resize(size_t(layer) + 1);
   std::vector<ExpertWeights>& out = placed_[size_t(layer)];
-  out.resize(experts.size());
-  std::vector<int32_t> slot_of(experts.size(), plan.slot[0]);
-  for (size_t i = 0; i < unique_.size(); ++i) slot_of[size_t(unique_[i])] = plan.slot[i];
+  if (out.size() != experts.size()) out = experts;  // names and metadata once; views below every call
+  slot_of_.assign(experts.size(), plan.slot[0]);
+  for (size_t i = 0; i < unique_.size(); ++i) slot_of_[size_t(unique_[i])] = plan.slot[i];
   for (size_t e = 0; e < experts.size(); ++e) {
-    out[e] = experts[e];
-    out[e].gate.view = in_slot(experts[e].gate.view, layout_[0], slot_of[e]);
-    out[e].up.view = in_slot(experts[e].up.view, layout_[1], slot_of[e]);
-    out[e].down.view = in_slot(experts[e].down.view, layout_[2], slot_of[e]);
+    const ExpertWeights& h = experts[e];
+    const int32_t s = slot_of_[e];
+    out[e].gate.view = in_slot(h.gate.view, layout.view[0], layout.view[0], s);
+    out[e].up.view = in_slot(h.up.view, layout.view[1], layout.view[0], s);
+    out[e].down.view = in_slot(h.down.view, layout.view[2], layout.view[0], s);
   }
   return out;
 }
 
 std::string DeviceExpertSlots::summary() const {
-  const ExpertCacheStats& s = cache_.stats();
+  const ExpertCacheStats& s = cache_->stats();
   const int64_t asked = s.hits + s.misses;
   return fmt::format("expert cache (device): {} slots x {:.2f} MiB, {} policy; hits {:.1f}% ({} of {}), {:.2f} GiB "
-                     "loaded at {:.1f} GB/s",
-                     cache_.slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_.policy()),
+                     "loaded, {:.1f} GB/s while loading (host copy into staging included)",
+                     cache_->slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_->policy()),
                      asked ? 100.0 * double(s.hits) / double(asked) : 0.0, s.hits, asked,
                      double(bytes_loaded_) / (1 << 30),
                      load_seconds_ > 0 ? double(bytes_loaded_) / 1e9 / load_seconds_ : 0.0);

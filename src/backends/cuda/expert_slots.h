@@ -4,6 +4,11 @@
 // ExpertCache; this class owns the device memory of the slots, copies missing experts in, and
 // hands the MoE kernels the layer's experts with views into the slots.
 //
+// Layout: a slot holds one expert of any layer. Layers may store their experts differently
+// (a Q4_K_M GGUF keeps some layers' down projections in Q6_K), so each layer has its own plane
+// layout inside the slot and the slot is as large as the largest layer's expert. A plane that
+// shares storage with the gate's (gpt-oss's interleaved gate/up rows) is copied once with it.
+//
 // Protocol (one bank, synchronous): the backend downloads the layer's routing (the deliberate
 // sync after the router), place() plans and enqueues the loads on the compute stream, and the
 // MoE kernels queued after them read the slots. Nothing queued still reads a slot when the next
@@ -14,9 +19,9 @@
 
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -31,38 +36,54 @@ class DeviceExpertSlots {
   // Copies `bytes` from host memory to the device, ordered on the compute stream.
   using Upload = std::function<void(void* dst, const void* src, int64_t bytes)>;
 
-  DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy);
+  // `layer_experts`: one routed expert of every MoE layer (its layer index in gate.layer), for
+  // the layouts. Allocates the slots now, refusing by name what does not fit the device.
+  DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy,
+                    std::span<const ExpertWeights* const> layer_experts);
   ~DeviceExpertSlots();
   DeviceExpertSlots(const DeviceExpertSlots&) = delete;
   DeviceExpertSlots& operator=(const DeviceExpertSlots&) = delete;
 
   // `experts`: one layer's routed experts as loaded (views in host memory); `ids`: the experts
-  // the kernels will read (at most slots() distinct ones). Loads the missing ones and returns the layer's
-  // experts with their views in device slots; experts no row names point at a loaded slot
-  // (the kernels read only the named ones). Valid until the next place().
+  // the kernels will read (at most slots() distinct ones). Loads the missing ones and returns
+  // the layer's experts with their views in device slots; experts no id names point at a loaded
+  // slot (the kernels read only the named ones). Valid until the next place().
   const std::vector<ExpertWeights>& place(const std::vector<ExpertWeights>& experts, std::span<const int32_t> ids,
                                           const Upload& upload);
 
   // "N slots x M MiB, hits H% (h of n), X GiB loaded at Y GB/s".
   std::string summary() const;
-  int64_t slots() const { return cache_.slots(); }
+  int64_t slots() const { return cache_->slots(); }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  const ExpertCacheStats& stats() const { return cache_->stats(); }
 
  private:
-  // Where each plane of an expert's three views sits in its slot (bytes from the slot's start;
-  // -1 for a plane the view does not have).
-  struct ViewLayout {
-    int64_t data = -1, data_bytes = 0, scales = -1, scales_bytes = 0, biases = -1, biases_bytes = 0;
+  // One plane's copy: `bytes` from the host plane's first byte to `offset` in the slot.
+  struct Plane {
+    int64_t offset = -1, bytes = 0;
   };
-  void allocate(const ExpertWeights& e0);
-  WeightView in_slot(const WeightView& host, const ViewLayout& layout, int32_t slot) const;
-  void load(const ExpertWeights& e, int32_t slot, const Upload& upload);
+  // The planes of a layer's expert: data, scales, biases of gate, up and down. A plane that
+  // lies inside the gate's plane of the same kind is not copied: `shared_offset` >= 0 is its
+  // byte distance from the gate's.
+  struct ViewPlanes {
+    Plane plane[3];             // data, scales, biases
+    int64_t shared_offset[3] = {-1, -1, -1};
+  };
+  struct LayerLayout {
+    bool known = false;
+    ViewPlanes view[3];  // gate, up, down
+  };
+  static LayerLayout layout_of(const ExpertWeights& e, int64_t* slot_bytes);
+  WeightView in_slot(const WeightView& host, const ViewPlanes& planes, const ViewPlanes& gate_planes,
+                     int32_t slot) const;
+  void load(const ExpertWeights& e, const LayerLayout& layout, int32_t slot, const Upload& upload);
 
-  ExpertCache cache_;
-  ViewLayout layout_[3];  // gate, up, down
+  std::unique_ptr<ExpertCache> cache_;  // made once the slots' memory is (its table is per slot)
+  std::vector<LayerLayout> layouts_;  // per layer index
   int64_t slot_bytes_ = 0;
   void* memory_ = nullptr;
   std::vector<std::vector<ExpertWeights>> placed_;  // per layer: stable storage the MoE table is keyed by
-  std::vector<int32_t> unique_;
+  std::vector<int32_t> unique_, slot_of_;
   int64_t bytes_loaded_ = 0;
   double load_seconds_ = 0;
 };
