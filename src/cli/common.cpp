@@ -106,6 +106,9 @@ void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& f) {
   cmd->add_option("--expert-store", f.store,
                   "MoE: stream routed experts from this expert store (written by turbospark convert --expert-store): "
                   "one aligned, checksummed read per expert; implies streaming");
+  cmd->add_option("--gpu-memory-gb", f.gpu_memory_gb,
+                  "Device memory the engine may take, in GiB (weights, expert cache, KV cache): a large GPU stands "
+                  "in for a smaller one; a MoE model that does not fit then streams its routed experts");
   cmd->add_flag("--expert-speculate", f.speculate,
                 "MoE streaming: guess the next layer's experts (its router on this layer's input) and load them "
                 "while this layer computes; the summary says how many guesses were used (needs >= 2 x top-k slots)");
@@ -119,6 +122,9 @@ static void validate_expert_cache_flags(const ExpertCacheFlags& f) {
   if (!(f.gb >= 0) || !std::isfinite(f.gb)) fail("--expert-cache-gb must be a finite size >= 0, got {}", f.gb);
   if (f.prefetch < 0 || f.prefetch > 64) fail("--expert-prefetch must be in [0, 64], got {}", f.prefetch);
   if (f.slots > 0 && f.gb > 0) fail("--expert-cache-slots and --expert-cache-gb: give one of them");
+  if (!(f.gpu_memory_gb >= 0) || !std::isfinite(f.gpu_memory_gb) || f.gpu_memory_gb > 1e6) {
+    fail("--gpu-memory-gb must be a finite size in GiB > 0, got {}", f.gpu_memory_gb);
+  }
   if (!f.store.empty() && f.slots == 0) fail("--expert-store streams experts: it cannot go with --expert-cache-slots 0");
   try {
     parse_eviction_policy(f.policy);
@@ -159,28 +165,40 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
     if (slots < k) fail("--expert-cache-gb {}: holds {} experts of {:.2f} MiB, fewer than the {} a token uses", f.gb, slots,
                         double(info.expert_bytes) / (1 << 20), k);
   } else if (f.slots < 0) {
-    // Not asked: stream only when the weights do not fit (or a store is named), on the CPU
-    // (the CUDA tier is not built yet).
-    if (rt.backend->name() != "cpu") {
-      if (!f.store.empty()) fail("--expert-store: expert streaming is not supported on --device {} yet", rt.backend->name());
-      no_speculation(fmt::format("on --device {} experts stream only when asked (--expert-cache-gb X or "
-                                 "--expert-cache-slots N)", rt.backend->name()));
-      return;
+    // Not asked: stream only when the weights do not fit (or a store is named).
+    if (rt.backend->experts_on_host()) {
+      // The device tier, chosen before the load because the checkpoint exceeds the device:
+      // slots in 90% of what the dense part left (less the activations' reserve).
+      const int64_t available = rt.backend->device_memory_available();
+      const int64_t room = available * 9 / 10 - (int64_t(512) << 20);
+      slots = std::max<int64_t>(room / info.expert_bytes, k);
+      why = fmt::format("the weights ({:.1f} GiB) exceed the device memory: {:.1f} GiB resident, experts streamed into "
+                        "90% of the {:.1f} GiB left",
+                        double(info.weight_bytes) / (1 << 30),
+                        double(info.weight_bytes - info.routed_weight_bytes) / (1 << 30), double(available) / (1 << 30));
+    } else {
+      if (rt.backend->name() != "cpu") {
+        if (!f.store.empty()) fail("--expert-store: expert streaming is not supported on --device {} yet", rt.backend->name());
+        no_speculation(fmt::format("on --device {} the weights fit, so experts are not streamed (give --expert-cache-gb "
+                                   "X or --expert-cache-slots N to stream them anyway)",
+                                   rt.backend->name()));
+        return;
+      }
+      const int64_t avail = std::max<int64_t>(available_memory_bytes(), 0);
+      const bool exceeds = avail > 0 && info.weight_bytes > avail * 9 / 10;
+      if (!exceeds && f.store.empty()) {
+        no_speculation("the weights fit in memory, so experts are not streamed (give --expert-cache-slots or "
+                       "--expert-cache-gb to stream them anyway)");
+        return;
+      }
+      const int64_t resident = info.weight_bytes - info.routed_weight_bytes;
+      slots = std::max<int64_t>((avail * 8 / 10 - resident) / info.expert_bytes, 2 * k);
+      why = exceeds ? fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, "
+                                  "experts streamed into 80% of what is left",
+                                  double(info.weight_bytes) / (1 << 30), double(avail) / (1 << 30),
+                                  double(resident) / (1 << 30))
+                    : std::string("--expert-store, sized from 80% of available memory");
     }
-    const int64_t avail = std::max<int64_t>(available_memory_bytes(), 0);
-    const bool exceeds = avail > 0 && info.weight_bytes > avail * 9 / 10;
-    if (!exceeds && f.store.empty()) {
-      no_speculation("the weights fit in memory, so experts are not streamed (give --expert-cache-slots or "
-                     "--expert-cache-gb to stream them anyway)");
-      return;
-    }
-    const int64_t resident = info.weight_bytes - info.routed_weight_bytes;
-    slots = std::max<int64_t>((avail * 8 / 10 - resident) / info.expert_bytes, 2 * k);
-    why = exceeds ? fmt::format("the weights ({:.1f} GiB) exceed available memory ({:.1f} GiB): {:.1f} GiB resident, "
-                                "experts streamed into 80% of what is left",
-                                double(info.weight_bytes) / (1 << 30), double(avail) / (1 << 30),
-                                double(resident) / (1 << 30))
-                  : std::string("--expert-store, sized from 80% of available memory");
   } else {
     why = "--expert-cache-slots";
   }
@@ -240,8 +258,22 @@ LoadedRuntime load_runtime(const std::string& path, const std::string& device, i
   rt.backend = make_backend(device, threads);
   if (!quiet) fmt::print(stderr, "loading {} on {} ...\n", path, rt.backend->name());
   // Streaming asked for on a device: its routed experts must stay in host memory from the load on.
+  if (experts.gpu_memory_gb > 0) {
+    if (rt.backend->name() == "cpu") fail("--gpu-memory-gb: no GPU in use (--device {})", device);
+    rt.backend->set_memory_limit(int64_t(experts.gpu_memory_gb * double(int64_t(1) << 30)));
+  }
+  // Not asked, on a device: a MoE checkpoint larger than the device memory left (1 GiB kept
+  // for activations and the KV cache) streams its routed experts; any other that does not fit
+  // is refused by the load with the byte counts.
+  bool device_auto_stream = false;
+  if (rt.backend->name() != "cpu" && experts.slots < 0 && experts.gb == 0 && experts.store.empty()) {
+    const CheckpointFacts facts = probe_checkpoint(path);
+    const int64_t available = rt.backend->device_memory_available();
+    device_auto_stream = facts.routed_experts && available >= 0 && facts.bytes + (int64_t(1) << 30) > available;
+  }
   // (--expert-cache-slots 0 is off, whatever else is given: configure_expert_streaming's rule.)
-  if (rt.backend->name() != "cpu" && experts.slots != 0 && (experts.slots > 0 || experts.gb > 0)) {
+  if (rt.backend->name() != "cpu" &&
+      (device_auto_stream || (experts.slots != 0 && (experts.slots > 0 || experts.gb > 0)))) {
     if (!experts.store.empty()) {
       fail("--expert-store: not on --device {} yet (its device tier streams from the checkpoint itself; the store "
            "serves the disk tier on --device cpu)",

@@ -32,6 +32,7 @@ struct ExpertCacheFlags {
   int prefetch = 2;    // loads in flight ahead of compute
   std::string store;   // read streamed experts from this expert store (convert --expert-store)
   bool speculate = false;  // load the next layer's likely experts while a layer computes
+  double gpu_memory_gb = 0;  // --gpu-memory-gb: cap on the device memory taken (0: all that is free)
 };
 void add_expert_cache_options(CLI::App* cmd, ExpertCacheFlags& flags);
 

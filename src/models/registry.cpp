@@ -73,6 +73,13 @@ LoadedModel load_model(const std::string& model_dir, Backend& backend) {
   return loaded;
 }
 
+CheckpointFacts probe_checkpoint(const std::string& model_dir) {
+  auto ck = std::make_shared<Checkpoint>(model_dir);
+  const HfConfig config =
+      is_gguf_path(model_dir) ? HfConfig::from_json(gguf_hf_config(*ck->gguf()), model_dir) : HfConfig::load(model_dir);
+  return {ck->total_bytes(), config.has("num_experts") || config.has("num_local_experts")};
+}
+
 LoadedModel load_model(const std::string& model_dir) {
   std::shared_ptr<Backend> cpu = make_cpu_backend(2);
   LoadedModel loaded = load_model(model_dir, *cpu);

@@ -27,6 +27,13 @@ bool cuda_unverified_allowed();
 // model, its weights and parameters resident on `backend` (which the model must not
 // outlive). Unknown architectures are refused by name.
 LoadedModel load_model(const std::string& model_dir, Backend& backend);
+// What a load will need, without building the model: the checkpoint's bytes and whether its
+// config has routed experts (the CLI decides before a device load whether experts stream).
+struct CheckpointFacts {
+  int64_t bytes = 0;
+  bool routed_experts = false;
+};
+CheckpointFacts probe_checkpoint(const std::string& model_dir);
 // The same onto a 2-thread CPU backend the result owns: for inspecting a model (inspect,
 // convert) and for tests that run it on any CPU backend (CPU weights are host memory).
 LoadedModel load_model(const std::string& model_dir);

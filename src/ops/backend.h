@@ -293,6 +293,15 @@ class Backend {
   }
   // The device tier's hit rate, bytes and link speed so far; empty without one.
   virtual std::string expert_cache_summary() const { return {}; }
+  // Device memory the engine may still take (free memory, or what is left of a limit set by
+  // set_memory_limit), or -1 for a backend whose memory is the host's.
+  virtual int64_t device_memory_available() const { return -1; }
+  // Caps the device memory this backend takes (weights, expert cache, KV cache, activations):
+  // `bytes` counted from its creation. A backend without device memory refuses by name.
+  virtual void set_memory_limit(int64_t bytes) {
+    (void)bytes;
+    fail("--gpu-memory-gb: --device {} has no device memory to cap", name());
+  }
 
   // y = x W^T for W [out, in]; one row of x is a GEMV (decode), many a GEMM (prefill).
   virtual void matmul(const Weight& w, const Mat& x, const Mat& y) = 0;

@@ -459,6 +459,11 @@ TEST(Cli, ExpertCacheSlotsGiveResidentLogitsAndRefuseBadValues) {
   expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-gb nan"), "--expert-cache-gb must be");
   expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-policy mru"), "--expert-cache-policy");
   expect_one_line_error(run_cli(lg + "/nonexistent --expert-cache-slots 2 --expert-cache-gb 1"), "give one of them");
+  // --gpu-memory-gb: a finite positive size, and only where a device's memory is in use.
+  for (const char* bad : {"nan", "-1", "inf", "1e300"}) {
+    expect_one_line_error(run_cli(lg + "/nonexistent --gpu-memory-gb " + std::string(bad)), "--gpu-memory-gb must be");
+  }
+  expect_one_line_error(run_cli(lg + moe + " --device cpu --gpu-memory-gb 4"), "--gpu-memory-gb: no GPU in use");
 }
 
 // --expert-speculate: the next layer's guessed experts loaded ahead change what the cache holds,

@@ -103,6 +103,12 @@ stream_out=$("$build/turbospark" $moe_args --expert-cache-slots 2 2>&1)
 stream_ids=$(grep -E '^[0-9]+(,[0-9]+)*$' <<<"$stream_out" | head -1)
 cli_check "streamed experts give the resident ids ($nofused_ids)" "^${nofused_ids:-none}\$" echo "$stream_ids"
 cli_check "streamed experts report the device cache" "expert streaming: 2 device slots" echo "$stream_out"
+# --gpu-memory-gb: under a 1 GiB cap the MoE fixture no longer fits beside the 1 GiB kept for
+# activations, so its experts stream on their own, with the same ids.
+capped_out=$("$build/turbospark" $moe_args --gpu-memory-gb 1 2>&1)
+capped_ids=$(grep -E '^[0-9]+(,[0-9]+)*$' <<<"$capped_out" | head -1)
+cli_check "a capped GPU streams experts by itself ($nofused_ids)" "^${nofused_ids:-none}\$" echo "$capped_ids"
+cli_check "the capped run says why it streams" "exceed the device memory" echo "$capped_out"
 # `serve` on the GPU: one completion from the Q4_0 fixture GGUF over HTTP, then SIGTERM exits 0.
 serve_check() {
   local log=$out/serve.log port="" i

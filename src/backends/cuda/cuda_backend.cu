@@ -92,6 +92,8 @@ class CudaBackend final : public Backend {
     matmul_ = std::make_unique<cuda::WeightMatmul>();
     TS_CUDA_CHECK(cudaMalloc(&router_ticket_, sizeof(unsigned)), "router ticket");
     TS_CUDA_CHECK(cudaMemset(router_ticket_, 0, sizeof(unsigned)), "router ticket");
+    size_t total_b = 0;
+    TS_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total_b), "memory info");
   }
 
   ~CudaBackend() override {
@@ -110,6 +112,20 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+
+  // Free device memory, or what a --gpu-memory-gb limit leaves of it (counting everything
+  // taken since this backend was made, as the drop in free memory).
+  int64_t device_memory_available() const override {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return 0;
+    if (memory_limit_ <= 0) return int64_t(free_b);
+    const int64_t used = int64_t(free_at_start_) - int64_t(free_b);
+    return std::max<int64_t>(0, std::min<int64_t>(int64_t(free_b), memory_limit_ - used));
+  }
+  void set_memory_limit(int64_t bytes) override {
+    TS_CHECK(bytes > 0, "--gpu-memory-gb must be positive");
+    memory_limit_ = bytes;
+  }
   // Prompt micro-batches of 2048 rows: with 128 experts top-8 a micro-batch of 64 gives each
   // expert ~4 rows, so prefill re-read every expert's weights per 64 tokens (weight-bound at
   // ~2k tok/s on the Q4_0 30B-A3B shape); 512 rows give each expert ~32, a quarter of a
@@ -126,6 +142,11 @@ class CudaBackend final : public Backend {
     TS_CHECK(!capturing_, "cuda: an allocation of {} bytes inside a captured step", n);
     void* p = nullptr;
     const int64_t bytes = round_up(std::max<int64_t>(n, 1), kAlign);
+    if (memory_limit_ > 0 && bytes > device_memory_available()) {
+      fail("cuda: {:.1f} MiB of activations or KV cache exceed what --gpu-memory-gb leaves ({:.1f} MiB); a smaller "
+           "--ctx needs less",
+           double(bytes) / (1 << 20), double(device_memory_available()) / (1 << 20));
+    }
     cudaError_t e = cudaMalloc(&p, size_t(bytes));
     if (e != cudaSuccess) {
       size_t free_b = 0, total_b = 0;
@@ -239,8 +260,7 @@ class CudaBackend final : public Backend {
 
   // ---- weights ----
   void begin_weights(int64_t total_bytes, bool has_routed_experts) override {
-    size_t free_b = 0, total_b = 0;
-    TS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "memory info");
+    const size_t free_b = size_t(device_memory_available());
     // Room for activations, the KV cache and cuBLASLt's workspace beside the weights.
     const int64_t reserve = int64_t(1) << 30;
     if (experts_on_host_) {
@@ -264,8 +284,9 @@ class CudaBackend final : public Backend {
     const int64_t needed = total_bytes + reserve;
     if (needed > int64_t(free_b)) {
       fail("cuda: the model needs {:.2f} GiB of device memory ({:.2f} GiB of weights + 1 GiB for activations and "
-           "the KV cache) but {} has {:.2f} GiB free{}",
+           "the KV cache) but {} has {:.2f} GiB free{}{}",
            double(needed) / (1 << 30), double(total_bytes) / (1 << 30), props_.name, double(free_b) / (1 << 30),
+           memory_limit_ > 0 ? " under --gpu-memory-gb" : "",
            has_routed_experts ? "; stream its routed experts from host memory (--expert-cache-gb X or "
                                 "--expert-cache-slots N) or run on --device cpu"
                               : "; run on --device cpu");
@@ -347,7 +368,8 @@ class CudaBackend final : public Backend {
     TS_CHECK(experts_on_host_, "cuda: an expert cache without keep_experts_on_host (the experts are resident)");
     TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "expert cache");  // the load's queue settles what is free
     expert_slots_.reset();
-    expert_slots_ = std::make_unique<cuda::DeviceExpertSlots>(slots, top_k, policy, layer_experts);
+    expert_slots_ = std::make_unique<cuda::DeviceExpertSlots>(slots, top_k, policy, layer_experts,
+                                                              device_memory_available());
   }
   std::string expert_cache_summary() const override { return expert_slots_ ? expert_slots_->summary() : ""; }
 
@@ -619,6 +641,9 @@ class CudaBackend final : public Backend {
 
   std::vector<void*> attention_scratch_;
   int64_t attention_scratch_floats_ = 0;
+
+  size_t free_at_start_ = 0;  // device memory free when this backend was made
+  int64_t memory_limit_ = 0;  // --gpu-memory-gb, 0: none
 
   // Expert streaming: routed experts in host memory, streamed through device slots.
   bool experts_on_host_ = false;

@@ -14,7 +14,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kPlaneAlign = 256;  // every plane 256-byte aligned in its slot: the kernels' 16-byte loads
+constexpr int64_t kPlaneAlign = 256;
+constexpr int64_t kActivationReserve = int64_t(512) << 20;  // activations and scratch still to come  // every plane 256-byte aligned in its slot: the kernels' 16-byte loads
 
 int64_t align_up(int64_t v) { return (v + kPlaneAlign - 1) / kPlaneAlign * kPlaneAlign; }
 
@@ -78,7 +79,7 @@ DeviceExpertSlots::LayerLayout DeviceExpertSlots::layout_of(const ExpertWeights&
 }
 
 DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy,
-                                     std::span<const ExpertWeights* const> layer_experts) {
+                                     std::span<const ExpertWeights* const> layer_experts, int64_t available) {
   TS_CHECK(!layer_experts.empty(), "expert cache: no routed experts to lay out");
   TS_CHECK(slots >= top_k && top_k >= 1, "expert cache: {} slots for top-{} routing: at least {} are needed", slots, top_k,
            top_k);
@@ -91,17 +92,14 @@ DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy po
     slot_bytes_ = std::max(slot_bytes_, bytes);
   }
   const int64_t total = slots > (int64_t(1) << 62) / std::max<int64_t>(slot_bytes_, 1) ? INT64_MAX : slot_bytes_ * slots;
-  size_t free_b = 0, total_b = 0;
-  cudaMemGetInfo(&free_b, &total_b);
-  // Activations and scratch still to come: leave 512 MiB.
-  const int64_t room = int64_t(free_b) - (int64_t(512) << 20);
+  const int64_t room = available - kActivationReserve;
   if (total > room || cudaMalloc(&memory_, size_t(total)) != cudaSuccess) {
     cudaGetLastError();
     memory_ = nullptr;
-    fail("cuda: the expert cache of {} slots x {:.2f} MiB = {:.2f} GiB does not fit ({:.2f} GiB free after the "
-         "resident weights, 0.5 GiB kept for activations): give fewer --expert-cache-slots or a smaller "
+    fail("cuda: the expert cache of {} slots x {:.2f} MiB = {:.2f} GiB does not fit ({:.2f} GiB available after the "
+         "resident weights, 0.5 GiB of it kept for activations): give fewer --expert-cache-slots or a smaller "
          "--expert-cache-gb",
-         slots, double(slot_bytes_) / (1 << 20), double(total) / (1 << 30), double(free_b) / (1 << 30));
+         slots, double(slot_bytes_) / (1 << 20), double(total) / (1 << 30), double(available) / (1 << 30));
   }
   cache_ = std::make_unique<ExpertCache>(slots, top_k, policy);
 }

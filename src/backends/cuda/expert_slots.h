@@ -37,9 +37,10 @@ class DeviceExpertSlots {
   using Upload = std::function<void(void* dst, const void* src, int64_t bytes)>;
 
   // `layer_experts`: one routed expert of every MoE layer (its layer index in gate.layer), for
-  // the layouts. Allocates the slots now, refusing by name what does not fit the device.
-  DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy,
-                    std::span<const ExpertWeights* const> layer_experts);
+  // the layouts. Allocates the slots now, refusing by name what does not fit in `available`
+  // bytes of device memory less 512 MiB kept for activations.
+  DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy, std::span<const ExpertWeights* const> layer_experts,
+                    int64_t available);
   ~DeviceExpertSlots();
   DeviceExpertSlots(const DeviceExpertSlots&) = delete;
   DeviceExpertSlots& operator=(const DeviceExpertSlots&) = delete;
