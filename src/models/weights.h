@@ -20,11 +20,7 @@ struct WeightLoader {
 
   // A [rows, cols] matrix weight of layer `layer` (-1: not in a layer), resident.
   Weight matrix(const std::string& name, int64_t rows, int64_t cols, int layer) const {
-    Weight w;
-    w.view = be.resident(ck.matrix(name, rows, cols), name);
-    w.name = name;
-    w.layer = layer;
-    return w;
+    return named(be.resident(ck.matrix(name, rows, cols), name), name, layer);
   }
   // A float tensor of the expected shape, uploaded.
   Param floats(const std::string& name, const std::vector<int64_t>& shape) const {
@@ -38,8 +34,13 @@ struct WeightLoader {
     return be.resident_expert(view, name);
   }
   Weight expert_matrix(const std::string& name, int64_t rows, int64_t cols, int layer) const {
+    return named(be.resident_expert(ck.matrix(name, rows, cols), name), name, layer);
+  }
+
+ private:
+  static Weight named(const WeightView& view, const std::string& name, int layer) {
     Weight w;
-    w.view = be.resident_expert(ck.matrix(name, rows, cols), name);
+    w.view = view;
     w.name = name;
     w.layer = layer;
     return w;

@@ -29,6 +29,20 @@ std::vector<Pair> as_pairs(const std::vector<float>& v) {
   return a;
 }
 
+// The indices of the first k elements, sorted: the set a top-k picked.
+std::vector<int> front_set(const std::vector<Pair>& a, int k) {
+  std::vector<int> s;
+  for (int i = 0; i < k; ++i) s.push_back(a[size_t(i)].second);
+  std::sort(s.begin(), s.end());
+  return s;
+}
+std::vector<int> front_set(const std::vector<ScoredIndex>& a, int k) {
+  std::vector<int> s;
+  for (int i = 0; i < k; ++i) s.push_back(a[size_t(i)].index);
+  std::sort(s.begin(), s.end());
+  return s;
+}
+
 // Scores the way QSA's look: many exact zeros (relu), a few repeated values, some distinct.
 std::vector<float> tie_heavy(int n, std::mt19937& rng, int flavour) {
   std::vector<float> v(static_cast<size_t>(n));
@@ -80,14 +94,7 @@ TEST(TopKLikeTorch, HeapSelectPathPicksTheSameSet) {
         std::partial_sort(want.begin(), want.begin() + k, want.end(), greater);
         std::vector<ScoredIndex> got = as_scored(v);
         topk_detail::heap_select(got.data(), k, n);
-        std::vector<int> want_set, got_set;
-        for (int i = 0; i < k; ++i) {
-          want_set.push_back(want[size_t(i)].second);
-          got_set.push_back(got[size_t(i)].index);
-        }
-        std::sort(want_set.begin(), want_set.end());
-        std::sort(got_set.begin(), got_set.end());
-        ASSERT_EQ(got_set, want_set) << "n " << n << " k " << k << " flavour " << flavour;
+        ASSERT_EQ(front_set(got, k), front_set(want, k)) << "n " << n << " k " << k << " flavour " << flavour;
       }
 }
 
@@ -106,14 +113,7 @@ TEST(TopKLikeTorch, SelectMatchesTorchsRuleOnTies) {
         }
         std::vector<ScoredIndex> got = as_scored(v);
         select_top_k_like_torch(got.data(), n, k);
-        std::vector<int> want_set, got_set;
-        for (int i = 0; i < k; ++i) {
-          want_set.push_back(want[size_t(i)].second);
-          got_set.push_back(got[size_t(i)].index);
-        }
-        std::sort(want_set.begin(), want_set.end());
-        std::sort(got_set.begin(), got_set.end());
-        ASSERT_EQ(got_set, want_set) << "n " << n << " k " << k << " flavour " << flavour;
+        ASSERT_EQ(front_set(got, k), front_set(want, k)) << "n " << n << " k " << k << " flavour " << flavour;
       }
 }
 

@@ -73,6 +73,21 @@ void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, cons
   for (int64_t r = 0; r < span; ++r) std::memcpy(state.row(r), &hist[size_t((n + r) * ch)], size_t(ch) * 4);
 }
 
+// GatedDeltaNet's q and k of one row and key head: L2-normalized (eps 1e-6 inside the sqrt),
+// q also scaled by q_scale = 1/sqrt(dk).
+static void normalize_qk(const float* qs, const float* ks, int dk, float q_scale, float* q, float* k) {
+  float qn = 0.f, kn = 0.f;
+  for (int i = 0; i < dk; ++i) {
+    qn += qs[i] * qs[i];
+    kn += ks[i] * ks[i];
+  }
+  const float qinv = 1.f / std::sqrt(qn + 1e-6f) * q_scale, kinv = 1.f / std::sqrt(kn + 1e-6f);
+  for (int i = 0; i < dk; ++i) {
+    q[i] = qs[i] * qinv;
+    k[i] = ks[i] * kinv;
+  }
+}
+
 void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
                       const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state,
                       const Mat& out) {
@@ -91,16 +106,7 @@ void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat&
         const float* qs = row + kh * dk;
         const float* ks = row + key_dim + kh * dk;
         const float* vs = row + 2 * key_dim + h * dv;
-        float qn = 0.f, kn = 0.f;
-        for (int i = 0; i < dk; ++i) {
-          qn += qs[i] * qs[i];
-          kn += ks[i] * ks[i];
-        }
-        const float qinv = 1.f / std::sqrt(qn + 1e-6f) * q_scale, kinv = 1.f / std::sqrt(kn + 1e-6f);
-        for (int i = 0; i < dk; ++i) {
-          q[size_t(i)] = qs[i] * qinv;
-          k[size_t(i)] = ks[i] * kinv;
-        }
+        normalize_qk(qs, ks, dk, q_scale, q.data(), k.data());
         const float x = a.row(t)[h] + dt_bias[h];
         const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
         const float decay = std::exp(A * softplus);
@@ -153,16 +159,7 @@ void gated_delta_rule_chunked(ThreadPool& pool, const Mat& qkv, const Mat& a, co
           const float* row = qkv.row(c0 + t);
           const float* qs = row + kh * dk;
           const float* ks = row + key_dim + kh * dk;
-          float qn = 0.f, kn = 0.f;
-          for (int i = 0; i < dk; ++i) {
-            qn += qs[i] * qs[i];
-            kn += ks[i] * ks[i];
-          }
-          const float qinv = 1.f / std::sqrt(qn + 1e-6f) * q_scale, kinv = 1.f / std::sqrt(kn + 1e-6f);
-          for (int i = 0; i < dk; ++i) {
-            q[size_t(t * dk + i)] = qs[i] * qinv;
-            k[size_t(t * dk + i)] = ks[i] * kinv;
-          }
+          normalize_qk(qs, ks, dk, q_scale, q.data() + t * dk, k.data() + t * dk);
           const float x = a.row(c0 + t)[h] + dt_bias[h];
           const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
           running += A * softplus;

@@ -581,19 +581,8 @@ class CudaBackend final : public Backend {
 
   void copy_through_staging(void* dst, const void* src, int64_t bytes, const std::string& name) {
     TS_CHECK(staging_, "cuda: weight {} made resident outside begin_weights/end_weights", name);
-    const int64_t half = kStagingBytes / 2;
-    for (int64_t off = 0; off < bytes; off += half) {
-      const int64_t n = std::min(half, bytes - off);
-      const int h = staging_half_;
-      staging_half_ ^= 1;
-      TS_CUDA_CHECK(cudaEventSynchronize(staging_done_[h]), "staging for {}", name);
-      char* stage = static_cast<char*>(staging_) + h * half;
-      std::memcpy(stage, static_cast<const char*>(src) + off, size_t(n));
-      TS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, stage, size_t(n), cudaMemcpyHostToDevice, stream_),
-                    "upload of weight {} ({} bytes)", name, n);
-      TS_CUDA_CHECK(cudaEventRecord(staging_done_[h], stream_), "staging event");
-      uploaded_ += n;
-    }
+    stage_copy(dst, src, bytes, name.c_str());
+    uploaded_ += bytes;
     report_progress();
   }
 
