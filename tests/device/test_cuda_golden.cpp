@@ -141,6 +141,36 @@ INSTANTIATE_TEST_SUITE_P(Hybrid, CudaGolden,
                                            "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny", "gemma4_dense_tiny",
                                            "gemma4_moe_tiny", "gemma4_mm_tiny"));
 
+// A decode step graph captured after a short prompt must survive a later, longer prefill that
+// grows the backend's scratch buffers (a chat's next turn): the replayed steps give the eager
+// run's ids. The scratch used to free its old buffer when it grew, leaving the captured graphs
+// writing memory the next allocation could be handed.
+TEST(CudaGraphs, DecodeGraphsSurviveALongerLaterPrefill) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int32_t> tokens = load_golden("qwen3_moe_tiny").tokens;
+  auto run = [&](bool graphs) {
+    setenv("TURBOSPARK_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+    auto be = make_cuda_backend(0);
+    LoadedModel m = load_model(fixture("qwen3_moe_tiny"), *be);
+    Session s(*m.model, *be);
+    std::vector<int32_t> ids;
+    int32_t next = s.feed_greedy(std::span<const int32_t>(tokens.data(), 3));
+    for (int i = 0; i < 6; ++i) {
+      ids.push_back(next);
+      next = s.feed_greedy(std::span<const int32_t>(&next, 1));
+    }
+    next = s.feed_greedy(std::span<const int32_t>(tokens.data() + 3, 30));  // more rows than the first prompt
+    for (int i = 0; i < 6; ++i) {
+      ids.push_back(next);
+      next = s.feed_greedy(std::span<const int32_t>(&next, 1));
+    }
+    return ids;
+  };
+  const std::vector<int32_t> eager = run(false), replayed = run(true);
+  unsetenv("TURBOSPARK_CUDA_GRAPHS");
+  EXPECT_EQ(replayed, eager);
+}
+
 // The long-prompt goldens (tools/fixtures/make_long_goldens.py): 160 tokens cross the
 // 64-row micro-batch boundary and the GEMV/GEMM switch several times.
 class CudaLongGolden : public ::testing::TestWithParam<std::string> {};

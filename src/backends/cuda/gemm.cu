@@ -103,6 +103,7 @@ void launch_f32_to_bf16(const Mat& x, void* out, int64_t ld, cudaStream_t stream
 
 DeviceScratch::~DeviceScratch() {
   if (ptr_) cudaFree(ptr_);
+  for (void* p : retired_) cudaFree(p);
 }
 
 void* DeviceScratch::get(size_t bytes, cudaStream_t stream, const char* what) {
@@ -115,7 +116,7 @@ void* DeviceScratch::get(size_t bytes, cudaStream_t stream, const char* what) {
            what, bytes, bytes_);
   const size_t grown = std::max(bytes, bytes_ + bytes_ / 2);
   const size_t rounded = (std::max<size_t>(grown, 256) + 255) / 256 * 256;
-  if (ptr_) TS_CUDA_CHECK(cudaFree(ptr_), "free scratch {} ({} bytes)", what, bytes_);
+  if (ptr_) retired_.push_back(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;
   TS_CUDA_CHECK(cudaMalloc(&ptr_, rounded), "scratch {} of {} bytes", what, rounded);

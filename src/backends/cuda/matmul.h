@@ -52,14 +52,18 @@ class DeviceScratch {
   DeviceScratch(const DeviceScratch&) = delete;
   DeviceScratch& operator=(const DeviceScratch&) = delete;
   // At least `bytes` (256-byte aligned). Growing calls cudaMalloc, refused naming `what` while
-  // `stream` is capturing; the old buffer is freed after a device synchronisation (cudaFree),
-  // so queued work that still reads it completes first.
+  // `stream` is capturing. The old buffer is kept until this object goes: a captured step
+  // graph (a decode step recorded after a short prompt) still addresses it, and a later, larger
+  // prefill must not free memory those replays write (freeing it let the next cudaMalloc hand
+  // it out again). Growth is by half at least, so the retired buffers add up to at most twice
+  // the live one.
   void* get(size_t bytes, cudaStream_t stream, const char* what);
   size_t bytes() const { return bytes_; }
 
  private:
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
+  std::vector<void*> retired_;
 };
 
 // ---- launchers (the .cu files); shapes are checked, launches named by op and shape ----------
