@@ -33,6 +33,7 @@ BatchRunner::BatchRunner(const Model& model, Backend& backend, BatchOptions opti
   row_seq_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   greedy_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   positions_dev_ = backend_.alloc_array<int64_t>(max_rows_);
+  graph_greedy_.assign(size_t(max_rows_), -1);
 }
 
 void BatchRunner::release(int seq) {
@@ -126,6 +127,13 @@ void BatchRunner::forward(std::span<const BatchRow> rows, int64_t first_row, Seq
   }
   if (logits) {
     b.logits = logits;
+  } else if (!state && int64_t(wanted_.size()) == n) {
+    // A decode-only step (see decode_graphs_): replayable, keyed by its row count.
+    b.greedy_ids = graph_greedy_.data();
+    b.greedy_ids_backend = greedy_dev_.data();
+    backend_.run_step(decode_graphs_[n], [&] { model_.forward(backend_, b); });
+    std::copy_n(graph_greedy_.data(), n, greedy);
+    return;
   } else {
     b.greedy_ids = greedy;
     b.greedy_ids_backend = greedy_dev_.data();

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -81,6 +82,13 @@ class BatchRunner {
   std::vector<int32_t> tokens_, row_seq_;
   std::vector<int64_t> positions_, wanted_;
   int32_t dropped_id_ = -1;  // where a forward with no wanted row puts its unused greedy id
+  // Decode-only steps (every row wanted, greedy ids, no recurrent state) read and write the
+  // same buffers whatever the rows' sequences and positions, which live in the device buffers
+  // above: the backend may replay them as graphs, one per row count. Their ids land in
+  // graph_greedy_ (allocated once: a captured download keeps its host address) and are copied
+  // out after each step.
+  std::map<int64_t, std::unique_ptr<StepGraph>> decode_graphs_;
+  std::vector<int32_t> graph_greedy_;
 };
 
 }  // namespace turbospark

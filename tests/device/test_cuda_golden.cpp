@@ -19,6 +19,7 @@
 #include <filesystem>
 
 #include "core/npy.h"
+#include "engine/batch.h"
 #include "engine/generate.h"
 #include "engine/sampler.h"
 #include "engine/session.h"
@@ -163,6 +164,52 @@ TEST(CudaGraphs, DecodeGraphsSurviveALongerLaterPrefill) {
     for (int i = 0; i < 6; ++i) {
       ids.push_back(next);
       next = s.feed_greedy(std::span<const int32_t>(&next, 1));
+    }
+    return ids;
+  };
+  const std::vector<int32_t> eager = run(false), replayed = run(true);
+  unsetenv("TURBOSPARK_CUDA_GRAPHS");
+  EXPECT_EQ(replayed, eager);
+}
+
+// Batched decode-only steps (engine/batch.h) replay as graphs keyed by their row count: over
+// steps whose sequences sit at different positions and whose row count changes (a sequence
+// finishes), the replayed ids equal the eager run's.
+TEST(CudaGraphs, BatchedDecodeStepsReplayAsGraphs) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int32_t> tokens = load_golden("qwen3_moe_tiny").tokens;
+  auto run = [&](bool graphs) {
+    setenv("TURBOSPARK_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+    auto be = make_cuda_backend(0);
+    LoadedModel m = load_model(fixture("qwen3_moe_tiny"), *be);
+    BatchOptions o;
+    o.n_seqs = 4;
+    o.max_context = 128;
+    BatchRunner r(*m.model, *be, o);
+    std::vector<int32_t> next(4), out, ids;
+    std::vector<int64_t> pos(4);
+    for (int s = 0; s < 4; ++s) {  // prompts of 3, 8, 13 and 18 tokens
+      const int64_t n = 3 + 5 * s;
+      EXPECT_TRUE(r.reserve(s, n));
+      std::vector<BatchRow> rows;
+      for (int64_t t = 0; t < n; ++t) rows.push_back({s, tokens[size_t(t)], t, t == n - 1});
+      r.step(rows, nullptr, &out);
+      next[size_t(s)] = out[0];
+      pos[size_t(s)] = n;
+    }
+    for (int step = 0; step < 12; ++step) {
+      const int live = step < 6 ? 4 : 3;  // sequence 3 finishes: another row count, another graph
+      std::vector<BatchRow> rows;
+      for (int s = 0; s < live; ++s) {
+        EXPECT_TRUE(r.reserve(s, pos[size_t(s)] + 1));
+        rows.push_back({s, next[size_t(s)], pos[size_t(s)], true});
+      }
+      r.step(rows, nullptr, &out);
+      for (int s = 0; s < live; ++s) {
+        next[size_t(s)] = out[size_t(s)];
+        ++pos[size_t(s)];
+        ids.push_back(out[size_t(s)]);
+      }
     }
     return ids;
   };
