@@ -8,7 +8,9 @@ bytes, and writes a CSV and a PNG plot (matplotlib) of decode tok/s and hit rate
     python3 bench/expert_cache_sweep.py --model M.gguf --out /tmp/sweep \
         [--budgets 0.1,0.25,0.5,1.0] [--prompt 16] [--decode 32] [--device cpu] [--ts build/turbospark]
 
-Needs matplotlib (PyPI: pip install matplotlib). Decode feeds random tokens (`bench
+Needs matplotlib (PyPI: pip install matplotlib). On --device cuda the streamed runs use the
+device tier (slots in GPU memory fed from host memory); its hit rate is over the whole bench
+(prompt and decode), the CPU tier's over the decode steps. Decode feeds random tokens (`bench
 --random-decode`, as llama-bench's tg does): a random-weight model's greedy output repeats one
 token, which would make every routing a repeat. tools/make_random_gguf.py's files route near
 uniformly (a cache's worst case) unless written with --router-skew S: say which beside the numbers,
@@ -37,7 +39,13 @@ def run_bench(ts, model, device, prompt, decode, extra):
     m = re.search(r"^experts\s+([\d.]+) MiB read from disk per decode token, ([\d.]+)% cache hits", out, re.M)
     row["mib_per_token"] = float(m.group(1)) if m else 0.0
     row["hit_pct"] = float(m.group(2)) if m else 100.0
-    m = re.search(r"expert streaming: (\d+) slots x ([\d.]+) MiB = [\d.]+ GiB for (\d+) routed experts \(([\d.]+) GiB\)", err)
+    # The device tier (--device cuda) reports over the whole bench: its hit rate stands in.
+    m = re.search(r"^expert cache \(device\): .* hits ([\d.]+)% \((\d+) of (\d+)\), ([\d.]+) GiB loaded", out, re.M)
+    if m:
+        row["hit_pct"] = float(m.group(1))
+        row["device_gib_loaded"] = float(m.group(4))
+    m = re.search(r"expert streaming: (\d+) (?:device )?slots x ([\d.]+) MiB = [\d.]+ GiB for (\d+) routed experts "
+                  r"\(([\d.]+) GiB\)", err)
     if m:
         row["slots"], row["expert_mib"], row["routed"], row["routed_gib"] = (int(m.group(1)), float(m.group(2)),
                                                                              int(m.group(3)), float(m.group(4)))
