@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cuda/matmul.h"
 #include "backends/cuda/ops.h"
 #include "device/device_ops_util.h"
 #include "device/device_util.h"
@@ -204,7 +205,8 @@ struct QsaCase {
 struct QsaCounts {
   int decided = 0, differ = 0;
 };
-QsaCounts run_qsa(const QsaCase& c) {
+QsaCounts run_qsa(const QsaCase& c, cuda::QsaScores scores) {
+  cuda::DeviceScratch spill;
   const int d = c.head_dim;
   const int max_sel = c.block_topk * c.ratio + c.ratio - 1;
   const int64_t n_blocks = c.context / c.ratio + 1;
@@ -246,7 +248,7 @@ QsaCounts run_qsa(const QsaCase& c) {
     std::vector<int32_t> sel(size_t(m * max_sel), -7), counts(size_t(m), -7);
     DeviceBuffer<int32_t> dsel(sel), dcounts(counts);
     cpu().qsa_select(hv, iq.h(), ik.h(), pos.data(), sel.data(), counts.data(), max_sel);
-    cuda::qsa_select(dv, iq.d(), ik.d(), dpos.get(), dsel.get(), dcounts.get(), max_sel, stream());
+    cuda::qsa_select(dv, iq.d(), ik.d(), dpos.get(), dsel.get(), dcounts.get(), max_sel, stream(), &spill, scores);
     sync();
     const std::vector<int32_t> got_sel = dsel.download(), got_counts = dcounts.download();
     for (int64_t t = 0; t < m; ++t) {
@@ -276,10 +278,13 @@ TEST(CudaHybridOps, QsaSelectMatchesCpuTiesIncluded) {
                            QsaCase{1, 16, 8, 4, 2, 40, 40}, QsaCase{2, 16, 16, 8, 2, 100, 7},
                            QsaCase{4, 64, 32, 4, 3, 300, 64}, QsaCase{1, 32, 32, 1, 5, 200, 17},
                            QsaCase{2, 128, 64, 16, 4, 1000, 250}, QsaCase{1, 16, 16, 2, 1, 700, 700}}) {
-    SCOPED_TRACE(c.name());
-    const QsaCounts one = run_qsa(c);
-    n.decided += one.decided;
-    n.differ += one.differ;
+    // Scores in shared memory and spilled to global memory (long contexts) select alike.
+    for (cuda::QsaScores scores : {cuda::QsaScores::kShared, cuda::QsaScores::kGlobal}) {
+      SCOPED_TRACE(c.name() + (scores == cuda::QsaScores::kGlobal ? " (scores in global memory)" : ""));
+      const QsaCounts one = run_qsa(c, scores);
+      n.decided += one.decided;
+      n.differ += one.differ;
+    }
   }
   EXPECT_GT(n.decided, 1000);  // rows whose selection the top-k (not "keep every block") decided
   // The block keys and dot products differ by ulps between the backends, so a relu'd dot within

@@ -474,7 +474,7 @@ class CudaBackend final : public Backend {
   }
   void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
                   int32_t* selected, int32_t* counts, int max_selected) override {
-    cuda::qsa_select(qsa, index_q, raw_keys, positions, selected, counts, max_selected, stream_);
+    cuda::qsa_select(qsa, index_q, raw_keys, positions, selected, counts, max_selected, stream_, &qsa_spill_);
   }
   void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
                           const int32_t* counts, int max_selected, const Mat& out) override {
@@ -631,6 +631,7 @@ class CudaBackend final : public Backend {
   std::vector<void*> attention_scratch_;
   int64_t attention_scratch_floats_ = 0;
 
+  cuda::DeviceScratch qsa_spill_;  // QSA block scores past shared memory (long contexts)
   size_t free_at_start_ = 0;  // device memory free when this backend was made
   int64_t memory_limit_ = 0;  // --gpu-memory-gb, 0: none
 

@@ -69,7 +69,7 @@ void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream);
 // ---- causal_conv1d.cu, gated_delta_rule.cu, hyper_connection.cu, qsa.cu ----
 // Qwen4-Exp's hybrid ops (Backend methods of the same names). causal_conv1d's out and
 // ple_gate's out may not alias their inputs. qsa_select's scores of max_context / ratio key
-// blocks (qsa.block_keys.rows) must fit one block's shared memory, 8 bytes each.
+// blocks (qsa.block_keys.rows), 8 bytes each, live in shared memory when they fit, else in spill.
 void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act, const Mat& out,
                    cudaStream_t stream);
 // gated_delta_rule's two forms: the recurrent one (a row at a time, the state in registers) and
@@ -84,8 +84,13 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
 void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed, cudaStream_t stream);
 void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams, cudaStream_t stream);
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out, cudaStream_t stream);
+// Where qsa_select keeps a row's block scores: shared memory when max_context / ratio blocks fit
+// (kAuto), else global memory from `spill`; kShared / kGlobal insist (for tests).
+enum class QsaScores { kAuto, kShared, kGlobal };
+class DeviceScratch;
 void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
-                int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream);
+                int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream,
+                DeviceScratch* spill = nullptr, QsaScores scores = QsaScores::kAuto);
 void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
                         const int32_t* counts, int max_selected, const Mat& out, cudaStream_t stream);
 

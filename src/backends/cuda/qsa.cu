@@ -12,8 +12,9 @@
 //     relu(q_h . k_b) / sqrt(d) (a warp per key block), then one thread picks the top
 //     budget / ratio blocks with torch.topk's CPU tie-breaking (ops/topk_like_torch.h: the
 //     goldens' selections hinge on ties at relu 0) and the block writes their positions plus
-//     the incomplete tail. The scores live in shared memory, 8 bytes per key block:
-//     max_context / ratio blocks must fit the device's shared memory (28k on the H200).
+//     the incomplete tail. The scores live in shared memory, 8 bytes per key block, while
+//     max_context / ratio blocks fit (28k on the H200); past that in global memory (the
+//     backend's spill scratch), a grid of kSpillBlocks walking the rows.
 // attention_selected: a block per (row, head); a warp per selected key for the q.k products
 // (bf16 pool rows as exact floats), the softmax over the block, then a thread per output dim
 // summing p_i v_i over the selection.
@@ -27,7 +28,10 @@
 // memory steps: fine at the tiny and Flash-Next shapes' block counts, the first thing to
 // parallelise (a threshold search that skips the emulation when no tie straddles the cutoff)
 // once a long-context benchmark says it costs.
+#include <algorithm>
+
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/matmul.h"
 #include "backends/cuda/ops.h"
 #include "backends/cuda/paged_kv.cuh"
 #include "ops/topk_like_torch.h"
@@ -37,6 +41,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kSelectThreads = 256;
+constexpr int64_t kSpillBlocks = 264;  // two per SM on the H200: rows beyond walk the grid
 
 __global__ void __launch_bounds__(kThreads)
     qsa_store_kernel(const float* __restrict__ raw, int64_t raw_stride, const int64_t* __restrict__ positions,
@@ -86,40 +91,44 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kSelectThreads)
     qsa_select_kernel(const float* __restrict__ index_q, int64_t q_stride, const int64_t* __restrict__ positions,
                       const float* __restrict__ block_keys, int64_t bk_stride, int n_heads, int d, int ratio,
-                      int block_topk, int32_t* selected, int32_t* counts, int max_selected, int32_t* nan_score) {
-  extern __shared__ ScoredIndex scored[];  // [n_blocks]
-  const int64_t t = blockIdx.x;
-  const int64_t p = positions[t];
-  const int n_blocks = int((p + 1) / ratio);
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = kSelectThreads / kWarp;
-  const float* q = index_q + t * q_stride;
-  const float inv_sqrt = 1.f / sqrtf(float(d));
-  for (int blk = warp; blk < n_blocks; blk += n_warps) {
-    const float* kb = block_keys + int64_t(blk) * bk_stride;
-    float s = 0.f;
-    for (int h = 0; h < n_heads; ++h) {
-      float dot = 0.f;
-      for (int i = lane; i < d; i += kWarp) dot += q[int64_t(h) * d + i] * kb[i];
-      dot = warp_sum(dot);
-      s += dot < 0.f ? 0.f : dot;  // std::max(dot, 0.f), as the CPU: a NaN stays NaN
+                      int block_topk, int32_t* selected, int32_t* counts, int max_selected, int32_t* nan_score,
+                      int64_t rows, ScoredIndex* spill, int64_t spill_stride) {
+  extern __shared__ ScoredIndex smem_scored[];  // [n_blocks], unless they spill to global memory
+  ScoredIndex* scored = spill ? spill + int64_t(blockIdx.x) * spill_stride : smem_scored;
+  for (int64_t t = blockIdx.x; t < rows; t += gridDim.x) {
+    const int64_t p = positions[t];
+    const int n_blocks = int((p + 1) / ratio);
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = kSelectThreads / kWarp;
+    const float* q = index_q + t * q_stride;
+    const float inv_sqrt = 1.f / sqrtf(float(d));
+    for (int blk = warp; blk < n_blocks; blk += n_warps) {
+      const float* kb = block_keys + int64_t(blk) * bk_stride;
+      float s = 0.f;
+      for (int h = 0; h < n_heads; ++h) {
+        float dot = 0.f;
+        for (int i = lane; i < d; i += kWarp) dot += q[int64_t(h) * d + i] * kb[i];
+        dot = warp_sum(dot);
+        s += dot < 0.f ? 0.f : dot;  // std::max(dot, 0.f), as the CPU: a NaN stays NaN
+      }
+      if (lane == 0) {
+        scored[blk] = ScoredIndex{s * inv_sqrt, blk};
+        if (isnan(s) && nan_score) *nan_score = 1;
+      }
     }
-    if (lane == 0) {
-      scored[blk] = ScoredIndex{s * inv_sqrt, blk};
-      if (isnan(s) && nan_score) *nan_score = 1;
+    __syncthreads();
+    const int keep = block_topk < n_blocks ? block_topk : n_blocks;
+    if (threadIdx.x == 0) select_top_k_like_torch(scored, n_blocks, keep);
+    __syncthreads();
+    int32_t* sel = selected + t * max_selected;
+    for (int i = threadIdx.x; i < keep * ratio; i += kSelectThreads) {
+      sel[i] = int32_t(int64_t(scored[i / ratio].index) * ratio + i % ratio);
     }
+    const int64_t tail_start = int64_t(n_blocks) * ratio;
+    const int tail = int(p + 1 - tail_start);
+    for (int i = threadIdx.x; i < tail; i += kSelectThreads) sel[keep * ratio + i] = int32_t(tail_start + i);
+    if (threadIdx.x == 0) counts[t] = keep * ratio + tail;
+    __syncthreads();  // the next row reuses `scored`
   }
-  __syncthreads();
-  const int keep = block_topk < n_blocks ? block_topk : n_blocks;
-  if (threadIdx.x == 0) select_top_k_like_torch(scored, n_blocks, keep);
-  __syncthreads();
-  int32_t* sel = selected + t * max_selected;
-  for (int i = threadIdx.x; i < keep * ratio; i += kSelectThreads) {
-    sel[i] = int32_t(int64_t(scored[i / ratio].index) * ratio + i % ratio);
-  }
-  const int64_t tail_start = int64_t(n_blocks) * ratio;
-  const int tail = int(p + 1 - tail_start);
-  for (int i = threadIdx.x; i < tail; i += kSelectThreads) sel[keep * ratio + i] = int32_t(tail_start + i);
-  if (threadIdx.x == 0) counts[t] = keep * ratio + tail;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -184,7 +193,8 @@ void allow_smem(Kernel kernel, size_t bytes, const char* what) {
 }  // namespace
 
 void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
-                int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream) {
+                int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream, DeviceScratch* spill,
+                QsaScores scores) {
   const int d = qsa.head_dim, r = qsa.ratio;
   const int64_t n = index_q.rows;
   TS_CHECK(d >= 1 && r >= 1 && qsa.n_heads >= 1 && qsa.block_topk >= 0 && qsa.rotary_dim % 2 == 0 &&
@@ -208,12 +218,30 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
       qsa.raw_keys.data, qsa.raw_keys.stride, positions, n, r, qsa.k_norm, qsa.inv_freq, qsa.rotary_dim, qsa.eps,
       qsa.block_keys.data, qsa.block_keys.stride, d);
   TS_CUDA_LAUNCH_CHECK("qsa_select complete {} blocks of {} x {}", max_complete, r, d);
-  // Every row sees at most block_keys.rows complete blocks (the table's length).
+  // Every row sees at most block_keys.rows complete blocks (the table's length): their scores
+  // go to shared memory when they fit, else to `spill` (a slice per block of a grid that walks
+  // the rows), which long contexts need (262144 positions at ratio 4: 512 KiB of scores).
   const size_t smem = size_t(qsa.block_keys.rows) * sizeof(ScoredIndex);
-  allow_smem(qsa_select_kernel, smem, "qsa_select (scores of max_context / ratio key blocks)");
-  qsa_select_kernel<<<unsigned(n), kSelectThreads, smem, stream>>>(
-      index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
-      qsa.block_topk, selected, counts, max_selected, qsa.nan_score);
+  cudaFuncAttributes attr = {};
+  TS_CUDA_CHECK(cudaFuncGetAttributes(&attr, qsa_select_kernel), "qsa_select attributes");
+  int device = 0, limit = 0;
+  TS_CUDA_CHECK(cudaGetDevice(&device), "current device");
+  TS_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "smem limit");
+  const bool fits = smem + attr.sharedSizeBytes <= size_t(limit);
+  if (scores == QsaScores::kShared || (scores == QsaScores::kAuto && fits)) {
+    allow_smem(qsa_select_kernel, smem, "qsa_select (scores of max_context / ratio key blocks)");
+    qsa_select_kernel<<<unsigned(n), kSelectThreads, smem, stream>>>(
+        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
+        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, nullptr, 0);
+  } else {
+    TS_CHECK(spill, "qsa_select: {} key blocks' scores ({} bytes) exceed shared memory and no spill buffer was given",
+             qsa.block_keys.rows, smem);
+    const int64_t grid = std::min<int64_t>(n, kSpillBlocks);
+    auto* buf = static_cast<ScoredIndex*>(spill->get(size_t(grid) * smem, stream, "qsa scores"));
+    qsa_select_kernel<<<unsigned(grid), kSelectThreads, 0, stream>>>(
+        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
+        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows);
+  }
   TS_CUDA_LAUNCH_CHECK("qsa_select rows {} heads {} dim {} blocks up to {}", n, qsa.n_heads, d, qsa.block_keys.rows);
 }
 
