@@ -17,11 +17,8 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace turbospark;
   namespace fs = std::filesystem;
-  static const fs::path dir = [] {
-    const fs::path d = fs::temp_directory_path() / ("turbospark-fuzz-config-" + std::to_string(getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
+  static const fuzz::ScratchDir scratch("turbospark-fuzz-config");
+  const fs::path& dir = scratch.path();
   const std::string config(reinterpret_cast<const char*>(data), size);
   std::string family = "qwen3";
   try {

@@ -15,10 +15,9 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace turbospark;
   namespace fs = std::filesystem;
+  static const fuzz::ScratchDir scratch("turbospark-fuzz-index");
   static const fs::path dir = [] {
-    const fs::path d = fs::temp_directory_path() / ("turbospark-fuzz-index-" + std::to_string(getpid()));
-    fs::remove_all(d);
-    fs::create_directories(d);
+    const fs::path& d = scratch.path();
     const fs::path fixture = TS_SOURCE_DIR "/tests/data/fixtures/qwen3_moe_tiny";
     for (const auto& e : fs::directory_iterator(fixture)) {
       const std::string name = e.path().filename().string();

@@ -10,11 +10,35 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "core/error.h"
 
 namespace turbospark::fuzz {
+
+// A fresh folder in the temp directory named `stem`-<pid>, removed (with what the harness
+// wrote) when the process ends normally: a run that reaches -max_total_time or replays its
+// inputs leaves nothing behind (CI's smoke runs used to leave one per harness per run).
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& stem)
+      : path_(std::filesystem::temp_directory_path() / (stem + "-" + std::to_string(getpid()))) {
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
 
 // The bytes as an anonymous in-memory file, named by its /proc/self/fd path; closed on
 // destruction.
