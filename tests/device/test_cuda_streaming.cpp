@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,8 @@ struct StreamCase {
   std::string fixture;
   std::string file;  // a GGUF inside the fixture, or empty for the safetensors checkpoint
 };
+
+void PrintTo(const StreamCase& c, std::ostream* os) { *os << c.fixture << (c.file.empty() ? "" : "/" + c.file); }
 
 std::string model_path(const StreamCase& c) { return c.file.empty() ? fixture(c.fixture) : fixture(c.fixture) + "/" + c.file; }
 

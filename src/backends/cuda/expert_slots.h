@@ -4,10 +4,9 @@
 // ExpertCache; this class owns the device memory of the slots, copies missing experts in, and
 // hands the MoE kernels the layer's experts with views into the slots.
 //
-// Layout: a slot holds one expert of any layer. Layers may store their experts differently
-// (a Q4_K_M GGUF keeps some layers' down projections in Q6_K), so each layer has its own plane
-// layout inside the slot and the slot is as large as the largest layer's expert. A plane that
-// shares storage with the gate's (gpt-oss's interleaved gate/up rows) is copied once with it.
+// Layout: a slot holds one expert of any layer, laid out by its layer's ExpertSlotLayout
+// (experts/slot_layout.h: layers may store experts differently); a slot is as large as the
+// largest layer's expert.
 //
 // Protocol (one bank, synchronous): the backend downloads the layer's routing (the deliberate
 // sync after the router), place() plans and enqueues the loads on the compute stream, and the
@@ -27,6 +26,7 @@
 #include <vector>
 
 #include "experts/expert_cache.h"
+#include "experts/slot_layout.h"
 #include "ops/backend.h"
 
 namespace turbospark::cuda {
@@ -59,28 +59,9 @@ class DeviceExpertSlots {
   const ExpertCacheStats& stats() const { return cache_->stats(); }
 
  private:
-  // One plane's copy: `bytes` from the host plane's first byte to `offset` in the slot.
-  struct Plane {
-    int64_t offset = -1, bytes = 0;
-  };
-  // The planes of a layer's expert: data, scales, biases of gate, up and down. A plane that
-  // lies inside the gate's plane of the same kind is not copied: `shared_offset` >= 0 is its
-  // byte distance from the gate's.
-  struct ViewPlanes {
-    Plane plane[3];             // data, scales, biases
-    int64_t shared_offset[3] = {-1, -1, -1};
-  };
-  struct LayerLayout {
-    bool known = false;
-    ViewPlanes view[3];  // gate, up, down
-  };
-  static LayerLayout layout_of(const ExpertWeights& e, int64_t* slot_bytes);
-  WeightView in_slot(const WeightView& host, const ViewPlanes& planes, const ViewPlanes& gate_planes,
-                     int32_t slot) const;
-  void load(const ExpertWeights& e, const LayerLayout& layout, int32_t slot, const Upload& upload);
-
   std::unique_ptr<ExpertCache> cache_;  // made once the slots' memory is (its table is per slot)
-  std::vector<LayerLayout> layouts_;  // per layer index
+  std::vector<ExpertSlotLayout> layouts_;  // per layer index
+  std::vector<uint8_t> laid_out_;          // per layer index: whether layouts_ holds it
   int64_t slot_bytes_ = 0;
   void* memory_ = nullptr;
   std::vector<std::vector<ExpertWeights>> placed_;  // per layer: stable storage the MoE table is keyed by
