@@ -65,6 +65,7 @@ void BatchRunner::step(std::span<const BatchRow> rows, std::vector<float>* logit
     positions_[size_t(t)] = r.position;
     wanted += r.want;
   }
+  model_.check_tokens(tokens_);
   const int64_t V = info.vocab_size;
   // Every wanted row is written by its forward: sized, not cleared (a step's logits are
   // wanted rows x vocab, megabytes at real vocabularies).

@@ -67,6 +67,7 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
       fail("token id {} at index {} is outside the vocabulary (vocab_size {})", tokens[size_t(i)], i, info.vocab_size);
     }
   }
+  model_.check_tokens(tokens);
   if (position_ + n > max_context_) {
     fail("{} tokens at position {} exceed the context of {} tokens", n, position_, max_context_);
   }

@@ -468,12 +468,8 @@ class Gemma4Model final : public Model {
     return ws;
   }
 
-  void forward(Backend& be, const ForwardBatch& b) const override {
-    auto& ws = *static_cast<Gemma4Workspace*>(b.workspace);
-    b.check(ws.capacity, hp_.n_layers);
-    const int64_t n = b.n;
-    for (int64_t t = 0; t < n; ++t) {
-      const int32_t tok = b.host_tokens[t];  // the host copy: b.tokens is backend memory
+  void check_tokens(std::span<const int32_t> tokens) const override {
+    for (const int32_t tok : tokens) {
       if (std::find(hp_.refused_tokens.begin(), hp_.refused_tokens.end(), tok) != hp_.refused_tokens.end()) {
         fail("token {} is an image/video/audio placeholder: Gemma 4 image, video and audio input is not supported", tok);
       }
@@ -481,6 +477,12 @@ class Gemma4Model final : public Model {
         fail("token {} is outside vocab_size_per_layer_input {}", tok, hp_.per_layer_vocab);
       }
     }
+  }
+
+  void forward(Backend& be, const ForwardBatch& b) const override {
+    auto& ws = *static_cast<Gemma4Workspace*>(b.workspace);
+    b.check(ws.capacity, hp_.n_layers);
+    const int64_t n = b.n;
     Mat x = ws.x.rows_slice(0, n), xn = ws.xn.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
     Mat branch2 = ws.branch2.rows_slice(0, n);
     auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };

@@ -129,6 +129,11 @@ class Model {
     return nullptr;
   }
   virtual void forward(Backend& backend, const ForwardBatch& batch) const = 0;
+  // Refuses, by name, token ids this model cannot take beyond the vocabulary range (which the
+  // callers check): Gemma 4's multimodal placeholders. Called by Session and BatchRunner on
+  // every step's tokens before it runs, so a replayed step graph (which runs no host code of
+  // forward) checks them too.
+  virtual void check_tokens(std::span<const int32_t> tokens) const { (void)tokens; }
 };
 
 // Keeps the checkpoint mapped for as long as the model's weight views live (and, for a

@@ -14,6 +14,7 @@
 #include "engine/generate.h"
 #include "engine/kv_cache.h"
 #include "engine/sampler.h"
+#include "engine/batch.h"
 #include "engine/session.h"
 #include "models/registry.h"
 #include "golden/golden.h"
@@ -125,6 +126,34 @@ TEST(Gemma4Config, ImageInputIsRefusedByName) {
   auto img = testing::run_cli("generate -q --model " + (tmp.path / "m").string() + " --tokens 5,6 --image cat.png --format ids");
   EXPECT_NE(img.exit_code, 0);
   EXPECT_NE(img.out.find("image input is not supported"), std::string::npos) << img.out;
+}
+
+// The placeholder check runs before a step, outside forward (Model::check_tokens), so a step
+// replayed as a device graph, which runs none of forward's host code, is refused as well: a
+// session and a batch runner refuse the audio placeholder without running anything.
+TEST(Gemma4Config, PlaceholderTokensAreRefusedBeforeTheStep) {
+  testing::TempDir tmp;
+  testing::copy_fixture("gemma4_dense_tiny", tmp.path / "m");
+  auto path = (tmp.path / "m" / "config.json").string();
+  auto text = testing::read_json(path);
+  nlohmann::json root = {{"architectures", {"Gemma4ForConditionalGeneration"}}, {"model_type", "gemma4"},
+                         {"text_config", text}, {"image_token_id", 7}, {"audio_token_id", 8}};
+  std::ofstream(path) << root.dump();
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model((tmp.path / "m").string(), *be);
+  Session s(*m.model, *be);
+  EXPECT_THROW(s.feed(std::vector<int32_t>{3, 8}), Error);
+  EXPECT_EQ(s.position(), 0);
+  BatchRunner r(*m.model, *be, BatchOptions{});
+  ASSERT_TRUE(r.reserve(0, 2));
+  std::vector<int32_t> ids;
+  const std::vector<BatchRow> rows = {{0, 3, 0, false}, {0, 8, 1, true}};
+  try {
+    r.step(rows, nullptr, &ids);
+    ADD_FAILURE() << "the batch runner ran a placeholder token";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token 8 is an image/video/audio placeholder"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
