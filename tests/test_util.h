@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -136,6 +137,16 @@ struct ExpertPairs {
     be.moe_experts(experts, Mat(x.data(), kTokens, hidden), kIdx, kWeight, kTopK, Mat(out.data(), kTokens, hidden));
   }
 };
+
+// A gtest parameter name from a fixture and optional file name: letters and digits kept,
+// everything else '_'.
+inline std::string param_name(const std::string& fixture_name, const std::string& file) {
+  std::string name = fixture_name + (file.empty() ? "" : "_" + file);
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return name;
+}
 
 // Copies a fixture model directory (so a test can damage its copy).
 inline void copy_fixture(const std::string& name, const std::filesystem::path& dst) {

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include "core/npy.h"
 #include "engine/batch.h"
@@ -137,23 +138,34 @@ INSTANTIATE_TEST_SUITE_P(Decoder, CudaGolden,
 // hyper-connections with 2 and 4 streams, n-gram PLE at chunk spans 1, 2, 3, 5 and the
 // maximum), gpt-oss (sinks, sliding windows, YaRN, clamped GLU with biases, bf16 and MXFP4
 // experts) and Gemma 4 (per-layer head dims, KV sharing, dense MLP beside the MoE).
-INSTANTIATE_TEST_SUITE_P(Hybrid, CudaGolden,
-                         ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny", "gpt_oss_tiny",
-                                           "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny", "gemma4_dense_tiny",
-                                           "gemma4_moe_tiny", "gemma4_mm_tiny"));
+const auto kHybridFixtures =
+    ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny", "gpt_oss_tiny", "gpt_oss_mxfp4_tiny",
+                      "gpt_oss_yarn_tiny", "gemma4_dense_tiny", "gemma4_moe_tiny", "gemma4_mm_tiny");
+INSTANTIATE_TEST_SUITE_P(Hybrid, CudaGolden, kHybridFixtures);
 
 // A decode step graph captured after a short prompt must survive a later, longer prefill that
 // grows the backend's scratch buffers (a chat's next turn): the replayed steps give the eager
 // run's ids. The scratch used to free its old buffer when it grew, leaving the captured graphs
 // writing memory the next allocation could be handed.
-TEST(CudaGraphs, DecodeGraphsSurviveALongerLaterPrefill) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const std::vector<int32_t> tokens = load_golden("qwen3_moe_tiny").tokens;
-  auto run = [&](bool graphs) {
+// Runs `body` on a fresh CUDA backend and qwen3_moe_tiny with step graphs off, then on: the
+// replayed steps must give the eager ids.
+void expect_graphs_change_no_ids(const std::function<std::vector<int32_t>(Backend&, const Model&)>& body) {
+  std::vector<int32_t> ids[2];
+  for (int graphs = 0; graphs < 2; ++graphs) {
     setenv("TURBOSPARK_CUDA_GRAPHS", graphs ? "1" : "0", 1);
     auto be = make_cuda_backend(0);
     LoadedModel m = load_model(fixture("qwen3_moe_tiny"), *be);
-    Session s(*m.model, *be);
+    ids[graphs] = body(*be, *m.model);
+  }
+  unsetenv("TURBOSPARK_CUDA_GRAPHS");
+  EXPECT_EQ(ids[1], ids[0]) << "replayed (left) vs eager (right)";
+}
+
+TEST(CudaGraphs, DecodeGraphsSurviveALongerLaterPrefill) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int32_t> tokens = load_golden("qwen3_moe_tiny").tokens;
+  expect_graphs_change_no_ids([&](Backend& be, const Model& model) {
+    Session s(model, be);
     std::vector<int32_t> ids;
     int32_t next = s.feed_greedy(std::span<const int32_t>(tokens.data(), 3));
     for (int i = 0; i < 6; ++i) {
@@ -166,10 +178,7 @@ TEST(CudaGraphs, DecodeGraphsSurviveALongerLaterPrefill) {
       next = s.feed_greedy(std::span<const int32_t>(&next, 1));
     }
     return ids;
-  };
-  const std::vector<int32_t> eager = run(false), replayed = run(true);
-  unsetenv("TURBOSPARK_CUDA_GRAPHS");
-  EXPECT_EQ(replayed, eager);
+  });
 }
 
 // Batched decode-only steps (engine/batch.h) replay as graphs keyed by their row count: over
@@ -178,14 +187,11 @@ TEST(CudaGraphs, DecodeGraphsSurviveALongerLaterPrefill) {
 TEST(CudaGraphs, BatchedDecodeStepsReplayAsGraphs) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::vector<int32_t> tokens = load_golden("qwen3_moe_tiny").tokens;
-  auto run = [&](bool graphs) {
-    setenv("TURBOSPARK_CUDA_GRAPHS", graphs ? "1" : "0", 1);
-    auto be = make_cuda_backend(0);
-    LoadedModel m = load_model(fixture("qwen3_moe_tiny"), *be);
+  expect_graphs_change_no_ids([&](Backend& be, const Model& model) {
     BatchOptions o;
     o.n_seqs = 4;
     o.max_context = 128;
-    BatchRunner r(*m.model, *be, o);
+    BatchRunner r(model, be, o);
     std::vector<int32_t> next(4), out, ids;
     std::vector<int64_t> pos(4);
     for (int s = 0; s < 4; ++s) {  // prompts of 3, 8, 13 and 18 tokens
@@ -212,10 +218,7 @@ TEST(CudaGraphs, BatchedDecodeStepsReplayAsGraphs) {
       }
     }
     return ids;
-  };
-  const std::vector<int32_t> eager = run(false), replayed = run(true);
-  unsetenv("TURBOSPARK_CUDA_GRAPHS");
-  EXPECT_EQ(replayed, eager);
+  });
 }
 
 // The long-prompt goldens (tools/fixtures/make_long_goldens.py): 160 tokens cross the
@@ -241,10 +244,7 @@ TEST_P(CudaLongGolden, LongPromptMatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Decoder, CudaLongGolden,
                          ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen2_tiny", "llama_tiny", "gemma3_tiny"));
-INSTANTIATE_TEST_SUITE_P(Hybrid, CudaLongGolden,
-                         ::testing::Values("qwen4_exp_tiny", "qwen4_exp_hc4_tiny", "qwen4_exp_mm_tiny", "gpt_oss_tiny",
-                                           "gpt_oss_mxfp4_tiny", "gpt_oss_yarn_tiny", "gemma4_dense_tiny",
-                                           "gemma4_moe_tiny", "gemma4_mm_tiny"));
+INSTANTIATE_TEST_SUITE_P(Hybrid, CudaLongGolden, kHybridFixtures);
 
 // GGUF fixtures (llama.cpp's converter) on CUDA: the block formats' device kernels on a
 // whole model.

@@ -100,11 +100,7 @@ INSTANTIATE_TEST_SUITE_P(
                       StreamCase{"gpt_oss_tiny", ""}, StreamCase{"gpt_oss_mxfp4_tiny", ""},
                       StreamCase{"gemma4_moe_tiny", ""}, StreamCase{"qwen4_exp_tiny", ""}),
     [](const ::testing::TestParamInfo<StreamCase>& info) {
-      std::string name = info.param.fixture + (info.param.file.empty() ? "" : "_" + info.param.file);
-      for (char& ch : name) {
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      }
-      return name;
+      return testing::param_name(info.param.fixture, info.param.file);
     });
 
 // Fewer slots than a token's experts are refused by name (the cache's own rule), and so is a

@@ -95,11 +95,7 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"gpt_oss_tiny", "", true}, LayoutCase{"gpt_oss_mxfp4_tiny", "", true},
                       LayoutCase{"gemma4_moe_tiny", "", false}, LayoutCase{"qwen4_exp_tiny", "", false}),
     [](const ::testing::TestParamInfo<LayoutCase>& info) {
-      std::string name = info.param.fixture + (info.param.file.empty() ? "" : "_" + info.param.file);
-      for (char& ch : name) {
-        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-      }
-      return name;
+      return testing::param_name(info.param.fixture, info.param.file);
     });
 
 // A layout refuses an expert whose planes differ from the layer's (another layer's expert,

@@ -108,16 +108,21 @@ TEST(Gemma4Config, MalformedConfigsNameTheField) {
                       "per_layer_config.2.sliding_window");
 }
 
-// The multimodal form: a placeholder token (image, video, audio) is refused by name, and so
-// is an image on the command line.
-TEST(Gemma4Config, ImageInputIsRefusedByName) {
-  testing::TempDir tmp;
-  testing::copy_fixture("gemma4_dense_tiny", tmp.path / "m");
-  auto path = (tmp.path / "m" / "config.json").string();
+// A copy of the dense fixture in the multimodal form, image token 7 and audio token 8.
+void multimodal_copy(const std::filesystem::path& dir) {
+  testing::copy_fixture("gemma4_dense_tiny", dir);
+  const std::string path = (dir / "config.json").string();
   auto text = testing::read_json(path);
   nlohmann::json root = {{"architectures", {"Gemma4ForConditionalGeneration"}}, {"model_type", "gemma4"},
                          {"text_config", text}, {"image_token_id", 7}, {"audio_token_id", 8}};
   std::ofstream(path) << root.dump();
+}
+
+// The multimodal form: a placeholder token (image, video, audio) is refused by name, and so
+// is an image on the command line.
+TEST(Gemma4Config, ImageInputIsRefusedByName) {
+  testing::TempDir tmp;
+  multimodal_copy(tmp.path / "m");
   auto r = testing::run_cli("logits --model " + (tmp.path / "m").string() + " --tokens 3,7 --out " + tmp.str() + "/x.npy");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.out.find("token 7 is an image/video/audio placeholder"), std::string::npos) << r.out;
@@ -133,12 +138,7 @@ TEST(Gemma4Config, ImageInputIsRefusedByName) {
 // session and a batch runner refuse the audio placeholder without running anything.
 TEST(Gemma4Config, PlaceholderTokensAreRefusedBeforeTheStep) {
   testing::TempDir tmp;
-  testing::copy_fixture("gemma4_dense_tiny", tmp.path / "m");
-  auto path = (tmp.path / "m" / "config.json").string();
-  auto text = testing::read_json(path);
-  nlohmann::json root = {{"architectures", {"Gemma4ForConditionalGeneration"}}, {"model_type", "gemma4"},
-                         {"text_config", text}, {"image_token_id", 7}, {"audio_token_id", 8}};
-  std::ofstream(path) << root.dump();
+  multimodal_copy(tmp.path / "m");
   auto be = make_cpu_backend(2);
   LoadedModel m = load_model((tmp.path / "m").string(), *be);
   Session s(*m.model, *be);
