@@ -505,9 +505,16 @@ class CudaBackend final : public Backend {
     routed_ids_.resize(size_t(pairs));
     download_bytes(routed_ids_.data(), idx, pairs * 4);
     auto upload = [this](void* dst, const void* src, int64_t bytes) { stage_copy(dst, src, bytes, "routed expert"); };
+    // The distinct experts in first-use order.
     std::vector<int32_t> distinct;
+    std::vector<uint8_t> seen(experts.size(), 0);
     for (int32_t id : routed_ids_) {
-      if (std::find(distinct.begin(), distinct.end(), id) == distinct.end()) distinct.push_back(id);
+      TS_CHECK(id >= 0 && size_t(id) < seen.size(), "cuda: layer {} routed a row to expert {} of {}",
+               experts[0].gate.layer, id, seen.size());
+      if (!seen[size_t(id)]) {
+        seen[size_t(id)] = 1;
+        distinct.push_back(id);
+      }
     }
     const int64_t slots = expert_slots_->slots();
     if (int64_t(distinct.size()) <= slots) {
@@ -526,10 +533,11 @@ class CudaBackend final : public Backend {
     std::vector<float> weights(static_cast<size_t>(pairs));
     for (size_t first = 0; first < distinct.size(); first += size_t(slots)) {
       const size_t last = std::min(distinct.size(), first + size_t(slots));
+      std::fill(seen.begin(), seen.end(), 0);  // now: in this pass
+      for (size_t i = first; i < last; ++i) seen[size_t(distinct[i])] = 1;
       for (int64_t j = 0; j < pairs; ++j) {
         const int32_t id = routed_ids_[size_t(j)];
-        const bool here = std::find(distinct.begin() + long(first), distinct.begin() + long(last), id) !=
-                          distinct.begin() + long(last);
+        const bool here = seen[size_t(id)];
         ids[size_t(j)] = here ? id : distinct[first];
         weights[size_t(j)] = here ? routed_weights_[size_t(j)] : 0.f;
       }
