@@ -32,25 +32,13 @@ static void add_ids_from_json(const nlohmann::json& j, const char* field, std::v
   }
 }
 
-// Available memory from /proc/meminfo (page cache counts: it can be reclaimed), or 0.
-static int64_t available_memory_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  int64_t kb = 0;
-  std::string unit;
-  while (in >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return 0;
-}
-
 // Pages the weights in up front when they fit in memory (as llama.cpp's mmap prefetch does),
 // so decode timings do not include a page fault per 4 KiB; shows progress for big models.
 static void prefault_weights(const Checkpoint& ckpt, bool quiet, const Checkpoint::SkipRanges& skip = {}) {
   int64_t total = ckpt.total_bytes();
   for (const auto& [path, ranges] : skip)
     for (const auto& [b, e] : ranges) total -= e - b;  // overlaps are rare and only shrink the estimate
-  if (total > available_memory_bytes() * 9 / 10) {
+  if (total > host_memory_available() * 9 / 10) {
     if (!quiet) fmt::print(stderr, "weights ({:.1f} GiB) exceed available memory: paging them in on demand\n", double(total) / (1 << 30));
     return;
   }
@@ -184,7 +172,7 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
                                    rt.backend->name()));
         return;
       }
-      const int64_t avail = std::max<int64_t>(available_memory_bytes(), 0);
+      const int64_t avail = std::max<int64_t>(host_memory_available(), 0);
       const bool exceeds = avail > 0 && info.weight_bytes > avail * 9 / 10;
       if (!exceeds && f.store.empty()) {
         no_speculation("the weights fit in memory, so experts are not streamed (give --expert-cache-slots or "

@@ -45,5 +45,7 @@ std::optional<MappedLocation> locate_mapped(const void* p, int64_t bytes);
 // Whole-file read for small text files (configs, JSON); throws Error naming the path.
 std::string read_text_file(const std::string& path);
 bool file_exists(const std::string& path);
+// The host's available memory from /proc/meminfo (page cache counts: it can be reclaimed), or 0.
+int64_t host_memory_available();
 
 }  // namespace turbospark

@@ -60,12 +60,22 @@ TEST_P(CudaExpertStreaming, LogitsEqualResidentAtEverySlotCount) {
     want.push_back(s.feed(tokens, chunk, true));
   }
   const EvictionPolicy policies[] = {EvictionPolicy::kLru, EvictionPolicy::kLfu, EvictionPolicy::kFrequencyLru};
+  // TURBOSPARK_CUDA_EXPERT_POOL_GB: unset (every layer pooled), 0 (staging only), and ~20 KB
+  // (the first layers' experts pooled, the rest through staging).
+  const char* pools[] = {nullptr, "0", "0.00002"};
   int round = 0;
   for (int64_t slots : {int64_t(k), int64_t(k) + 1, 2 * int64_t(k), 3 * int64_t(k), E}) {
     if (slots > E && slots != int64_t(k)) continue;
-    const EvictionPolicy policy = policies[round++ % 3];
+    const EvictionPolicy policy = policies[round % 3];
+    const char* pool = pools[(round + 1) % 3];
+    ++round;
     SCOPED_TRACE(c.fixture + " " + c.file + " slots " + std::to_string(slots) + " of " + std::to_string(E) + " " +
-                 std::string(eviction_policy_name(policy)));
+                 std::string(eviction_policy_name(policy)) + " pool " + (pool ? pool : "default"));
+    if (pool) {
+      setenv("TURBOSPARK_CUDA_EXPERT_POOL_GB", pool, 1);
+    } else {
+      unsetenv("TURBOSPARK_CUDA_EXPERT_POOL_GB");
+    }
     auto be = make_cuda_backend(0);
     be->keep_experts_on_host();
     LoadedModel streamed = load_model(path, *be);
@@ -88,8 +98,16 @@ TEST_P(CudaExpertStreaming, LogitsEqualResidentAtEverySlotCount) {
     ASSERT_EQ(std::sscanf(summary.c_str() + at, "%% (%lld of %lld)", &hits, &asked), 2) << summary;
     EXPECT_GT(hits, 0) << summary;
     EXPECT_GT(asked, hits) << summary;
+    // Where the loads came from: all from the pool by default, none without one.
+    const size_t pooled_at = summary.find("pinned pool ");
+    ASSERT_NE(pooled_at, std::string::npos) << summary;
+    double pool_gib = -1, pooled_pct = -1;
+    ASSERT_EQ(std::sscanf(summary.c_str() + pooled_at, "pinned pool %lf GiB (%lf%%", &pool_gib, &pooled_pct), 2) << summary;
+    if (!pool) EXPECT_EQ(pooled_pct, 100.0) << summary;
+    if (pool && std::string(pool) == "0") EXPECT_EQ(pooled_pct, 0.0) << summary;
     std::printf("[ measured ] %s slots %lld: %s\n", c.fixture.c_str(), static_cast<long long>(slots), summary.c_str());
   }
+  unsetenv("TURBOSPARK_CUDA_EXPERT_POOL_GB");
 }
 
 INSTANTIATE_TEST_SUITE_P(

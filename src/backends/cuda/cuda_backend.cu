@@ -369,7 +369,7 @@ class CudaBackend final : public Backend {
     TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "expert cache");  // the load's queue settles what is free
     expert_slots_.reset();
     expert_slots_ = std::make_unique<cuda::DeviceExpertSlots>(slots, top_k, policy, layer_experts,
-                                                              device_memory_available());
+                                                              device_memory_available(), stream_);
   }
   std::string expert_cache_summary() const override { return expert_slots_ ? expert_slots_->summary() : ""; }
 

@@ -3,23 +3,45 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/error.h"
+#include "core/mapped_file.h"
 #include "core/quant.h"
 #include "core/quant_grouped.h"
 
 namespace turbospark::cuda {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 constexpr int64_t kActivationReserve = int64_t(512) << 20;  // activations and scratch still to come
+
+// A runtime call's failure as an Error naming what was being done (common.cuh's TS_CUDA_CHECK
+// lives with device code this host file does not compile).
+template <class... Args>
+void cuda_ok(cudaError_t err, fmt::format_string<Args...> what, Args&&... args) {
+  if (err != cudaSuccess) fail("cuda: {}: {} ({})", fmt::format(what, std::forward<Args>(args)...), cudaGetErrorString(err), int(err));
+}
+
+// The pinned pool's limit: TURBOSPARK_CUDA_EXPERT_POOL_GB when set (0: no pool), else half of
+// the host's available memory now.
+int64_t pool_limit() {
+  if (const char* v = std::getenv("TURBOSPARK_CUDA_EXPERT_POOL_GB")) {
+    char* end = nullptr;
+    const double gb = std::strtod(v, &end);
+    TS_CHECK(end != v && *end == 0 && gb >= 0 && gb < 1e6, "TURBOSPARK_CUDA_EXPERT_POOL_GB={}: want a size in GiB, >= 0",
+             v);
+    return int64_t(gb * double(int64_t(1) << 30));
+  }
+  return host_memory_available() / 2;
+}
 
 }  // namespace
 
 DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy,
-                                     std::span<const ExpertWeights* const> layer_experts, int64_t available) {
+                                     std::span<const ExpertWeights* const> layer_experts, int64_t available,
+                                     cudaStream_t stream)
+    : stream_(stream) {
   TS_CHECK(!layer_experts.empty(), "expert cache: no routed experts to lay out");
   TS_CHECK(slots >= top_k && top_k >= 1, "expert cache: {} slots for top-{} routing: at least {} are needed", slots, top_k,
            top_k);
@@ -45,10 +67,35 @@ DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy po
          slots, double(slot_bytes_) / (1 << 20), double(total) / (1 << 30), double(available) / (1 << 30));
   }
   cache_ = std::make_unique<ExpertCache>(slots, top_k, policy);
+  pool_limit_ = pool_limit();
+  if (cudaEventCreate(&load_start_) != cudaSuccess || cudaEventCreate(&load_end_) != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(memory_);
+    if (load_start_) cudaEventDestroy(load_start_);
+    fail("cuda: expert cache timing events could not be created");
+  }
 }
 
 DeviceExpertSlots::~DeviceExpertSlots() {
+  // The owner synchronizes its stream before dropping the cache: no DMA still reads the pool.
+  for (PoolLayer& p : pool_) {
+    if (p.memory) cudaFreeHost(p.memory);
+  }
   if (memory_) cudaFree(memory_);
+  cudaEventDestroy(load_start_);
+  cudaEventDestroy(load_end_);
+}
+
+// Adds the last place()'s load time once its copies have completed (the routing download that
+// precedes every place() waited for the whole queue, so this does not block in practice).
+void DeviceExpertSlots::settle_timing() const {
+  if (!timing_pending_) return;
+  timing_pending_ = false;
+  float ms = 0;
+  if (cudaEventSynchronize(load_end_) == cudaSuccess && cudaEventElapsedTime(&ms, load_start_, load_end_) == cudaSuccess) {
+    load_seconds_ += double(ms) / 1e3;
+  }
+  cudaGetLastError();
 }
 
 const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<ExpertWeights>& experts,
@@ -68,15 +115,51 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
   TS_CHECK(int64_t(unique_.size()) <= cache_->slots(), "expert cache: {} distinct experts at once in {} slots",
            unique_.size(), cache_->slots());
   const ExpertCache::Plan plan = cache_->plan(layer, unique_);
-  const auto t0 = Clock::now();
+  settle_timing();
+  if (pool_.size() <= size_t(layer)) pool_.resize(size_t(layer) + 1);
+  PoolLayer& pool = pool_[size_t(layer)];
+  const int64_t entry = layout.bytes();
+  if (!pool.tried && plan.misses > 0) {
+    // The layer's share of the pool, page-locked once (every expert of the layer laid out like a
+    // slot), while it fits under the limit; a layer past it streams through staging.
+    pool.tried = true;
+    const int64_t want = entry * n_experts;
+    if (pool_used_ + want <= pool_limit_) {
+      if (cudaHostAlloc(&pool.memory, size_t(want), cudaHostAllocDefault) == cudaSuccess) {
+        pool.filled.assign(size_t(n_experts), 0);
+        pool_used_ += want;
+      } else {
+        cudaGetLastError();
+        pool.memory = nullptr;
+        pool_limit_ = pool_used_;  // the host refused: no later layer asks again
+      }
+    }
+  }
+  if (plan.misses > 0) cuda_ok(cudaEventRecord(load_start_, stream_), "expert load timing");
   for (size_t i = 0; i < unique_.size(); ++i) {
     if (!plan.load[i]) continue;
+    const int32_t e = unique_[i];
     try {
       char* base = static_cast<char*>(memory_) + int64_t(plan.slot[i]) * slot_bytes_;
-      layout.for_each_copy(experts[size_t(unique_[i])], [&](const void* src, int64_t offset, int64_t bytes) {
-        upload(base + offset, src, bytes);
-        bytes_loaded_ += bytes;
-      });
+      if (pool.memory) {
+        char* held = static_cast<char*>(pool.memory) + int64_t(e) * entry;
+        if (!pool.filled[size_t(e)]) {
+          // Written once, before the first DMA that reads it; never rewritten while one may run.
+          layout.for_each_copy(experts[size_t(e)], [&](const void* src, int64_t offset, int64_t bytes) {
+            std::memcpy(held + offset, src, size_t(bytes));
+          });
+          pool.filled[size_t(e)] = 1;
+        }
+        cuda_ok(cudaMemcpyAsync(base, held, size_t(entry), cudaMemcpyHostToDevice, stream_),
+                      "expert {} of layer {} from the pinned pool", e, layer);
+        bytes_loaded_ += entry;
+        pool_dma_bytes_ += entry;
+      } else {
+        layout.for_each_copy(experts[size_t(e)], [&](const void* src, int64_t offset, int64_t bytes) {
+          upload(base + offset, src, bytes);
+          bytes_loaded_ += bytes;
+        });
+      }
     } catch (...) {
       // This load and every later one in the plan never happened: those slots hold no expert.
       for (size_t j = i; j < unique_.size(); ++j) {
@@ -85,7 +168,10 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
       throw;
     }
   }
-  if (plan.misses > 0) load_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (plan.misses > 0) {
+    cuda_ok(cudaEventRecord(load_end_, stream_), "expert load timing");
+    timing_pending_ = true;
+  }
 
   if (placed_.size() <= size_t(layer)) placed_.resize(size_t(layer) + 1);
   std::vector<ExpertWeights>& out = placed_[size_t(layer)];
@@ -99,14 +185,17 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
 }
 
 std::string DeviceExpertSlots::summary() const {
+  settle_timing();
   const ExpertCacheStats& s = cache_->stats();
   const int64_t asked = s.hits + s.misses;
   return fmt::format("expert cache (device): {} slots x {:.2f} MiB, {} policy; hits {:.1f}% ({} of {}), {:.2f} GiB "
-                     "loaded, {:.1f} GB/s while loading (host copy into staging included)",
+                     "loaded, {:.1f} GB/s while loading; pinned pool {:.2f} GiB ({:.0f}% of loads)",
                      cache_->slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_->policy()),
                      asked ? 100.0 * double(s.hits) / double(asked) : 0.0, s.hits, asked,
                      double(bytes_loaded_) / (1 << 30),
-                     load_seconds_ > 0 ? double(bytes_loaded_) / 1e9 / load_seconds_ : 0.0);
+                     load_seconds_ > 0 ? double(bytes_loaded_) / 1e9 / load_seconds_ : 0.0,
+                     double(pool_used_) / (1 << 30),
+                     bytes_loaded_ > 0 ? 100.0 * double(pool_dma_bytes_) / double(bytes_loaded_) : 0.0);
 }
 
 }  // namespace turbospark::cuda

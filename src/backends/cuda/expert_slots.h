@@ -8,6 +8,14 @@
 // (experts/slot_layout.h: layers may store experts differently); a slot is as large as the
 // largest layer's expert.
 //
+// Pinned host pool (the tier between the slots and the mapped checkpoint): the first time an
+// expert misses, its planes are copied on the host into a page-locked copy laid out like a slot;
+// every later miss of it is then one DMA straight into the slot at the link's speed, where a
+// copy from the mapped file has to pass through the pinned staging buffer (a host memcpy per
+// chunk, about a third of the link's speed). The pool takes page-locked memory a layer at a time
+// up to a limit (TURBOSPARK_CUDA_EXPERT_POOL_GB, default: half of the host's available memory
+// when the cache is set; 0 turns the pool off); layers past the limit stream through staging.
+//
 // Protocol (one bank, synchronous): the backend downloads the layer's routing (the deliberate
 // sync after the router), place() plans and enqueues the loads on the compute stream, and the
 // MoE kernels queued after them read the slots. Nothing queued still reads a slot when the next
@@ -33,14 +41,14 @@ namespace turbospark::cuda {
 
 class DeviceExpertSlots {
  public:
-  // Copies `bytes` from host memory to the device, ordered on the compute stream.
+  // Copies `bytes` from pageable host memory to the device, ordered on the compute stream.
   using Upload = std::function<void(void* dst, const void* src, int64_t bytes)>;
 
   // `layer_experts`: one routed expert of every MoE layer (its layer index in gate.layer), for
   // the layouts. Allocates the slots now, refusing by name what does not fit in `available`
   // bytes of device memory less 512 MiB kept for activations.
   DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy, std::span<const ExpertWeights* const> layer_experts,
-                    int64_t available);
+                    int64_t available, cudaStream_t stream);
   ~DeviceExpertSlots();
   DeviceExpertSlots(const DeviceExpertSlots&) = delete;
   DeviceExpertSlots& operator=(const DeviceExpertSlots&) = delete;
@@ -48,12 +56,14 @@ class DeviceExpertSlots {
   // `experts`: one layer's routed experts as loaded (views in host memory); `ids`: the experts
   // the kernels will read (at most slots() distinct ones). Loads the missing ones and returns
   // the layer's experts with their views in device slots; experts no id names point at a loaded
-  // slot (the kernels read only the named ones). Valid until the next place().
+  // slot (the kernels read only the named ones). Valid until the next place(). Loads go through
+  // the pinned pool where the layer has one (DMAs on the stream), else through `upload`.
   const std::vector<ExpertWeights>& place(const std::vector<ExpertWeights>& experts, std::span<const int32_t> ids,
                                           const Upload& upload);
 
-  // "N slots x M MiB, hits H% (h of n), X GiB loaded at Y GB/s".
+  // "N slots x M MiB, hits H% (h of n), X GiB loaded at Y GB/s", and the pinned pool's use.
   std::string summary() const;
+  int64_t pool_bytes() const { return pool_used_; }
   int64_t slots() const { return cache_->slots(); }
   int64_t slot_bytes() const { return slot_bytes_; }
   const ExpertCacheStats& stats() const { return cache_->stats(); }
@@ -67,7 +77,21 @@ class DeviceExpertSlots {
   std::vector<std::vector<ExpertWeights>> placed_;  // per layer: stable storage the MoE table is keyed by
   std::vector<int32_t> unique_, slot_of_;
   int64_t bytes_loaded_ = 0;
-  double load_seconds_ = 0;
+  mutable double load_seconds_ = 0;  // device time from a place()'s first load to its last, summed
+
+  // The pinned pool, per layer index: page-locked memory for every expert of the layer laid out
+  // like a slot (nullptr: none, the layer streams through staging) and which ones are filled.
+  struct PoolLayer {
+    void* memory = nullptr;
+    std::vector<uint8_t> filled;
+    bool tried = false;
+  };
+  std::vector<PoolLayer> pool_;
+  int64_t pool_limit_ = 0, pool_used_ = 0, pool_dma_bytes_ = 0;
+  cudaStream_t stream_;
+  cudaEvent_t load_start_ = nullptr, load_end_ = nullptr;
+  mutable bool timing_pending_ = false;
+  void settle_timing() const;
 };
 
 }  // namespace turbospark::cuda
