@@ -7,7 +7,7 @@ threads), one engine at a time, in one run.
     python3 bench/serve_bench.py --model M.gguf --turbospark build/turbospark \
         [--llama-server $(LLAMA_WITH_SERVER=1 bench/build_llama_cpp.sh)/llama-server] \
         [--concurrency 1,4,16] [--prompt-words 64] [--max-tokens 64] [--parallel 16] \
-        [--threads 2] [--out results.json]
+        [--threads 2] [--out results.json] [--device cuda --llama-extra "-ngl 99 -fa on"]
 
 Each request is a streamed OpenAI /v1/completions call at temperature 0 with its own prompt
 (the same length for all, different text so no request reuses another's cache); the client is
@@ -164,6 +164,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024, help="context per slot")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="", help="turbospark serve --device (default: its own default)")
+    ap.add_argument("--llama-extra", default="", help="more llama-server flags, e.g. \"-ngl 99 -fa on\" on a GPU")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if not args.turbospark and not args.llama_server:
@@ -172,7 +174,7 @@ def main():
     for spec in args.turbospark:
         name, _, path = spec.rpartition("=")
         cmd = [path, "serve", "--model", args.model, "--port", "0", "--parallel", str(args.parallel), "--ctx",
-               str(args.ctx), "--threads", str(args.threads), "-q"]
+               str(args.ctx), "--threads", str(args.threads), "-q"] + (["--device", args.device] if args.device else [])
         results += bench_engine(name or "turbospark", cmd, r"listening on http://[^:]+:(\d+)", args)
     if args.llama_server:
         # llama-server's -c is the whole context, split among its -np slots.
@@ -182,7 +184,7 @@ def main():
         port = s.getsockname()[1]
         s.close()
         cmd = [args.llama_server, "-m", args.model, "--port", str(port), "-np", str(args.parallel), "-c",
-               str(args.ctx * args.parallel), "-t", str(args.threads), "--no-webui"]
+               str(args.ctx * args.parallel), "-t", str(args.threads), "--no-webui"] + args.llama_extra.split()
         proc_re = rf"(?:listening on|server is listening on).*:({port})"
         results += bench_engine("llama-server", cmd, proc_re, args)
     if args.out:
