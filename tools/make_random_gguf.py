@@ -25,7 +25,7 @@ beside cache hit rates.
 Expert and attention blocks of one shape are generated once and written for every layer (each
 layer still gets its own tensors and file offsets, so no layer reads another's bytes); routers
 differ per layer. The vocabulary is the tiny test tokenizer's (tests/data/tiny_tokenizer, taken
-from its GGUF fixture) padded to the model's vocabulary with unused tokens: enough for
+from its GGUF fixture) padded to the model's vocabulary with tokens " fill<i>": enough for
 llama-bench and `turbospark bench`, which feed token ids, not text.
 
 Needs numpy and gguf-py: the `gguf` package from PyPI (scripts/setup.sh installs it) or
@@ -185,8 +185,10 @@ def main():
 
     tokens, merges, eos = tiny_vocab(gguf)
     n_real = len(tokens)
-    tokens += [f"<|unused_{i}|>" for i in range(s["vocab"] - n_real)]
-    types = [int(gguf.TokenType.NORMAL)] * n_real + [int(gguf.TokenType.UNUSED)] * (s["vocab"] - n_real)
+    # Normal tokens with text (" fill<i>" in GPT-2's byte alphabet): random weights mostly pick
+    # them, and a serving benchmark counts streamed chunks that carry text.
+    tokens += [f"\u0120fill{i}" for i in range(s["vocab"] - n_real)]
+    types = [int(gguf.TokenType.NORMAL)] * s["vocab"]
 
     w = gguf.GGUFWriter(args.out, arch)
     w.add_name(f"random {args.preset} {args.type}")

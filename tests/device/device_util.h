@@ -3,8 +3,11 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <execinfo.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +17,24 @@
 #include "core/error.h"
 
 namespace turbospark::testing {
+
+// A crash on the device machine (where there may be no debugger) prints its stack to stderr:
+// frames as binary(+offset), which addr2line resolves against the unstripped build here.
+inline void print_stack_and_die(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char head[] = "\n*** device tests: fatal signal, stack:\n";
+  (void)!write(2, head, sizeof(head) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+inline const bool kStackOnCrash = [] {
+  std::signal(SIGSEGV, print_stack_and_die);
+  std::signal(SIGBUS, print_stack_and_die);
+  std::signal(SIGABRT, print_stack_and_die);
+  return true;
+}();
 
 // Device memory of `n` elements of T, freed when it goes out of scope.
 template <typename T>

@@ -578,7 +578,8 @@ void run_moe_case(cuda::WeightMatmul& mm, const MoeCase& c, uint32_t seed) {
     }
   }
   // Routing: k distinct experts per row from the first E - 1 (expert E - 1 is chosen by no
-  // row); rows repeat experts across each other.
+  // row); rows repeat experts across each other. (Cases of k = E once read past the pool.)
+  ASSERT_LT(c.k, E) << "a case needs more experts than top-k: one is left unrouted";
   std::mt19937 rng(seed++);
   std::vector<int32_t> idx(size_t(c.rows * c.k));
   std::vector<float> wts = random_floats(size_t(c.rows * c.k), seed++, 0.1f, 1.f);
@@ -667,9 +668,9 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   }
   // The Qwen3-30B-A3B expert shape at half width (hidden 1024, inter 384), decode rows.
   for (int64_t rows : {1, 2}) cases.push_back({q40p, q40p, 9, 8, rows, 1024, 384, GluKind::kSilu, false, false});
-  cases.push_back({q40p, q40, 8, 8, 1, 96, 64, GluKind::kSilu, false, false});
-  cases.push_back({f16, q40, 8, 8, 3, 96, 64, GluKind::kSilu, true, false});
-  cases.push_back({f16, q40, 8, 8, 33, 96, 64, GluKind::kSilu, true, false});
+  cases.push_back({q40p, q40, 9, 8, 1, 96, 64, GluKind::kSilu, false, false});
+  cases.push_back({f16, q40, 9, 8, 3, 96, 64, GluKind::kSilu, true, false});
+  cases.push_back({f16, q40, 9, 8, 33, 96, 64, GluKind::kSilu, true, false});
   cases.push_back({q8, mx, 64, 8, 500, 64, 64, GluKind::kGelu, false, true});
   uint32_t seed = 1000;
   for (const MoeCase& c : cases) run_moe_case(mm, c, seed += 100);

@@ -60,12 +60,14 @@ TEST_P(CudaExpertStreaming, LogitsEqualResidentAtEverySlotCount) {
     want.push_back(s.feed(tokens, chunk, true));
   }
   const EvictionPolicy policies[] = {EvictionPolicy::kLru, EvictionPolicy::kLfu, EvictionPolicy::kFrequencyLru};
-  // TURBOSPARK_CUDA_EXPERT_POOL_GB: unset (every layer pooled), 0 (staging only), and ~20 KB
+  // TURBOSPARK_CUDA_EXPERT_POOL_GB: unset (every layer pooled), 0 (staging only), and ~100 KB
   // (the first layers' experts pooled, the rest through staging).
-  const char* pools[] = {nullptr, "0", "0.00002"};
+  const char* pools[] = {nullptr, "0", "0.0001"};
   int round = 0;
-  for (int64_t slots : {int64_t(k), int64_t(k) + 1, 2 * int64_t(k), 3 * int64_t(k), E}) {
-    if (slots > E && slots != int64_t(k)) continue;
+  // Up to every expert of every MoE layer (the last: nothing is evicted, warm runs only hit).
+  const int64_t every = E * int64_t(resident.model->first_expert_of_each_layer().size());
+  for (int64_t slots : {int64_t(k), int64_t(k) + 1, 2 * int64_t(k), 3 * int64_t(k), E, every}) {
+    if (slots > E && slots != int64_t(k) && slots != every) continue;
     const EvictionPolicy policy = policies[round % 3];
     const char* pool = pools[(round + 1) % 3];
     ++round;
@@ -90,13 +92,15 @@ TEST_P(CudaExpertStreaming, LogitsEqualResidentAtEverySlotCount) {
             << "chunk " << chunks[i] << (pass ? " (warm)" : " (cold)");
       }
     }
-    // The cache really ran: loads on the cold passes, hits on the warm ones ("(h of n)").
+    // The cache really ran: loads on the cold passes ("(h of n)"); when every expert fits, each
+    // warm run hits on every expert it asks for, so at least half of all asks hit (fewer slots
+    // may hit nothing: with top_k slots every layer evicts the one before).
     const std::string summary = be->expert_cache_summary();
     long long hits = -1, asked = -1;
     const size_t at = summary.find("% (");
     ASSERT_NE(at, std::string::npos) << summary;
     ASSERT_EQ(std::sscanf(summary.c_str() + at, "%% (%lld of %lld)", &hits, &asked), 2) << summary;
-    EXPECT_GT(hits, 0) << summary;
+    if (slots == every) EXPECT_GE(2 * hits, asked) << summary;
     EXPECT_GT(asked, hits) << summary;
     // Where the loads came from: all from the pool by default, none without one.
     const size_t pooled_at = summary.find("pinned pool ");

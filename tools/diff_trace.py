@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Dump-and-diff one model between two devices: runs `turbospark logits --trace-out` on the CPU
+and on CUDA with the same tokens and chunk, then prints, block by block in layer order, the
+relative error of every traced activation (max |cuda - cpu| over max |cpu| of the tensor) and the
+first token row where it exceeds the threshold: where a GPU path first leaves the CPU's.
+
+    python3 tools/diff_trace.py --ts build-cuda/turbospark --model tests/data/fixtures/gpt_oss_tiny \
+        [--tokens 1,2,3 | --long] [--chunk 0] [--threshold 1e-2] [--work /tmp/trace]
+
+--long takes the fixture's long_golden.json tokens, otherwise golden.json's.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+
+def run(ts, model, device, tokens, chunk, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [ts, "logits", "--model", model, "--tokens", tokens, "--chunk", str(chunk), "--device", device,
+           "--out", os.path.join(out_dir, "logits.npy"), "--trace-out", out_dir]
+    env = dict(os.environ, TURBOSPARK_CUDA_UNVERIFIED="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"diff_trace: {' '.join(cmd)} failed: {p.stderr.strip()[-400:]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ts", default="build-cuda/turbospark")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", default="")
+    ap.add_argument("--long", action="store_true")
+    ap.add_argument("--chunk", type=int, default=0)
+    ap.add_argument("--threshold", type=float, default=1e-2)
+    ap.add_argument("--work", default="/tmp/diff_trace")
+    ap.add_argument("--show", type=int, default=12, help="print at most this many tensors past the threshold")
+    a = ap.parse_args()
+    tokens = a.tokens
+    if not tokens:
+        with open(os.path.join(a.model, "long_golden.json" if a.long else "golden.json")) as fh:
+            tokens = ",".join(str(t) for t in json.load(fh)["tokens"])
+    cpu_dir, cuda_dir = os.path.join(a.work, "cpu"), os.path.join(a.work, "cuda")
+    run(a.ts, a.model, "cpu", tokens, a.chunk, cpu_dir)
+    run(a.ts, a.model, "cuda", tokens, a.chunk, cuda_dir)
+
+    def key(name):
+        m = re.match(r"(.*)_(-?\d+)\.npy$", name)
+        return (int(m.group(2)), m.group(1)) if m else (10**9, name)
+
+    names = sorted((n for n in os.listdir(cpu_dir) if n.endswith(".npy") and n != "logits.npy"), key=key)
+    names.append("logits.npy")
+    shown = 0
+    print(f"{os.path.basename(a.model)} tokens {len(tokens.split(','))} chunk {a.chunk}")
+    for n in names:
+        x, y = np.load(os.path.join(cpu_dir, n)), np.load(os.path.join(cuda_dir, n))
+        if x.shape != y.shape:
+            print(f"  {n}: shapes differ {x.shape} vs {y.shape}")
+            continue
+        scale = max(float(np.abs(x).max()), 1e-30)
+        row_err = np.abs(y - x).max(axis=1) / scale if x.ndim == 2 else np.abs(y - x).reshape(1, -1).max(axis=1) / scale
+        err = float(np.nan_to_num(row_err, nan=np.inf).max())
+        if err > a.threshold or n == "logits.npy":
+            first = int(np.argmax(np.nan_to_num(row_err, nan=np.inf) > a.threshold)) if err > a.threshold else -1
+            print(f"  {n[:-4]:<32} err {err:.3g}  first row over {first} of {x.shape[0]}")
+            shown += 1
+            if shown >= a.show:
+                break
+    if shown == 0:
+        print("  every traced tensor within the threshold")
+
+
+if __name__ == "__main__":
+    main()
