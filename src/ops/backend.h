@@ -450,6 +450,20 @@ inline void Backend::download(const Mat& src, float* dst) {
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads);
 
+// The CUDA backend's rounding on the CPU backend, as a reference for the device tests: they
+// compare the GPU with a CPU that rounds where the GPU path does, which tells a kernel's error
+// from the precision that path runs at (random-weight fixtures amplify a bf16 step in a KV row or
+// a GEMM input into logit changes of 0.01-0.3 against transformers, on both backends alike).
+struct CpuPrecision {
+  // K and V rounded to bf16 as they are stored (the CUDA KV cache's type).
+  bool bf16_kv = false;
+  // > 0: a matmul of more than this many rows, and every matmul of a MoE micro-batch of more
+  // than this many rows, reads its input rounded as a tensor-core GEMM does (bf16; tf32 for f32
+  // weights); fewer rows keep f32 (the GEMV and MoE decode kernels). CUDA's bound: 8.
+  int64_t gemm_above_rows = 0;
+};
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, const CpuPrecision& precision);
+
 // The CUDA backend on device `ordinal` (backends/cuda/; built with TURBOSPARK_CUDA=ON).
 // Throws naming the reason when this build has no CUDA or no GPU is usable.
 std::unique_ptr<Backend> make_cuda_backend(int ordinal = 0);

@@ -3,7 +3,12 @@
 // against recompute, CPU and CUDA greedy ids, and refusals (a model that does not fit, a
 // family the backend does not run yet).
 //
-// Tolerance: weights are the same bf16 (or GGUF) bytes on both backends and activations f32;
+// Tolerance: CUDA is held tightly to the CPU backend rounding where the CUDA path rounds
+// (CpuPrecision; MatchesTheCpuAtCudaPrecision), and to transformers within the tolerances below,
+// or, for fixtures whose random weights amplify those roundings past them (gpt-oss, long
+// Qwen4-Exp and Gemma 4 prompts: 0.08-0.29 on the CPU at CUDA's precision too, 2026-12-05),
+// within what the CPU at CUDA's precision scores plus kPrecisionHeadroom.
+// Weights are the same bf16 (or GGUF) bytes on both backends and activations f32;
 // decode-sized micro-batches (<= 8 rows) run the f32-accumulating GEMV and differ from the CPU
 // by the KV cache's bf16 rounding only (kCudaDecodeLogitTol), but prefill micro-batches go through cuBLASLt on bf16-rounded activations
 // (8 significant bits: ~4e-3 relative per product), so logits are held to 3e-2 of the logit
@@ -19,6 +24,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "backends/cuda/matmul.h"
 #include "core/npy.h"
 #include "engine/batch.h"
 #include "engine/generate.h"
@@ -37,6 +43,30 @@ using testing::load_golden;
 using testing::max_rel_error;
 
 constexpr double kCudaLogitTol = 3e-2;
+
+// The CPU backend rounding where the CUDA path does (CpuPrecision: K/V stored as bf16, GEMM
+// inputs of micro-batches past the GEMV/MoE-decode bound as bf16/tf32): what the GPU must
+// match closely, whatever a fixture makes of those roundings against transformers.
+static_assert(cuda::kGemvMaxRows == 8 && cuda::kMoeDecodeMaxRows == 8, "CpuPrecision below mirrors these");
+std::vector<float> cpu_at_cuda_precision(const std::string& model_path, const std::vector<int32_t>& tokens,
+                                         int64_t chunk, int64_t max_batch = kMaxPrefillBatch) {
+  auto cpu = make_cpu_backend(4, CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8});
+  LoadedModel m = load_model(model_path, *cpu);
+  SessionOptions so;
+  so.max_prefill_batch = max_batch;
+  Session s(*m.model, *cpu, so);
+  return s.feed(tokens, chunk, /*all_logits=*/true);
+}
+// CUDA against the CPU at CUDA's precision: summation order, tensor-core attention's bf16 q and
+// probabilities, and transcendental functions remain.
+constexpr double kCudaVsCpuAtItsPrecisionTol = 5e-3;
+// The bound against transformers: the golden tolerance, or, where a fixture amplifies CUDA's
+// roundings past it, what the CPU at CUDA's precision scores plus this headroom (the GPU's own
+// error is held to kCudaVsCpuAtItsPrecisionTol by MatchesTheCpuAtCudaPrecision).
+constexpr double kPrecisionHeadroom = 5e-3;
+double bound_against_transformers(double tol, const std::vector<float>& at_precision, const std::vector<float>& golden) {
+  return std::max(tol, max_rel_error(at_precision.data(), golden.data(), golden.size()) + kPrecisionHeadroom);
+}
 
 // The hybrid and gpt-oss / Gemma 4 goldens below are what lets FamilyEntry::cuda turn true:
 // they run on kernels the registry still calls unverified.
@@ -75,7 +105,9 @@ TEST_P(CudaGolden, LogitsMatchTransformersAtEveryChunkSize) {
       std::vector<float> logits = s.feed(golden_.tokens, chunk, /*all_logits=*/true);
       ASSERT_EQ(int64_t(logits.size()), T * vocab());
       const double err = max_rel_error(logits.data(), golden_.logits.data.data(), logits.size());
-      EXPECT_LT(err, kCudaLogitTol) << GetParam() << " chunk " << chunk << " max batch " << max_batch;
+      const double bound = bound_against_transformers(
+          kCudaLogitTol, cpu_at_cuda_precision(fixture(GetParam()), golden_.tokens, chunk, max_batch), golden_.logits.data);
+      EXPECT_LT(err, bound) << GetParam() << " chunk " << chunk << " max batch " << max_batch;
       RecordProperty("err_chunk_" + std::to_string(chunk) + "_batch_" + std::to_string(max_batch), std::to_string(err));
     }
   }
@@ -93,8 +125,30 @@ TEST_P(CudaGolden, TokenByTokenMatchesTransformersToDecodeTolerance) {
   Session s(model(), *cuda_);
   std::vector<float> logits = s.feed(golden_.tokens, /*chunk=*/1, /*all_logits=*/true);
   const double err = max_rel_error(logits.data(), golden_.logits.data.data(), logits.size());
-  EXPECT_LT(err, kCudaDecodeLogitTol) << GetParam();
-  std::printf("[ measured ] %s token-by-token logit error %.3g (bf16 KV)\n", GetParam().c_str(), err);
+  const std::vector<float> at_precision = cpu_at_cuda_precision(fixture(GetParam()), golden_.tokens, 1);
+  EXPECT_LT(err, bound_against_transformers(kCudaDecodeLogitTol, at_precision, golden_.logits.data)) << GetParam();
+  std::printf("[ measured ] %s token-by-token logit error %.3g (bf16 KV; the CPU at CUDA's precision: %.3g)\n",
+              GetParam().c_str(), err, max_rel_error(at_precision.data(), golden_.logits.data.data(), logits.size()));
+}
+
+// The GPU against the CPU rounding where the GPU path does, at every chunk size and both
+// micro-batch bounds: a kernel's own error, separated from what random fixtures make of bf16.
+TEST_P(CudaGolden, MatchesTheCpuAtCudaPrecision) {
+  double worst = 0;
+  for (int64_t max_batch : {kMaxPrefillBatch, int64_t(16)}) {
+    for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5)}) {
+      SessionOptions so;
+      so.max_prefill_batch = max_batch;
+      Session s(model(), *cuda_, so);
+      const std::vector<float> logits = s.feed(golden_.tokens, chunk, /*all_logits=*/true);
+      const std::vector<float> want = cpu_at_cuda_precision(fixture(GetParam()), golden_.tokens, chunk, max_batch);
+      ASSERT_EQ(logits.size(), want.size());
+      const double err = max_rel_error(logits.data(), want.data(), want.size());
+      worst = std::max(worst, err);
+      EXPECT_LT(err, kCudaVsCpuAtItsPrecisionTol) << GetParam() << " chunk " << chunk << " max batch " << max_batch;
+    }
+  }
+  std::printf("[ measured ] %s CUDA vs the CPU at CUDA's precision: worst %.3g\n", GetParam().c_str(), worst);
 }
 
 TEST_P(CudaGolden, CachedDecodeEqualsFullRecompute) {
@@ -109,9 +163,13 @@ TEST_P(CudaGolden, CachedDecodeEqualsFullRecompute) {
   }
 }
 
+// Greedy ids: the CPU's are the golden's; CUDA's are those of the CPU at CUDA's precision (a
+// bf16 step may flip a random fixture's near-tied choice on both backends alike: gpt_oss_yarn).
 TEST_P(CudaGolden, GreedyIdsEqualTheCpuBackend) {
   auto cpu = make_cpu_backend(2);
   LoadedModel on_cpu = load_model(fixture(GetParam()), *cpu);
+  auto cpu_p = make_cpu_backend(2, CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8});
+  LoadedModel on_cpu_p = load_model(fixture(GetParam()), *cpu_p);
   SamplingParams sp;
   sp.temperature = 0;
   auto run = [&](const Model& m, Backend& be) {
@@ -127,7 +185,7 @@ TEST_P(CudaGolden, GreedyIdsEqualTheCpuBackend) {
   };
   const std::vector<int32_t> cpu_ids = run(*on_cpu.model, *cpu);
   const std::vector<int32_t> cuda_ids = run(model(), *cuda_);
-  EXPECT_EQ(cuda_ids, cpu_ids) << GetParam();
+  EXPECT_EQ(cuda_ids, run(*on_cpu_p.model, *cpu_p)) << GetParam() << " (CUDA vs the CPU at CUDA's precision)";
   EXPECT_EQ(cpu_ids, golden_.greedy) << GetParam() << " (the CPU backend itself)";
 }
 
@@ -238,7 +296,12 @@ TEST_P(CudaLongGolden, LongPromptMatchesTransformers) {
     Session s(*m.model, *cuda);
     std::vector<float> logits = s.feed(tokens, chunk, true);
     ASSERT_EQ(logits.size(), want.data.size());
-    EXPECT_LT(max_rel_error(logits.data(), want.data.data(), logits.size()), kCudaLogitTol) << "chunk " << chunk;
+    const std::vector<float> at_precision = cpu_at_cuda_precision(dir, tokens, chunk);
+    EXPECT_LT(max_rel_error(at_precision.data(), logits.data(), logits.size()), kCudaVsCpuAtItsPrecisionTol)
+        << "chunk " << chunk << ": CUDA vs the CPU at CUDA's precision";
+    EXPECT_LT(max_rel_error(logits.data(), want.data.data(), logits.size()),
+              bound_against_transformers(kCudaLogitTol, at_precision, want.data))
+        << "chunk " << chunk;
   }
 }
 

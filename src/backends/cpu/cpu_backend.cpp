@@ -38,7 +38,7 @@ void for_each_sequence_run(const KvLayerView& kv, int64_t rows, Fn&& fn) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int n_threads) : pool_(n_threads) {}
+  CpuBackend(int n_threads, const CpuPrecision& precision) : pool_(n_threads), precision_(precision) {}
 
   std::string name() const override { return "cpu"; }
 
@@ -84,8 +84,13 @@ class CpuBackend final : public Backend {
     TS_CHECK(kv.type == KvType::kF32, "CPU kv_write: KV pools must be f32");
     const int64_t width = int64_t(kv.n_kv_heads) * kv.head_dim;
     for (int64_t t = 0; t < k.rows; ++t) {
-      std::memcpy(kv.k_at(kv.seq_of(t), positions[t]), k.row(t), size_t(width) * 4);
-      std::memcpy(kv.v_at(kv.seq_of(t), positions[t]), v.row(t), size_t(width) * 4);
+      float* kd = kv.k_at(kv.seq_of(t), positions[t]);
+      float* vd = kv.v_at(kv.seq_of(t), positions[t]);
+      std::memcpy(kd, k.row(t), size_t(width) * 4);
+      std::memcpy(vd, v.row(t), size_t(width) * 4);
+      if (precision_.bf16_kv) {
+        for (int64_t i = 0; i < width; ++i) kd[i] = bf16_to_f32(f32_to_bf16(kd[i])), vd[i] = bf16_to_f32(f32_to_bf16(vd[i]));
+      }
     }
   }
 
@@ -190,6 +195,12 @@ class CpuBackend final : public Backend {
     // streamed once per micro-batch, as a GEMM over its tokens rather than a GEMV per token.
     const int64_t T = x.rows, hidden = x.cols;
     const int64_t n_experts = int64_t(experts.size());
+    // CpuPrecision: the micro-batch's size decides the rounding of every expert's matmuls.
+    moe_gemm_rounding_ = precision_.gemm_above_rows > 0 && T > precision_.gemm_above_rows;
+    struct Reset {
+      bool& flag;
+      ~Reset() { flag = false; }
+    } reset{moe_gemm_rounding_};
     auto& by_expert = by_expert_;  // kept across calls: no allocation per decode token once warm
     if (int64_t(by_expert.size()) < n_experts) by_expert.resize(size_t(n_experts));
     for (auto& rows : by_expert) rows.clear();
@@ -290,8 +301,37 @@ class CpuBackend final : public Backend {
   ExpertProvider* provider_ = nullptr;
   std::vector<const ExpertWeights*> used_experts_;
 
+  CpuPrecision precision_;
+  bool moe_gemm_rounding_ = false;  // inside moe_experts of a micro-batch past gemm_above_rows
+  std::vector<float> rounded_x_;
+
+  // CpuPrecision::gemm_above_rows: x as a tensor-core GEMM reads it (bf16, or tf32 for f32
+  // weights: 10 mantissa bits), round to nearest even.
+  Mat gemm_input(const WeightView& w, const Mat& x) {
+    const bool round = precision_.gemm_above_rows > 0 && (x.rows > precision_.gemm_above_rows || moe_gemm_rounding_);
+    if (!round) return x;
+    rounded_x_.resize(size_t(x.rows * x.cols));
+    const bool tf32 = w.dtype == DType::F32;
+    for (int64_t r = 0; r < x.rows; ++r) {
+      const float* src = x.row(r);
+      float* dst = rounded_x_.data() + r * x.cols;
+      for (int64_t c = 0; c < x.cols; ++c) {
+        if (!tf32) {
+          dst[c] = bf16_to_f32(f32_to_bf16(src[c]));
+          continue;
+        }
+        uint32_t u;
+        std::memcpy(&u, &src[c], 4);
+        if ((u & 0x7fffffffu) <= 0x7f800000u) u = (u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u;
+        std::memcpy(&dst[c], &u, 4);
+      }
+    }
+    return Mat(rounded_x_.data(), x.rows, x.cols, x.cols);
+  }
+
   // Quantized formats have their own kernels; models never see the difference.
-  void matmul_view(const WeightView& w, const Mat& x, const Mat& y) {
+  void matmul_view(const WeightView& w, const Mat& x_in, const Mat& y) {
+    const Mat x = gemm_input(w, x_in);
     if (w.dtype == DType::MXFP4) {
       cpu::mxfp4_matmul(pool_, w, x, y);
     } else if (w.dtype == DType::INT4_AFFINE) {
@@ -314,6 +354,10 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_unique<CpuBackend>(n_threads); }
+std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_unique<CpuBackend>(n_threads, CpuPrecision{}); }
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, const CpuPrecision& precision) {
+  TS_CHECK(precision.gemm_above_rows >= 0, "CpuPrecision: gemm_above_rows {} < 0", precision.gemm_above_rows);
+  return std::make_unique<CpuBackend>(n_threads, precision);
+}
 
 }  // namespace turbospark

@@ -1,0 +1,166 @@
+// CpuPrecision (ops/backend.h): the CPU backend rounding where the CUDA path does, the reference
+// the device tests hold the GPU to. Checked here op by op: K/V stored as bf16, and GEMM inputs
+// rounded (bf16, tf32 for f32 weights) past the row bound, in dense matmuls and in every matmul
+// of a MoE micro-batch past it, with f32 kept at and below the bound.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/dtype.h"
+#include "ops/backend.h"
+
+namespace turbospark {
+namespace {
+
+std::vector<float> randoms(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-2.f, 2.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+float round_tf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+struct Matrix {
+  std::vector<uint16_t> bf16;
+  std::vector<float> f32;
+  WeightView view;
+};
+
+Matrix make_matrix(DType dtype, int64_t rows, int64_t cols, uint32_t seed) {
+  Matrix m;
+  m.f32 = randoms(size_t(rows * cols), seed);
+  m.view.dtype = dtype;
+  m.view.rows = rows;
+  m.view.cols = cols;
+  if (dtype == DType::BF16) {
+    for (float v : m.f32) m.bf16.push_back(f32_to_bf16(v));
+    m.view.data = m.bf16.data();
+    m.view.row_bytes = cols * 2;
+  } else {
+    m.view.data = m.f32.data();
+    m.view.row_bytes = cols * 4;
+  }
+  return m;
+}
+
+std::vector<float> product(Backend& be, const WeightView& w, std::vector<float> x, int64_t rows) {
+  std::vector<float> y(size_t(rows * w.rows));
+  Weight wt;
+  wt.view = w;
+  be.matmul(wt, Mat(x.data(), rows, w.cols), Mat(y.data(), rows, w.rows));
+  return y;
+}
+
+TEST(CpuPrecision, GemmInputsAreRoundedPastTheRowBoundOnly) {
+  auto exact = make_cpu_backend(1);
+  auto gpu_like = make_cpu_backend(1, CpuPrecision{.bf16_kv = false, .gemm_above_rows = 8});
+  for (DType dtype : {DType::BF16, DType::F32}) {
+    const Matrix w = make_matrix(dtype, 5, 37, 1);
+    for (int64_t rows : {1, 8, 9, 40}) {
+      const std::vector<float> x = randoms(size_t(rows * 37), 2 + uint32_t(rows));
+      std::vector<float> rounded = x;
+      for (float& v : rounded) v = dtype == DType::F32 ? round_tf32(v) : round_bf16(v);
+      const std::vector<float> got = product(*gpu_like, w.view, x, rows);
+      const std::vector<float> want = product(*exact, w.view, rows > 8 ? rounded : x, rows);
+      EXPECT_EQ(got, want) << dtype_name(dtype) << " rows " << rows;
+      // And the rounding changes something where it applies (the inputs are not representable).
+      if (rows > 8) EXPECT_NE(got, product(*exact, w.view, x, rows)) << dtype_name(dtype) << " rows " << rows;
+    }
+  }
+}
+
+// A MoE micro-batch past the bound rounds every expert matmul's input (gate/up read x, down reads
+// the GLU's output) though each expert sees fewer rows; at the bound nothing is rounded.
+TEST(CpuPrecision, MoeMicroBatchesPastTheBoundRoundEveryExpertInput) {
+  auto exact = make_cpu_backend(1);
+  auto gpu_like = make_cpu_backend(1, CpuPrecision{.bf16_kv = false, .gemm_above_rows = 8});
+  const int64_t hidden = 32, inter = 16;
+  const int E = 4, k = 2;
+  std::vector<Matrix> mats;
+  for (int e = 0; e < E; ++e)
+    for (int p = 0; p < 3; ++p)
+      mats.push_back(make_matrix(DType::BF16, p == 2 ? hidden : inter, p == 2 ? inter : hidden, uint32_t(10 + 3 * e + p)));
+  std::vector<ExpertWeights> experts(E);
+  for (int e = 0; e < E; ++e) {
+    experts[size_t(e)].gate.view = mats[size_t(3 * e)].view;
+    experts[size_t(e)].up.view = mats[size_t(3 * e + 1)].view;
+    experts[size_t(e)].down.view = mats[size_t(3 * e + 2)].view;
+  }
+  for (int64_t rows : {8, 12}) {
+    const std::vector<float> x = randoms(size_t(rows * hidden), 99);
+    std::vector<int32_t> idx(size_t(rows * k));
+    std::vector<float> wt(size_t(rows * k), 0.5f);
+    for (int64_t t = 0; t < rows; ++t) idx[size_t(t * k)] = int32_t(t % E), idx[size_t(t * k + 1)] = int32_t((t + 1) % E);
+    auto run = [&](Backend& be, std::vector<float> in) {
+      std::vector<float> out(size_t(rows * hidden));
+      be.moe_experts(experts, Mat(in.data(), rows, hidden), idx.data(), wt.data(), k, Mat(out.data(), rows, hidden));
+      return out;
+    };
+    const std::vector<float> got = run(*gpu_like, x);
+    if (rows <= 8) {
+      EXPECT_EQ(got, run(*exact, x)) << "rows " << rows;
+      continue;
+    }
+    // Past the bound: every row's experts read rounded inputs; the exact backend on rounded x
+    // still differs in the down projection (its input, the GLU output, is not rounded there).
+    std::vector<float> rounded = x;
+    for (float& v : rounded) v = round_bf16(v);
+    const std::vector<float> partly = run(*exact, rounded);
+    EXPECT_NE(got, run(*exact, x));
+    EXPECT_NE(got, partly);
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      worst = std::max(worst, double(std::fabs(got[i] - partly[i])));
+      scale = std::max(scale, double(std::fabs(partly[i])));
+    }
+    EXPECT_LT(worst, 1e-2 * scale) << "the down input's rounding is one bf16 step, not more";
+  }
+  // The flag does not outlive the MoE call: a dense matmul of few rows after it stays exact.
+  const Matrix w = make_matrix(DType::BF16, 5, hidden, 7);
+  const std::vector<float> x = randoms(size_t(2 * hidden), 5);
+  EXPECT_EQ(product(*gpu_like, w.view, x, 2), product(*exact, w.view, x, 2));
+}
+
+TEST(CpuPrecision, KvRowsAreStoredAsBf16) {
+  for (bool bf16 : {false, true}) {
+    auto be = make_cpu_backend(1, CpuPrecision{.bf16_kv = bf16, .gemm_above_rows = 0});
+    const int heads = 2, dim = 8, block = 4;
+    std::vector<float> kpool(size_t(2 * block * heads * dim), 0.f), vpool(kpool.size(), 0.f);
+    const std::vector<int32_t> table = {1, 0};
+    KvLayerView kv;
+    kv.k = kpool.data();
+    kv.v = vpool.data();
+    kv.block_table = table.data();
+    kv.max_blocks = 2;
+    kv.block_size = block;
+    kv.n_kv_heads = heads;
+    kv.head_dim = dim;
+    std::vector<float> k = randoms(size_t(3 * heads * dim), 3), v = randoms(size_t(3 * heads * dim), 4);
+    const std::vector<int64_t> positions = {0, 5, 6};
+    be->kv_write(kv, Mat(k.data(), 3, heads * dim), Mat(v.data(), 3, heads * dim), positions.data());
+    for (int t = 0; t < 3; ++t) {
+      for (int i = 0; i < heads * dim; ++i) {
+        const float kk = k[size_t(t * heads * dim + i)], vv = v[size_t(t * heads * dim + i)];
+        EXPECT_EQ(kv.k_at(0, positions[size_t(t)])[i], bf16 ? round_bf16(kk) : kk);
+        EXPECT_EQ(kv.v_at(0, positions[size_t(t)])[i], bf16 ? round_bf16(vv) : vv);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace turbospark
