@@ -5,7 +5,10 @@ relative error of every traced activation (max |cuda - cpu| over max |cpu| of th
 first token row where it exceeds the threshold: where a GPU path first leaves the CPU's.
 
     python3 tools/diff_trace.py --ts build-cuda/turbospark --model tests/data/fixtures/gpt_oss_tiny \
-        [--tokens 1,2,3 | --long] [--chunk 0] [--threshold 1e-2] [--work /tmp/trace]
+        [--tokens 1,2,3 | --long] [--chunk 0] [--threshold 1e-2] [--work /tmp/trace] [--precision cuda]
+
+--precision cuda runs the CPU side rounding where CUDA does (`logits --precision cuda`): what
+is left over is the GPU kernels' own error, not the bf16 the GPU path runs at.
 
 --long takes the fixture's long_golden.json tokens, otherwise golden.json's.
 """
@@ -19,10 +22,12 @@ import sys
 import numpy as np
 
 
-def run(ts, model, device, tokens, chunk, out_dir):
+def run(ts, model, device, tokens, chunk, out_dir, precision="exact"):
     os.makedirs(out_dir, exist_ok=True)
     cmd = [ts, "logits", "--model", model, "--tokens", tokens, "--chunk", str(chunk), "--device", device,
            "--out", os.path.join(out_dir, "logits.npy"), "--trace-out", out_dir]
+    if device == "cpu" and precision != "exact":
+        cmd += ["--precision", precision]
     env = dict(os.environ, TURBOSPARK_CUDA_UNVERIFIED="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -39,13 +44,14 @@ def main():
     ap.add_argument("--threshold", type=float, default=1e-2)
     ap.add_argument("--work", default="/tmp/diff_trace")
     ap.add_argument("--show", type=int, default=12, help="print at most this many tensors past the threshold")
+    ap.add_argument("--precision", default="exact", choices=["exact", "cuda"], help="the CPU side's rounding")
     a = ap.parse_args()
     tokens = a.tokens
     if not tokens:
         with open(os.path.join(a.model, "long_golden.json" if a.long else "golden.json")) as fh:
             tokens = ",".join(str(t) for t in json.load(fh)["tokens"])
     cpu_dir, cuda_dir = os.path.join(a.work, "cpu"), os.path.join(a.work, "cuda")
-    run(a.ts, a.model, "cpu", tokens, a.chunk, cpu_dir)
+    run(a.ts, a.model, "cpu", tokens, a.chunk, cpu_dir, a.precision)
     run(a.ts, a.model, "cuda", tokens, a.chunk, cuda_dir)
 
     def key(name):
@@ -55,7 +61,7 @@ def main():
     names = sorted((n for n in os.listdir(cpu_dir) if n.endswith(".npy") and n != "logits.npy"), key=key)
     names.append("logits.npy")
     shown = 0
-    print(f"{os.path.basename(a.model)} tokens {len(tokens.split(','))} chunk {a.chunk}")
+    print(f"{os.path.basename(a.model)} tokens {len(tokens.split(','))} chunk {a.chunk} cpu precision {a.precision}")
     for n in names:
         x, y = np.load(os.path.join(cpu_dir, n)), np.load(os.path.join(cuda_dir, n))
         if x.shape != y.shape:

@@ -17,7 +17,7 @@ namespace turbospark::cli {
 
 void add_logits_command(CLI::App& app) {
   struct Opts {
-    std::string model, tokens, out, router_out, router_stats, trace_out, device = "auto";
+    std::string model, tokens, out, router_out, router_stats, trace_out, device = "auto", precision = "exact";
     int64_t chunk = 0;
     int threads = 0;
     ExpertCacheFlags experts;
@@ -37,11 +37,22 @@ void add_logits_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
+  cmd->add_option("--precision", o->precision,
+                  "--device cpu only: exact (default), or cuda: round where the CUDA backend does (K/V stored as "
+                  "bf16, GEMM inputs of micro-batches over 8 rows as bf16/tf32), a reference that tells a GPU "
+                  "kernel's error from its path's precision (tools/diff_trace.py --precision cuda)")
+      ->capture_default_str();
   add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     if (o->chunk < 0) fail("logits: --chunk must be >= 0 (0 = the largest micro-batch), got {}", o->chunk);
     std::vector<int32_t> tokens = parse_token_list(o->tokens);
-    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true, o->experts);
+    if (o->precision != "exact" && o->precision != "cuda")
+      fail("logits: --precision {}: want exact or cuda", o->precision);
+    if (o->precision == "cuda" && o->device != "cpu")
+      fail("logits: --precision cuda is the CPU backend's emulation of CUDA's rounding: use it with --device cpu");
+    CpuPrecision precision;
+    if (o->precision == "cuda") precision = CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8};
+    LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true, o->experts, precision);
     const Model& model = *rt.model.model;
     for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--router-out", &o->router_out},
                                       {"--router-stats", &o->router_stats}})

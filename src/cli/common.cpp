@@ -71,9 +71,9 @@ static const char* builtin_chat_template(const ModelInfo& info, const Tokenizer&
   return nullptr;
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& device, int threads) {
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads, const CpuPrecision& precision) {
   if (threads < 0 || threads > 4096) fail("--threads must be in [0, 4096] (0 = every core), got {}", threads);
-  if (device == "cpu") return make_cpu_backend(threads);
+  if (device == "cpu") return make_cpu_backend(threads, precision);
   if (device == "cuda") return make_cuda_backend(0);
   if (device == "auto") return cuda_available() ? make_cuda_backend(0) : make_cpu_backend(threads);
   fail("--device {}: unknown device (cpu, cuda or auto)", device);
@@ -239,11 +239,11 @@ void print_expert_cache_summary(const LoadedRuntime& rt) {
 }
 
 LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet,
-                           const ExpertCacheFlags& experts) {
+                           const ExpertCacheFlags& experts, const CpuPrecision& cpu_precision) {
   validate_expert_cache_flags(experts);
   auto t0 = std::chrono::steady_clock::now();
   LoadedRuntime rt;
-  rt.backend = make_backend(device, threads);
+  rt.backend = make_backend(device, threads, cpu_precision);
   if (!quiet) fmt::print(stderr, "loading {} on {} ...\n", path, rt.backend->name());
   // Streaming asked for on a device: its routed experts must stay in host memory from the load on.
   if (experts.gpu_memory_gb > 0) {

@@ -49,11 +49,12 @@ struct LoadedRuntime {
 
 // The backend --device names: cpu, cuda, or auto (cuda when this build has it and a GPU is
 // present, else cpu). Anything else, and cuda in a build without it, is refused by name.
-std::unique_ptr<Backend> make_backend(const std::string& device, int threads);
+// `precision` applies to the CPU backend only (CpuPrecision: its rounding can mirror CUDA's).
+std::unique_ptr<Backend> make_backend(const std::string& device, int threads, const CpuPrecision& precision = {});
 
 // Loads the model in `path` on `device` (see make_backend).
 LoadedRuntime load_runtime(const std::string& path, const std::string& device, int threads, bool quiet,
-                           const ExpertCacheFlags& experts = {});
+                           const ExpertCacheFlags& experts = {}, const CpuPrecision& cpu_precision = {});
 // After a run: the expert cache's line (hit rate, bytes, GB/s, stalls) on stderr, when on.
 void print_expert_cache_summary(const LoadedRuntime& rt);
 
