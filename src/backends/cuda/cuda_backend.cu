@@ -516,6 +516,7 @@ class CudaBackend final : public Backend {
         distinct.push_back(id);
       }
     }
+    if (host_compute_ && x.rows <= cuda::kMoeDecodeMaxRows) return moe_split(experts, x, idx, weight, k, out, distinct);
     const int64_t slots = expert_slots_->slots();
     if (int64_t(distinct.size()) <= slots) {
       const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, routed_ids_, upload);
@@ -554,6 +555,83 @@ class CudaBackend final : public Backend {
       // The next pass may evict what this one's kernels read: wait for them (one bank).
       TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "streamed MoE pass");
     }
+  }
+
+  // Decode-sized micro-batches with host compute on (TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE=1):
+  // the experts the slots hold run on the GPU; the others run on the host's cores from their
+  // host copies, at the same time, instead of crossing the link (a token's expert is ~2.5 MB
+  // of Q4_0 that the host reads from RAM faster than the link moves it); the host's share is
+  // uploaded and added. Nothing is loaded into the slots here: prefill fills them.
+  void moe_split(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
+                 int k, const Mat& out, const std::vector<int32_t>& distinct) {
+    const int32_t layer = experts[0].gate.layer;
+    const int64_t rows = x.rows, hidden = out.cols, pairs = rows * k;
+    routed_weights_.resize(size_t(pairs));
+    download_bytes(routed_weights_.data(), weight, pairs * 4);
+    int32_t on_gpu = -1;
+    int64_t host_experts = 0;
+    for (int32_t e : distinct) {
+      if (expert_slots_->holds(layer, e)) {
+        if (on_gpu < 0) on_gpu = e;
+      } else {
+        ++host_experts;
+      }
+    }
+    // The GPU's share (queued before the host computes its own, so both run at once).
+    auto gpu_share = [&] {
+      if (on_gpu < 0) return;
+      std::vector<int32_t> ids(static_cast<size_t>(pairs));
+      std::vector<float> weights(static_cast<size_t>(pairs));
+      for (int64_t j = 0; j < pairs; ++j) {
+        const int32_t id = routed_ids_[size_t(j)];
+        const bool here = expert_slots_->holds(layer, id);
+        ids[size_t(j)] = here ? id : on_gpu;
+        weights[size_t(j)] = here ? routed_weights_[size_t(j)] : 0.f;
+      }
+      if (pass_idx_.size() < pairs) {
+        pass_idx_ = alloc_array<int32_t>(pairs);
+        pass_weight_ = alloc_array<float>(pairs);
+      }
+      upload_bytes(pass_idx_.data(), ids.data(), pairs * 4);
+      upload_bytes(pass_weight_.data(), weights.data(), pairs * 4);
+      auto upload = [this](void* dst, const void* src, int64_t bytes) { stage_copy(dst, src, bytes, "routed expert"); };
+      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, ids, upload);  // all hits
+      matmul_->moe_experts(placed, x, pass_idx_.data(), pass_weight_.data(), k, out, stream_);
+    };
+    expert_slots_->count_host_compute(host_experts, int64_t(distinct.size()));
+    if (host_experts == 0) return gpu_share();
+    // The host's share: one row per (row, expert) pair it computes, so each expert's weights
+    // are read once for all its pairs; then summed into the rows.
+    // (x comes down before the GPU's share is queued: a download waits for the stream.)
+    host_x_.resize(size_t(rows * hidden));
+    download(x, host_x_.data());
+    std::vector<int32_t> pair_row, pair_id;
+    std::vector<float> pair_w;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const int32_t id = routed_ids_[size_t(j)];
+      if (expert_slots_->holds(layer, id)) continue;
+      pair_row.push_back(int32_t(j / k));
+      pair_id.push_back(id);
+      pair_w.push_back(routed_weights_[size_t(j)]);
+    }
+    gpu_share();
+    const int64_t n = int64_t(pair_row.size());
+    std::vector<float> px(size_t(n * hidden)), py(size_t(n * hidden));
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(&px[size_t(i * hidden)], &host_x_[size_t(pair_row[size_t(i)] * hidden)], size_t(hidden) * 4);
+    if (!host_) host_ = make_cpu_backend(0);
+    host_->moe_experts(experts, Mat(px.data(), n, hidden), pair_id.data(), pair_w.data(), 1, Mat(py.data(), n, hidden));
+    std::vector<float> sum(size_t(rows * hidden), 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = &sum[size_t(pair_row[size_t(i)] * hidden)];
+      const float* src = &py[size_t(i * hidden)];
+      for (int64_t c = 0; c < hidden; ++c) dst[c] += src[c];
+    }
+    if (on_gpu < 0) return upload(out, sum.data());  // the host's share is the whole output
+    if (pass_out_.size() < rows * hidden) pass_out_ = alloc_array<float>(rows * hidden);
+    const Mat part(pass_out_.data(), rows, hidden);
+    upload(part, sum.data());
+    cuda::add(out, part, stream_);
   }
 
   // Host -> device through the pinned staging halves, ordered on the stream (no load progress).
@@ -648,6 +726,13 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::DeviceExpertSlots> expert_slots_;
   std::vector<int32_t> routed_ids_;
   std::vector<float> routed_weights_;
+  std::vector<float> host_x_;  // moe_split: the micro-batch's rows on the host
+  // Expert streaming: decode's missed experts computed on the host (moe_split), and its backend.
+  const bool host_compute_ = [] {
+    const char* v = std::getenv("TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE");
+    return v && std::string(v) == "1";
+  }();
+  std::unique_ptr<Backend> host_;
   BackendArray<int32_t> pass_idx_;  // a pass's masked routing (moe_streamed)
   BackendArray<float> pass_weight_;
   BackendArray<float> pass_out_;

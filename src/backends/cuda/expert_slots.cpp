@@ -188,6 +188,8 @@ std::string DeviceExpertSlots::summary() const {
   settle_timing();
   const ExpertCacheStats& s = cache_->stats();
   const int64_t asked = s.hits + s.misses;
+  const std::string host =
+      host_used_ > 0 ? fmt::format("; decode computed {} of {} expert uses on the host", host_computed_, host_used_) : "";
   return fmt::format("expert cache (device): {} slots x {:.2f} MiB, {} policy; hits {:.1f}% ({} of {}), {:.2f} GiB "
                      "loaded, {:.1f} GB/s while loading; pinned pool {:.2f} GiB ({:.0f}% of loads)",
                      cache_->slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_->policy()),
@@ -195,7 +197,8 @@ std::string DeviceExpertSlots::summary() const {
                      double(bytes_loaded_) / (1 << 30),
                      load_seconds_ > 0 ? double(bytes_loaded_) / 1e9 / load_seconds_ : 0.0,
                      double(pool_used_) / (1 << 30),
-                     bytes_loaded_ > 0 ? 100.0 * double(pool_dma_bytes_) / double(bytes_loaded_) : 0.0);
+                     bytes_loaded_ > 0 ? 100.0 * double(pool_dma_bytes_) / double(bytes_loaded_) : 0.0) +
+         host;
 }
 
 }  // namespace turbospark::cuda

@@ -64,6 +64,13 @@ class DeviceExpertSlots {
   // "N slots x M MiB, hits H% (h of n), X GiB loaded at Y GB/s", and the pinned pool's use.
   std::string summary() const;
   int64_t pool_bytes() const { return pool_used_; }
+  // Whether a slot holds (layer, expert) now (no load, no statistics).
+  bool holds(int32_t layer, int32_t expert) const { return cache_->slot_of(layer, expert).has_value(); }
+  // moe_split's count: of `used` distinct experts of a micro-batch, `host` ran on the host.
+  void count_host_compute(int64_t host, int64_t used) {
+    host_computed_ += host;
+    host_used_ += used;
+  }
   int64_t slots() const { return cache_->slots(); }
   int64_t slot_bytes() const { return slot_bytes_; }
   const ExpertCacheStats& stats() const { return cache_->stats(); }
@@ -88,6 +95,7 @@ class DeviceExpertSlots {
   };
   std::vector<PoolLayer> pool_;
   int64_t pool_limit_ = 0, pool_used_ = 0, pool_dma_bytes_ = 0;
+  int64_t host_computed_ = 0, host_used_ = 0;
   cudaStream_t stream_;
   cudaEvent_t load_start_ = nullptr, load_end_ = nullptr;
   mutable bool timing_pending_ = false;
