@@ -569,12 +569,12 @@ class CudaBackend final : public Backend {
     routed_weights_.resize(size_t(pairs));
     download_bytes(routed_weights_.data(), weight, pairs * 4);
     int32_t on_gpu = -1;
-    int64_t host_experts = 0;
+    int64_t n_host = 0;
     for (int32_t e : distinct) {
       if (expert_slots_->holds(layer, e)) {
         if (on_gpu < 0) on_gpu = e;
       } else {
-        ++host_experts;
+        ++n_host;
       }
     }
     // The GPU's share (queued before the host computes its own, so both run at once).
@@ -598,8 +598,8 @@ class CudaBackend final : public Backend {
       const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, ids, upload);  // all hits
       matmul_->moe_experts(placed, x, pass_idx_.data(), pass_weight_.data(), k, out, stream_);
     };
-    expert_slots_->count_host_compute(host_experts, int64_t(distinct.size()));
-    if (host_experts == 0) return gpu_share();
+    expert_slots_->count_host_compute(n_host, int64_t(distinct.size()));
+    if (n_host == 0) return gpu_share();
     // The host's share: one row per (row, expert) pair it computes, so each expert's weights
     // are read once for all its pairs; then summed into the rows.
     // (x comes down before the GPU's share is queued: a download waits for the stream.)
@@ -620,7 +620,8 @@ class CudaBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i)
       std::memcpy(&px[size_t(i * hidden)], &host_x_[size_t(pair_row[size_t(i)] * hidden)], size_t(hidden) * 4);
     if (!host_) host_ = make_cpu_backend(0);
-    host_->moe_experts(experts, Mat(px.data(), n, hidden), pair_id.data(), pair_w.data(), 1, Mat(py.data(), n, hidden));
+    host_->moe_experts(host_experts(experts), Mat(px.data(), n, hidden), pair_id.data(), pair_w.data(), 1,
+                       Mat(py.data(), n, hidden));
     std::vector<float> sum(size_t(rows * hidden), 0.f);
     for (int64_t i = 0; i < n; ++i) {
       float* dst = &sum[size_t(pair_row[size_t(i)] * hidden)];
@@ -632,6 +633,36 @@ class CudaBackend final : public Backend {
     const Mat part(pass_out_.data(), rows, hidden);
     upload(part, sum.data());
     cuda::add(out, part, stream_);
+  }
+
+  // The layer's experts as the host computes them: their weights are host views already, but
+  // biases (gpt-oss) are backend memory: copied down once per layer.
+  const std::vector<ExpertWeights>& host_experts(const std::vector<ExpertWeights>& experts) {
+    const ExpertWeights& e0 = experts[0];
+    if (!e0.gate_bias && !e0.up_bias && !e0.down_bias) return experts;
+    const size_t layer = size_t(std::max(e0.gate.layer, 0));
+    if (host_experts_.size() <= layer) {
+      host_experts_.resize(layer + 1);
+      host_biases_.resize(layer + 1);
+    }
+    std::vector<ExpertWeights>& he = host_experts_[layer];
+    if (he.size() == experts.size()) return he;
+    he = experts;
+    std::vector<std::vector<float>>& store = host_biases_[layer];
+    store.clear();
+    store.reserve(3 * experts.size());
+    auto copy_down = [&](const float*& bias, int64_t n) {
+      if (!bias) return;
+      store.emplace_back(size_t(n));
+      download_bytes(store.back().data(), bias, n * 4);
+      bias = store.back().data();
+    };
+    for (ExpertWeights& e : he) {
+      copy_down(e.gate_bias, e.gate.view.rows);
+      copy_down(e.up_bias, e.up.view.rows);
+      copy_down(e.down_bias, e.down.view.rows);
+    }
+    return he;
   }
 
   // Host -> device through the pinned staging halves, ordered on the stream (no load progress).
@@ -733,6 +764,8 @@ class CudaBackend final : public Backend {
     return v && std::string(v) == "1";
   }();
   std::unique_ptr<Backend> host_;
+  std::vector<std::vector<ExpertWeights>> host_experts_;        // per layer, with host biases
+  std::vector<std::vector<std::vector<float>>> host_biases_;    // their storage
   BackendArray<int32_t> pass_idx_;  // a pass's masked routing (moe_streamed)
   BackendArray<float> pass_weight_;
   BackendArray<float> pass_out_;
