@@ -99,6 +99,11 @@ class ExpertStreamer final : public ExpertProvider {
   void speculate(std::span<const ExpertWeights* const> likely) override;
 
   const ExpertStreamStats& stats() const { return stats_; }
+  // A copy taken under the lock the I/O thread updates them under (for readers on other threads).
+  ExpertStreamStats stats_snapshot() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
   const ExpertCache& cache() const { return cache_; }
   int64_t slot_bytes() const { return slot_bytes_; }
   // The file byte ranges [begin, end) the expert is read from (empty when served in place).

@@ -293,6 +293,11 @@ class Backend {
   }
   // The device tier's hit rate, bytes and link speed so far; empty without one.
   virtual std::string expert_cache_summary() const { return {}; }
+  // The device tier's counts so far into *out; false without one.
+  virtual bool device_expert_cache_stats(ExpertCacheStats* out) const {
+    (void)out;
+    return false;
+  }
   // Device memory the engine may still take (free memory, or what is left of a limit set by
   // set_memory_limit), or -1 for a backend whose memory is the host's.
   virtual int64_t device_memory_available() const { return -1; }

@@ -374,11 +374,24 @@ void ServeEngine::step() {
   }
   publish_kv();
   if (check_kv_) runner_.kv().check_invariants();
+  ExpertCacheStats device_experts;
+  const bool device_cache = !rt_.experts && rt_.backend->device_expert_cache_stats(&device_experts);
+  const ExpertStreamStats disk_experts = rt_.experts ? rt_.experts->stats_snapshot() : ExpertStreamStats{};
   {
     std::lock_guard<std::mutex> lock(mu_);
     metrics_.steps++;
     metrics_.step_rows += rows.size();
     metrics_.step_seqs += stepped.size();
+    if (rt_.experts) {
+      metrics_.expert_cache = true;
+      metrics_.expert_lookups = disk_experts.acquires - disk_experts.in_place;
+      metrics_.expert_loads = disk_experts.loads();
+      metrics_.expert_bytes_read = disk_experts.bytes_read;
+    } else if (device_cache) {
+      metrics_.expert_cache = true;
+      metrics_.expert_lookups = device_experts.hits + device_experts.misses;
+      metrics_.expert_loads = device_experts.misses;
+    }
   }
   int64_t out = 0;
   for (Slot* sp : stepped) {
@@ -565,6 +578,16 @@ std::string ServeEngine::prometheus() {
           double(m.step_seqs));
   const double hit = m.prompt_tokens ? double(m.prompt_tokens_cached) / double(m.prompt_tokens) : 0.0;
   counter("prefix_cache_hit_rate", "Share of prompt tokens reused from the KV cache.", hit, "gauge");
+  if (m.expert_cache) {
+    counter("expert_cache_lookups_total", "Routed experts looked up in the expert cache.", double(m.expert_lookups));
+    counter("expert_cache_loads_total", "Routed experts loaded into the expert cache (misses and prefetches).",
+            double(m.expert_loads));
+    counter("expert_cache_read_bytes_total", "Bytes of experts read from disk (the CPU tier).",
+            double(m.expert_bytes_read));
+    const double expert_hit =
+        m.expert_lookups ? std::max(0.0, 1.0 - double(m.expert_loads) / double(m.expert_lookups)) : 0.0;
+    counter("expert_cache_hit_rate", "Share of expert lookups the cache served without a load.", expert_hit, "gauge");
+  }
   histogram("time_to_first_token_seconds", "Time from request to its first token.", m.ttft);
   histogram("time_per_output_token_seconds", "Mean time between a request's tokens after the first.", m.tpot);
   return out;

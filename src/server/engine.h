@@ -106,6 +106,10 @@ struct ServeMetrics {
   int64_t kv_blocks_used = 0, kv_blocks_total = 0, kv_blocks_cached = 0;
   uint64_t steps = 0, step_rows = 0, step_seqs = 0;  // forwards run, the rows and sequences they held
   uint64_t preemptions = 0;
+  // Expert streaming (either tier), when on: experts looked up in the cache, loaded into it,
+  // and bytes read from disk (the CPU tier's; the device tier copies from host memory).
+  bool expert_cache = false;
+  int64_t expert_lookups = 0, expert_loads = 0, expert_bytes_read = 0;
   Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram tpot{{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
 };

@@ -424,6 +424,35 @@ TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "f
                     "qwen3_moe_gguf_tiny-bf16.gguf")
 
 
+class ServeExpertCacheMetrics(unittest.TestCase):
+    """With expert streaming on (--expert-cache-slots), /metrics reports the expert cache: lookups,
+    loads, disk bytes and the hit rate, consistent with one another; without it, none of them."""
+
+    def test_metrics_report_the_expert_cache(self):
+        body = {"prompt": "one two three four five six seven", "max_tokens": 12, "temperature": 0}
+        proc, base = start_server("--expert-cache-slots", "3", model=TINY, parallel=1, ctx=256)
+        try:
+            self.assertEqual(http("POST", base + "/v1/completions", body)[0], 200)
+            metrics = http("GET", base + "/metrics")[1]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+        value = lambda name: float(re.search(rf"(?m)^turbospark_{name} (\S+)$", metrics).group(1))
+        lookups, loads = value("expert_cache_lookups_total"), value("expert_cache_loads_total")
+        # 8 experts, top-2, 3 slots: every step looks up at least 2 experts per layer and some miss.
+        self.assertGreater(lookups, 0)
+        self.assertGreater(loads, 0)
+        self.assertLessEqual(loads, lookups)
+        self.assertGreater(value("expert_cache_read_bytes_total"), 0)
+        self.assertAlmostEqual(value("expert_cache_hit_rate"), 1 - loads / lookups, places=5)
+        proc, base = start_server(model=TINY, parallel=1, ctx=256)
+        try:
+            self.assertNotIn("turbospark_expert_cache", http("GET", base + "/metrics")[1])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+
+
 class ServePreemption(unittest.TestCase):
     """A KV pool of one sequence's context (--kv-pool-tokens) for three slots: replies that
     grow find no free block and preempt the newest request, which is recomputed later. Every

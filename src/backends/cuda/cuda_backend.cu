@@ -372,6 +372,11 @@ class CudaBackend final : public Backend {
                                                               device_memory_available(), stream_);
   }
   std::string expert_cache_summary() const override { return expert_slots_ ? expert_slots_->summary() : ""; }
+  bool device_expert_cache_stats(ExpertCacheStats* out) const override {
+    if (!expert_slots_) return false;
+    *out = expert_slots_->stats();
+    return true;
+  }
 
   // ---- ops ----
   void matmul(const Weight& w, const Mat& x, const Mat& y) override { matmul_->matmul(w.view, x, y, stream_); }
