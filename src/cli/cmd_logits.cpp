@@ -51,7 +51,7 @@ void add_logits_command(CLI::App& app) {
     if (o->precision == "cuda" && o->device != "cpu")
       fail("logits: --precision cuda is the CPU backend's emulation of CUDA's rounding: use it with --device cpu");
     CpuPrecision precision;
-    if (o->precision == "cuda") precision = CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8};
+    if (o->precision == "cuda") precision = CpuPrecision::like_cuda();
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true, o->experts, precision);
     const Model& model = *rt.model.model;
     for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--router-out", &o->router_out},

@@ -466,6 +466,10 @@ struct CpuPrecision {
   // than this many rows, reads its input rounded as a tensor-core GEMM does (bf16; tf32 for f32
   // weights); fewer rows keep f32 (the GEMV and MoE decode kernels). CUDA's bound: 8.
   int64_t gemm_above_rows = 0;
+
+  // The CUDA backend's: bf16 KV, GEMMs past its 8-row GEMV and MoE-decode bound
+  // (tests/device/test_cuda_golden.cpp holds the 8 to cuda::kGemvMaxRows and kMoeDecodeMaxRows).
+  static CpuPrecision like_cuda() { return CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8}; }
 };
 std::unique_ptr<Backend> make_cpu_backend(int n_threads, const CpuPrecision& precision);
 

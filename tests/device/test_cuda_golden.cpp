@@ -47,10 +47,10 @@ constexpr double kCudaLogitTol = 3e-2;
 // The CPU backend rounding where the CUDA path does (CpuPrecision: K/V stored as bf16, GEMM
 // inputs of micro-batches past the GEMV/MoE-decode bound as bf16/tf32): what the GPU must
 // match closely, whatever a fixture makes of those roundings against transformers.
-static_assert(cuda::kGemvMaxRows == 8 && cuda::kMoeDecodeMaxRows == 8, "CpuPrecision below mirrors these");
+static_assert(cuda::kGemvMaxRows == 8 && cuda::kMoeDecodeMaxRows == 8, "CpuPrecision::like_cuda() mirrors these");
 std::vector<float> cpu_at_cuda_precision(const std::string& model_path, const std::vector<int32_t>& tokens,
                                          int64_t chunk, int64_t max_batch = kMaxPrefillBatch) {
-  auto cpu = make_cpu_backend(4, CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8});
+  auto cpu = make_cpu_backend(4, CpuPrecision::like_cuda());
   LoadedModel m = load_model(model_path, *cpu);
   SessionOptions so;
   so.max_prefill_batch = max_batch;
@@ -168,7 +168,7 @@ TEST_P(CudaGolden, CachedDecodeEqualsFullRecompute) {
 TEST_P(CudaGolden, GreedyIdsEqualTheCpuBackend) {
   auto cpu = make_cpu_backend(2);
   LoadedModel on_cpu = load_model(fixture(GetParam()), *cpu);
-  auto cpu_p = make_cpu_backend(2, CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8});
+  auto cpu_p = make_cpu_backend(2, CpuPrecision::like_cuda());
   LoadedModel on_cpu_p = load_model(fixture(GetParam()), *cpu_p);
   SamplingParams sp;
   sp.temperature = 0;

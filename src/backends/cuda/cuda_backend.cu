@@ -511,8 +511,10 @@ class CudaBackend final : public Backend {
     download_bytes(routed_ids_.data(), idx, pairs * 4);
     auto upload = [this](void* dst, const void* src, int64_t bytes) { stage_copy(dst, src, bytes, "routed expert"); };
     // The distinct experts in first-use order.
-    std::vector<int32_t> distinct;
-    std::vector<uint8_t> seen(experts.size(), 0);
+    std::vector<int32_t>& distinct = distinct_;
+    std::vector<uint8_t>& seen = expert_flag_;
+    distinct.clear();
+    seen.assign(experts.size(), 0);
     for (int32_t id : routed_ids_) {
       TS_CHECK(id >= 0 && size_t(id) < seen.size(), "cuda: layer {} routed a row to expert {} of {}",
                experts[0].gate.layer, id, seen.size());
@@ -521,7 +523,7 @@ class CudaBackend final : public Backend {
         distinct.push_back(id);
       }
     }
-    if (host_compute_ && x.rows <= cuda::kMoeDecodeMaxRows) return moe_split(experts, x, idx, weight, k, out, distinct);
+    if (host_compute_ && x.rows <= cuda::kMoeDecodeMaxRows) return moe_split(experts, x, weight, k, out);
     const int64_t slots = expert_slots_->slots();
     if (int64_t(distinct.size()) <= slots) {
       const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, routed_ids_, upload);
@@ -529,28 +531,14 @@ class CudaBackend final : public Backend {
     }
     routed_weights_.resize(size_t(pairs));
     download_bytes(routed_weights_.data(), weight, pairs * 4);
-    if (pass_idx_.size() < pairs) {
-      pass_idx_ = alloc_array<int32_t>(pairs);
-      pass_weight_ = alloc_array<float>(pairs);
-    }
-    if (pass_out_.size() < x.rows * out.cols) pass_out_ = alloc_array<float>(x.rows * out.cols);
-    const Mat part(pass_out_.data(), x.rows, out.cols);
-    std::vector<int32_t> ids(static_cast<size_t>(pairs));
-    std::vector<float> weights(static_cast<size_t>(pairs));
+    const Mat part = pass_part(x.rows, out.cols);
     for (size_t first = 0; first < distinct.size(); first += size_t(slots)) {
       const size_t last = std::min(distinct.size(), first + size_t(slots));
       std::fill(seen.begin(), seen.end(), 0);  // now: in this pass
       for (size_t i = first; i < last; ++i) seen[size_t(distinct[i])] = 1;
-      for (int64_t j = 0; j < pairs; ++j) {
-        const int32_t id = routed_ids_[size_t(j)];
-        const bool here = seen[size_t(id)];
-        ids[size_t(j)] = here ? id : distinct[first];
-        weights[size_t(j)] = here ? routed_weights_[size_t(j)] : 0.f;
-      }
       // Stream-ordered after the previous pass's kernels, which read these buffers.
-      upload_bytes(pass_idx_.data(), ids.data(), pairs * 4);
-      upload_bytes(pass_weight_.data(), weights.data(), pairs * 4);
-      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, ids, upload);
+      upload_masked_routing(seen, distinct[first]);
+      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, pass_ids_, upload);
       if (first == 0) {
         matmul_->moe_experts(placed, x, pass_idx_.data(), pass_weight_.data(), k, out, stream_);
       } else {
@@ -567,77 +555,91 @@ class CudaBackend final : public Backend {
   // host copies, at the same time, instead of crossing the link (a token's expert is ~2.5 MB
   // of Q4_0 that the host reads from RAM faster than the link moves it); the host's share is
   // uploaded and added. Nothing is loaded into the slots here: prefill fills them.
-  void moe_split(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
-                 int k, const Mat& out, const std::vector<int32_t>& distinct) {
+  void moe_split(const std::vector<ExpertWeights>& experts, const Mat& x, const float* weight, int k, const Mat& out) {
     const int32_t layer = experts[0].gate.layer;
     const int64_t rows = x.rows, hidden = out.cols, pairs = rows * k;
     routed_weights_.resize(size_t(pairs));
     download_bytes(routed_weights_.data(), weight, pairs * 4);
+    // expert_flag_: whether a slot holds the expert (its GPU share), for the distinct ones.
     int32_t on_gpu = -1;
     int64_t n_host = 0;
-    for (int32_t e : distinct) {
-      if (expert_slots_->holds(layer, e)) {
-        if (on_gpu < 0) on_gpu = e;
-      } else {
-        ++n_host;
-      }
+    for (int32_t e : distinct_) {
+      const bool held = expert_slots_->holds(layer, e);
+      expert_flag_[size_t(e)] = held;
+      if (held && on_gpu < 0) on_gpu = e;
+      n_host += !held;
     }
+    expert_slots_->count_host_compute(n_host, int64_t(distinct_.size()));
     // The GPU's share (queued before the host computes its own, so both run at once).
     auto gpu_share = [&] {
       if (on_gpu < 0) return;
-      std::vector<int32_t> ids(static_cast<size_t>(pairs));
-      std::vector<float> weights(static_cast<size_t>(pairs));
-      for (int64_t j = 0; j < pairs; ++j) {
-        const int32_t id = routed_ids_[size_t(j)];
-        const bool here = expert_slots_->holds(layer, id);
-        ids[size_t(j)] = here ? id : on_gpu;
-        weights[size_t(j)] = here ? routed_weights_[size_t(j)] : 0.f;
-      }
-      if (pass_idx_.size() < pairs) {
-        pass_idx_ = alloc_array<int32_t>(pairs);
-        pass_weight_ = alloc_array<float>(pairs);
-      }
-      upload_bytes(pass_idx_.data(), ids.data(), pairs * 4);
-      upload_bytes(pass_weight_.data(), weights.data(), pairs * 4);
+      upload_masked_routing(expert_flag_, on_gpu);
       auto upload = [this](void* dst, const void* src, int64_t bytes) { stage_copy(dst, src, bytes, "routed expert"); };
-      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, ids, upload);  // all hits
+      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, pass_ids_, upload);  // all hits
       matmul_->moe_experts(placed, x, pass_idx_.data(), pass_weight_.data(), k, out, stream_);
     };
-    expert_slots_->count_host_compute(n_host, int64_t(distinct.size()));
     if (n_host == 0) return gpu_share();
     // The host's share: one row per (row, expert) pair it computes, so each expert's weights
-    // are read once for all its pairs; then summed into the rows.
-    // (x comes down before the GPU's share is queued: a download waits for the stream.)
+    // are read once for all its pairs; then summed into the rows. x comes down before the
+    // GPU's share is queued (a download waits for the stream).
     host_x_.resize(size_t(rows * hidden));
     download(x, host_x_.data());
-    std::vector<int32_t> pair_row, pair_id;
-    std::vector<float> pair_w;
+    host_pair_row_.clear();
+    host_pair_id_.clear();
+    host_pair_w_.clear();
     for (int64_t j = 0; j < pairs; ++j) {
       const int32_t id = routed_ids_[size_t(j)];
-      if (expert_slots_->holds(layer, id)) continue;
-      pair_row.push_back(int32_t(j / k));
-      pair_id.push_back(id);
-      pair_w.push_back(routed_weights_[size_t(j)]);
+      if (expert_flag_[size_t(id)]) continue;
+      host_pair_row_.push_back(int32_t(j / k));
+      host_pair_id_.push_back(id);
+      host_pair_w_.push_back(routed_weights_[size_t(j)]);
     }
     gpu_share();
-    const int64_t n = int64_t(pair_row.size());
-    std::vector<float> px(size_t(n * hidden)), py(size_t(n * hidden));
+    const int64_t n = int64_t(host_pair_row_.size());
+    host_pair_x_.resize(size_t(n * hidden));
+    host_pair_y_.resize(size_t(n * hidden));
     for (int64_t i = 0; i < n; ++i)
-      std::memcpy(&px[size_t(i * hidden)], &host_x_[size_t(pair_row[size_t(i)] * hidden)], size_t(hidden) * 4);
+      std::memcpy(&host_pair_x_[size_t(i * hidden)], &host_x_[size_t(host_pair_row_[size_t(i)] * hidden)],
+                  size_t(hidden) * 4);
     if (!host_) host_ = make_cpu_backend(0);
-    host_->moe_experts(host_experts(experts), Mat(px.data(), n, hidden), pair_id.data(), pair_w.data(), 1,
-                       Mat(py.data(), n, hidden));
-    std::vector<float> sum(size_t(rows * hidden), 0.f);
+    host_->moe_experts(host_experts(experts), Mat(host_pair_x_.data(), n, hidden), host_pair_id_.data(),
+                       host_pair_w_.data(), 1, Mat(host_pair_y_.data(), n, hidden));
+    host_x_.assign(size_t(rows * hidden), 0.f);  // now: the host's share per row
     for (int64_t i = 0; i < n; ++i) {
-      float* dst = &sum[size_t(pair_row[size_t(i)] * hidden)];
-      const float* src = &py[size_t(i * hidden)];
+      float* dst = &host_x_[size_t(host_pair_row_[size_t(i)] * hidden)];
+      const float* src = &host_pair_y_[size_t(i * hidden)];
       for (int64_t c = 0; c < hidden; ++c) dst[c] += src[c];
     }
-    if (on_gpu < 0) return upload(out, sum.data());  // the host's share is the whole output
-    if (pass_out_.size() < rows * hidden) pass_out_ = alloc_array<float>(rows * hidden);
-    const Mat part(pass_out_.data(), rows, hidden);
-    upload(part, sum.data());
+    if (on_gpu < 0) return upload(out, host_x_.data());  // the host's share is the whole output
+    const Mat part = pass_part(rows, hidden);
+    upload(part, host_x_.data());
     cuda::add(out, part, stream_);
+  }
+
+  // The routing restricted to the experts `keep` flags: other pairs point at `fallback` (a kept
+  // expert) with weight 0, into pass_ids_ and, uploaded in stream order, pass_idx_/pass_weight_.
+  void upload_masked_routing(const std::vector<uint8_t>& keep, int32_t fallback) {
+    const int64_t pairs = int64_t(routed_ids_.size());
+    pass_ids_.resize(size_t(pairs));
+    pass_weights_.resize(size_t(pairs));
+    for (int64_t j = 0; j < pairs; ++j) {
+      const int32_t id = routed_ids_[size_t(j)];
+      const bool here = keep[size_t(id)];
+      pass_ids_[size_t(j)] = here ? id : fallback;
+      pass_weights_[size_t(j)] = here ? routed_weights_[size_t(j)] : 0.f;
+    }
+    if (pass_idx_.size() < pairs) {
+      pass_idx_ = alloc_array<int32_t>(pairs);
+      pass_weight_ = alloc_array<float>(pairs);
+    }
+    upload_bytes(pass_idx_.data(), pass_ids_.data(), pairs * 4);
+    upload_bytes(pass_weight_.data(), pass_weights_.data(), pairs * 4);
+  }
+
+  // [rows, cols] of device scratch for a partial MoE output added into the real one.
+  Mat pass_part(int64_t rows, int64_t cols) {
+    if (pass_out_.size() < rows * cols) pass_out_ = alloc_array<float>(rows * cols);
+    return Mat(pass_out_.data(), rows, cols);
   }
 
   // The layer's experts as the host computes them: their weights are host views already, but
@@ -762,7 +764,14 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::DeviceExpertSlots> expert_slots_;
   std::vector<int32_t> routed_ids_;
   std::vector<float> routed_weights_;
-  std::vector<float> host_x_;  // moe_split: the micro-batch's rows on the host
+  std::vector<int32_t> distinct_;     // moe_streamed: the layer's distinct routed experts
+  std::vector<uint8_t> expert_flag_;  // per expert: in this pass (moe_streamed) or held (moe_split)
+  std::vector<int32_t> pass_ids_;     // upload_masked_routing's host copies
+  std::vector<float> pass_weights_;
+  // moe_split's host side: the micro-batch's rows (then the host's share per row) and one row
+  // per (row, expert) pair the host computes.
+  std::vector<float> host_x_, host_pair_x_, host_pair_y_, host_pair_w_;
+  std::vector<int32_t> host_pair_row_, host_pair_id_;
   // Expert streaming: decode's missed experts computed on the host (moe_split), and its backend.
   const bool host_compute_ = [] {
     const char* v = std::getenv("TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE");
