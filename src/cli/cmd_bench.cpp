@@ -24,7 +24,7 @@ void add_bench_command(CLI::App& app) {
   struct Opts {
     std::string model, device = "auto", router_stats;
     int64_t prompt = 128, decode = 32, ubatch = 0;
-    int threads = 0, repeat = 3;
+    int threads = 0, repeat = 3, warmup = 1;
     bool no_membw = false, profile = false, random_decode = false;
     ExpertCacheFlags experts;
   };
@@ -37,6 +37,10 @@ void add_bench_command(CLI::App& app) {
                   "Prompt tokens per forward (prefill micro-batch; default 0: the backend's, 64 on cpu, 2048 on cuda)")
       ->capture_default_str();
   cmd->add_option("--repeat", o->repeat, "Repetitions (the median is reported)")->capture_default_str();
+  cmd->add_option("--warmup", o->warmup,
+                  "Untimed runs (the prompt and one decode step) before the timed ones: they fill lazily allocated "
+                  "buffers, CUDA graphs and, when streaming experts, the pinned pool and the cache")
+      ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Worker threads (default: all cores)");
   cmd->add_option("--device", o->device, "cpu, cuda or auto (cuda when built with it and a GPU is present)")
       ->capture_default_str();
@@ -53,6 +57,7 @@ void add_bench_command(CLI::App& app) {
   cmd->callback([o] {
     using Clock = std::chrono::steady_clock;
     if (o->prompt < 1 || o->decode < 1) fail("bench: --prompt and --decode must be >= 1");
+    if (o->warmup < 0) fail("bench: --warmup must be >= 0, got {}", o->warmup);
     if (o->ubatch < 0) fail("bench: --ubatch must be >= 1 (0 = the backend's), got {}", o->ubatch);
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, false, o->experts);
     const Model& model = *rt.model.model;
@@ -68,6 +73,12 @@ void add_bench_command(CLI::App& app) {
     std::vector<double> prefill_tps, decode_tps;
     // Expert streaming: what the decode steps read from disk and how often the cache hit.
     int64_t decode_read = 0, decode_loads = 0, decode_acquires = 0, decode_tokens = 0;
+    for (int w = 0; w < o->warmup; ++w) {
+      session.reset();
+      std::vector<float> logits = session.feed(prompt);
+      int32_t next[1] = {argmax(logits.data(), info.vocab_size)};
+      session.feed_greedy(next);
+    }
     for (int r = 0; r < std::max(1, o->repeat); ++r) {
       session.reset();
       auto t0 = Clock::now();

@@ -176,6 +176,26 @@ TEST(Cli, BenchRouterStatsSummarizesPromptAndDecode) {
   EXPECT_EQ(per_layer, (std::map<int64_t, int64_t>{{0, 5 * k}, {2, 5 * k}}));  // the decode steps' picks
 }
 
+// bench's untimed warm-up runs (the prompt and one decode step each) go before the timed ones:
+// the streamed expert cache's whole-bench acquire count grows by one such run per warm-up.
+TEST(Cli, BenchWarmupRunsThePromptAndOneDecodeStepUntimed) {
+  auto acquires = [](int warmup, int decode) {
+    auto r = run_cli("bench --model " + fixture("qwen3_moe_tiny") + " --prompt 6 --decode " + std::to_string(decode) +
+                     " --repeat 1 --no-membw --expert-cache-slots 4 --warmup " + std::to_string(warmup));
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    const size_t at = r.out.find(" acquires,");
+    EXPECT_NE(at, std::string::npos) << r.out;
+    if (at == std::string::npos) return int64_t(-1);
+    size_t from = r.out.rfind(' ', at - 1);
+    return int64_t(std::stoll(r.out.substr(from + 1, at - from - 1)));
+  };
+  const int64_t plain = acquires(0, 5), one_step = acquires(0, 1);
+  EXPECT_GT(one_step, 0);
+  EXPECT_EQ(acquires(1, 5), plain + one_step);
+  EXPECT_EQ(acquires(2, 5), plain + 2 * one_step);
+  expect_one_line_error(run_cli("bench --model " + fixture("qwen3_moe_tiny") + " --warmup -1"), "--warmup must be >= 0");
+}
+
 TEST(Cli, GenerateIdsMatchesTransformersGreedy) {
   auto g = testing::read_json(fixture("qwen3_moe_tiny") + "/golden.json");
   auto tokens = g["tokens"].get<std::vector<int32_t>>();
