@@ -145,7 +145,11 @@ TEST(CudaExpertStreamingHost, DecodeMissesComputedOnTheHostEqualResident) {
     const int k = resident.model->experts_per_token();
     const int64_t E = resident.model->n_experts();
     setenv("TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE", "1", 1);
+    // Every miss on the host (0), every miss over the link that the slots allow (1), balanced.
+    for (const char* share : {"0", "1", "auto"})
     for (int64_t slots : {int64_t(k), std::max<int64_t>(k, E / 2)}) {
+      SCOPED_TRACE(std::string("link share ") + share);
+      setenv("TURBOSPARK_CUDA_EXPERT_LINK_SHARE", share, 1);
       auto be = make_cuda_backend(0);
       be->keep_experts_on_host();
       LoadedModel streamed = load_model(path, *be);
@@ -162,10 +166,14 @@ TEST(CudaExpertStreamingHost, DecodeMissesComputedOnTheHostEqualResident) {
       }
       const std::string summary = be->expert_cache_summary();
       EXPECT_NE(summary.find("on the host"), std::string::npos) << summary;
-      std::printf("[ measured ] %s host compute, slots %lld: %s\n", c.fixture.c_str(), static_cast<long long>(slots),
-                  summary.c_str());
+      // Share 0 loads nothing while decoding; share 1 computes on the host only what the slots
+      // could not take.
+      if (std::string(share) == "0") EXPECT_NE(summary.find(" 0 loaded over the link"), std::string::npos) << summary;
+      std::printf("[ measured ] %s host compute, link share %s, slots %lld: %s\n", c.fixture.c_str(), share,
+                  static_cast<long long>(slots), summary.c_str());
     }
     unsetenv("TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE");
+    unsetenv("TURBOSPARK_CUDA_EXPERT_LINK_SHARE");
   }
 }
 
@@ -179,6 +187,18 @@ TEST(CudaExpertStreamingRefusals, FewerSlotsThanTopK) {
   EXPECT_THROW(be->set_expert_cache(m.model->experts_per_token() - 1, m.model->experts_per_token(), EvictionPolicy::kLru,
                                     m.model->first_expert_of_each_layer()),
                Error);
+  // A link share outside [0, 1] (or not a number) is refused by name.
+  for (const char* bad : {"1.5", "-0.1", "half", ""}) {
+    setenv("TURBOSPARK_CUDA_EXPERT_LINK_SHARE", bad, 1);
+    try {
+      be->set_expert_cache(m.model->experts_per_token(), m.model->experts_per_token(), EvictionPolicy::kLru,
+                           m.model->first_expert_of_each_layer());
+      ADD_FAILURE() << "link share '" << bad << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("TURBOSPARK_CUDA_EXPERT_LINK_SHARE"), std::string::npos) << e.what();
+    }
+  }
+  unsetenv("TURBOSPARK_CUDA_EXPERT_LINK_SHARE");
   // A cache larger than the device: refused by name before anything runs.
   try {
     be->set_expert_cache(int64_t(1) << 40, m.model->experts_per_token(), EvictionPolicy::kLru,

@@ -108,6 +108,7 @@ class CudaBackend final : public Backend {
     if (router_ticket_) cudaFree(router_ticket_);
     for (void* p : overflow_weights_) cudaFree(p);
     for (void* p : attention_scratch_) cudaFree(p);
+    if (split_done_) cudaEventDestroy(split_done_);
     cudaStreamDestroy(stream_);
   }
 
@@ -370,6 +371,17 @@ class CudaBackend final : public Backend {
     expert_slots_.reset();
     expert_slots_ = std::make_unique<cuda::DeviceExpertSlots>(slots, top_k, policy, layer_experts,
                                                               device_memory_available(), stream_);
+    link_share_ = 0.5;
+    link_share_fixed_ = false;
+    if (const char* v = std::getenv("TURBOSPARK_CUDA_EXPERT_LINK_SHARE"); v && std::string(v) != "auto") {
+      char* end = nullptr;
+      const double share = std::strtod(v, &end);
+      TS_CHECK(*v && end && *end == '\0' && share >= 0.0 && share <= 1.0,
+               "TURBOSPARK_CUDA_EXPERT_LINK_SHARE must be a fraction in [0, 1] or auto, got '{}'", v);
+      link_share_ = share;
+      link_share_fixed_ = true;
+    }
+    if (host_compute_) expert_slots_->set_link_share(link_share_);
   }
   std::string expert_cache_summary() const override { return expert_slots_ ? expert_slots_->summary() : ""; }
   bool device_expert_cache_stats(ExpertCacheStats* out) const override {
@@ -551,34 +563,57 @@ class CudaBackend final : public Backend {
   }
 
   // Decode-sized micro-batches with host compute on (TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE=1):
-  // the experts the slots hold run on the GPU; the others run on the host's cores from their
-  // host copies, at the same time, instead of crossing the link (a token's expert is ~2.5 MB
-  // of Q4_0 that the host reads from RAM faster than the link moves it); the host's share is
-  // uploaded and added. Nothing is loaded into the slots here: prefill fills them.
+  // the experts the slots hold run on the GPU; of the missed ones, a share crosses the link
+  // into slots (and stays cached) for the GPU, and the rest run on the host's cores from their
+  // host copies at the same time (a token's expert is ~2.5 MB of Q4_0, which the host reads
+  // from RAM about as fast as the link moves it: both paths at once beat either alone). The
+  // host's share is uploaded and added. The link's share of the misses
+  // (TURBOSPARK_CUDA_EXPERT_LINK_SHARE, a fraction; default auto) balances itself: after the
+  // host's share, a GPU still busy lowers it a step, an idle one raises it.
   void moe_split(const std::vector<ExpertWeights>& experts, const Mat& x, const float* weight, int k, const Mat& out) {
     const int32_t layer = experts[0].gate.layer;
     const int64_t rows = x.rows, hidden = out.cols, pairs = rows * k;
     routed_weights_.resize(size_t(pairs));
     download_bytes(routed_weights_.data(), weight, pairs * 4);
-    // expert_flag_: whether a slot holds the expert (its GPU share), for the distinct ones.
+    // expert_flag_: whether the GPU computes the expert (held in a slot, or loaded now), for
+    // the distinct ones.
     int32_t on_gpu = -1;
-    int64_t n_host = 0;
+    int64_t held = 0, missed = 0;
     for (int32_t e : distinct_) {
-      const bool held = expert_slots_->holds(layer, e);
-      expert_flag_[size_t(e)] = held;
-      if (held && on_gpu < 0) on_gpu = e;
-      n_host += !held;
+      const bool h = expert_slots_->holds(layer, e);
+      expert_flag_[size_t(e)] = h;
+      if (h && on_gpu < 0) on_gpu = e;
+      held += h;
+      missed += !h;
     }
-    expert_slots_->count_host_compute(n_host, int64_t(distinct_.size()));
+    // Misses for the link: as many as the share says and the free slots allow (the held ones
+    // and these must all be in slots at once).
+    const int64_t to_link =
+        std::min<int64_t>(expert_slots_->slots() - held, std::llround(link_share_ * double(missed)));
+    int64_t linked = 0;
+    for (int32_t e : distinct_) {
+      if (linked >= to_link) break;
+      if (expert_flag_[size_t(e)]) continue;
+      expert_flag_[size_t(e)] = 1;
+      if (on_gpu < 0) on_gpu = e;
+      ++linked;
+    }
+    const int64_t n_host = missed - linked;
+    expert_slots_->count_host_compute(n_host, linked, int64_t(distinct_.size()));
     // The GPU's share (queued before the host computes its own, so both run at once).
     auto gpu_share = [&] {
       if (on_gpu < 0) return;
       upload_masked_routing(expert_flag_, on_gpu);
       auto upload = [this](void* dst, const void* src, int64_t bytes) { stage_copy(dst, src, bytes, "routed expert"); };
-      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, pass_ids_, upload);  // all hits
+      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, pass_ids_, upload);
       matmul_->moe_experts(placed, x, pass_idx_.data(), pass_weight_.data(), k, out, stream_);
     };
-    if (n_host == 0) return gpu_share();
+    if (n_host == 0) {
+      gpu_share();
+      // The host had nothing to do: give it more next time (unless the link had nothing either).
+      if (linked > 0) adjust_link_share(-1);
+      return;
+    }
     // The host's share: one row per (row, expert) pair it computes, so each expert's weights
     // are read once for all its pairs; then summed into the rows. x comes down before the
     // GPU's share is queued (a download waits for the stream).
@@ -595,6 +630,10 @@ class CudaBackend final : public Backend {
       host_pair_w_.push_back(routed_weights_[size_t(j)]);
     }
     gpu_share();
+    if (on_gpu >= 0) {
+      if (!split_done_) TS_CUDA_CHECK(cudaEventCreateWithFlags(&split_done_, cudaEventDisableTiming), "event");
+      TS_CUDA_CHECK(cudaEventRecord(split_done_, stream_), "event");
+    }
     const int64_t n = int64_t(host_pair_row_.size());
     host_pair_x_.resize(size_t(n * hidden));
     host_pair_y_.resize(size_t(n * hidden));
@@ -610,7 +649,14 @@ class CudaBackend final : public Backend {
       const float* src = &host_pair_y_[size_t(i * hidden)];
       for (int64_t c = 0; c < hidden; ++c) dst[c] += src[c];
     }
-    if (on_gpu < 0) return upload(out, host_x_.data());  // the host's share is the whole output
+    if (on_gpu < 0) {
+      adjust_link_share(+1);  // the GPU sat idle
+      return upload(out, host_x_.data());  // the host's share is the whole output
+    }
+    // The GPU still busy once the host is done: the link took too much; idle: too little.
+    const cudaError_t q = cudaEventQuery(split_done_);
+    TS_CHECK(q == cudaSuccess || q == cudaErrorNotReady, "cuda: MoE split: {}", cudaGetErrorString(q));
+    adjust_link_share(q == cudaSuccess ? +1 : -1);
     const Mat part = pass_part(rows, hidden);
     upload(part, host_x_.data());
     cuda::add(out, part, stream_);
@@ -634,6 +680,14 @@ class CudaBackend final : public Backend {
     }
     upload_bytes(pass_idx_.data(), pass_ids_.data(), pairs * 4);
     upload_bytes(pass_weight_.data(), pass_weights_.data(), pairs * 4);
+  }
+
+  // moe_split's balance between the link and the host's cores: a step towards whichever
+  // finished first, unless the share was set by hand.
+  void adjust_link_share(int direction) {
+    if (link_share_fixed_) return;
+    link_share_ = std::clamp(link_share_ + 0.02 * direction, 0.0, 1.0);
+    expert_slots_->set_link_share(link_share_);
   }
 
   // [rows, cols] of device scratch for a partial MoE output added into the real one.
@@ -778,6 +832,12 @@ class CudaBackend final : public Backend {
     return v && std::string(v) == "1";
   }();
   std::unique_ptr<Backend> host_;
+  // The share of a decode step's missed experts moe_split sends over the link (the rest run on
+  // the host): TURBOSPARK_CUDA_EXPERT_LINK_SHARE, a fraction in [0, 1], fixes it; unset or
+  // "auto" starts at one half and balances itself.
+  double link_share_ = 0.5;
+  bool link_share_fixed_ = false;
+  cudaEvent_t split_done_ = nullptr;  // after moe_split's GPU share
   std::vector<std::vector<ExpertWeights>> host_experts_;        // per layer, with host biases
   std::vector<std::vector<std::vector<float>>> host_biases_;    // their storage
   BackendArray<int32_t> pass_idx_;  // a pass's masked routing (moe_streamed)

@@ -189,7 +189,10 @@ std::string DeviceExpertSlots::summary() const {
   const ExpertCacheStats& s = cache_->stats();
   const int64_t asked = s.hits + s.misses;
   const std::string host =
-      host_used_ > 0 ? fmt::format("; decode computed {} of {} expert uses on the host", host_computed_, host_used_) : "";
+      host_used_ > 0 ? fmt::format("; decode computed {} of {} expert uses on the host, {} loaded over the link (link "
+                                   "share of misses now {:.2f})",
+                                   host_computed_, host_used_, host_linked_, link_share_)
+                     : "";
   return fmt::format("expert cache (device): {} slots x {:.2f} MiB, {} policy; hits {:.1f}% ({} of {}), {:.2f} GiB "
                      "loaded, {:.1f} GB/s while loading; pinned pool {:.2f} GiB ({:.0f}% of loads)",
                      cache_->slots(), double(slot_bytes_) / (1 << 20), eviction_policy_name(cache_->policy()),

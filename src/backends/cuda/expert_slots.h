@@ -66,11 +66,15 @@ class DeviceExpertSlots {
   int64_t pool_bytes() const { return pool_used_; }
   // Whether a slot holds (layer, expert) now (no load, no statistics).
   bool holds(int32_t layer, int32_t expert) const { return cache_->slot_of(layer, expert).has_value(); }
-  // moe_split's count: of `used` distinct experts of a micro-batch, `host` ran on the host.
-  void count_host_compute(int64_t host, int64_t used) {
+  // moe_split's count: of `used` distinct experts of a micro-batch, `host` ran on the host and
+  // `linked` were missed and loaded over the link (the rest were held).
+  void count_host_compute(int64_t host, int64_t linked, int64_t used) {
     host_computed_ += host;
+    host_linked_ += linked;
     host_used_ += used;
   }
+  // moe_split's current share of misses sent over the link (for the summary).
+  void set_link_share(double share) { link_share_ = share; }
   int64_t slots() const { return cache_->slots(); }
   int64_t slot_bytes() const { return slot_bytes_; }
   const ExpertCacheStats& stats() const { return cache_->stats(); }
@@ -95,7 +99,8 @@ class DeviceExpertSlots {
   };
   std::vector<PoolLayer> pool_;
   int64_t pool_limit_ = 0, pool_used_ = 0, pool_dma_bytes_ = 0;
-  int64_t host_computed_ = 0, host_used_ = 0;
+  int64_t host_computed_ = 0, host_linked_ = 0, host_used_ = 0;
+  double link_share_ = -1;  // moe_split's, once set
   cudaStream_t stream_;
   cudaEvent_t load_start_ = nullptr, load_end_ = nullptr;
   mutable bool timing_pending_ = false;
