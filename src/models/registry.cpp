@@ -36,8 +36,8 @@ const std::vector<FamilyEntry>& families() {
       {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, false},
       {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe, true},
       {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, false},
-      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, false},
-      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, false},
+      {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, true},
+      {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, true},
   };
   return kFamilies;
 }

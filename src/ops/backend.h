@@ -466,10 +466,20 @@ struct CpuPrecision {
   // than this many rows, reads its input rounded as a tensor-core GEMM does (bf16; tf32 for f32
   // weights); fewer rows keep f32 (the GEMV and MoE decode kernels). CUDA's bound: 8.
   int64_t gemm_above_rows = 0;
+  // > 0: attention over a micro-batch of more than this many rows rounds as CUDA's tensor-core
+  // prefill kernel does (head_dim a multiple of 8 up to 128): q rounded to bf16 as it enters
+  // Q K^T, and each 64-key tile's probabilities, taken against the running maximum, rounded to
+  // bf16 as they enter P V and the row sums. CUDA's bound: kAttentionDecodeMaxRows, 16.
+  int64_t tc_attention_above_rows = 0;
+  // MXFP4 matmuls read f32 activations (as CUDA's do) instead of the CPU's default int8 ones.
+  bool float_mxfp4 = false;
 
-  // The CUDA backend's: bf16 KV, GEMMs past its 8-row GEMV and MoE-decode bound
-  // (tests/device/test_cuda_golden.cpp holds the 8 to cuda::kGemvMaxRows and kMoeDecodeMaxRows).
-  static CpuPrecision like_cuda() { return CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8}; }
+  // The CUDA backend's: bf16 KV, GEMMs past its 8-row GEMV and MoE-decode bound, tensor-core
+  // attention past 16 rows, f32 activations into MXFP4 (tests/device/test_cuda_golden.cpp holds
+  // the 8 and 16 to cuda::kGemvMaxRows, kMoeDecodeMaxRows and kAttentionDecodeMaxRows).
+  static CpuPrecision like_cuda() {
+    return CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8, .tc_attention_above_rows = 16, .float_mxfp4 = true};
+  }
 };
 std::unique_ptr<Backend> make_cpu_backend(int n_threads, const CpuPrecision& precision);
 

@@ -1,7 +1,8 @@
 // CpuPrecision (ops/backend.h): the CPU backend rounding where the CUDA path does, the reference
 // the device tests hold the GPU to. Checked here op by op: K/V stored as bf16, and GEMM inputs
 // rounded (bf16, tf32 for f32 weights) past the row bound, in dense matmuls and in every matmul
-// of a MoE micro-batch past it, with f32 kept at and below the bound.
+// of a MoE micro-batch past it, with f32 kept at and below the bound; attention past its bound
+// as the tensor-core prefill kernel rounds it; MXFP4 matmuls on f32 activations.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,7 +11,9 @@
 #include <random>
 #include <vector>
 
+#include "backends/cpu/mxfp4.h"
 #include "core/dtype.h"
+#include "core/thread_pool.h"
 #include "ops/backend.h"
 
 namespace turbospark {
@@ -133,6 +136,135 @@ TEST(CpuPrecision, MoeMicroBatchesPastTheBoundRoundEveryExpertInput) {
   const Matrix w = make_matrix(DType::BF16, 5, hidden, 7);
   const std::vector<float> x = randoms(size_t(2 * hidden), 5);
   EXPECT_EQ(product(*gpu_like, w.view, x, 2), product(*exact, w.view, x, 2));
+}
+
+// KV pools of `keys` positions (one sequence, blocks of 16), keys and values bf16-exact as the
+// GPU's cache holds them.
+struct TinyKv {
+  std::vector<float> k, v;
+  std::vector<int32_t> table;
+  KvLayerView view;
+  TinyKv(int keys, int heads, int dim, uint32_t seed) {
+    const int blocks = (keys + 15) / 16;
+    k = randoms(size_t(blocks * 16 * heads * dim), seed);
+    v = randoms(k.size(), seed + 1);
+    for (float& x : k) x = round_bf16(x);
+    for (float& x : v) x = round_bf16(x);
+    for (int b = 0; b < blocks; ++b) table.push_back(b);
+    view.k = k.data();
+    view.v = v.data();
+    view.block_table = table.data();
+    view.max_blocks = blocks;
+    view.block_size = 16;
+    view.n_kv_heads = heads;
+    view.head_dim = dim;
+  }
+};
+
+// Past the bound, attention rounds q to bf16 and the probabilities to bf16 against the running
+// maximum of 64-key tiles (CUDA's tensor-core prefill). Within one tile the running maximum is the
+// row's maximum, so a row is sum_j P_j v_j / sum_j P_j with P_j = bf16(2^((s_j - max s) log2 e)):
+// computed here directly. At the bound it is the exact kernel's; over several tiles it stays
+// within bf16 of it.
+TEST(CpuPrecision, AttentionPastTheBoundRoundsAsTensorCoresDo) {
+  auto exact = make_cpu_backend(1);
+  auto gpu_like = make_cpu_backend(1, CpuPrecision{.bf16_kv = false, .gemm_above_rows = 0, .tc_attention_above_rows = 16});
+  const int heads = 4, kv_heads = 2, dim = 16, group = heads / kv_heads;
+  const float scale = 0.25f;
+  const std::vector<float> sink_values = {0.5f, -1.f, 2.f, 0.f};
+  for (bool with_sinks : {false, true}) {
+    const float* sinks = with_sinks ? sink_values.data() : nullptr;
+    for (int window : {0, 7}) {
+      for (int rows : {16, 40}) {
+        SCOPED_TRACE(::testing::Message() << "rows " << rows << " window " << window << " sinks " << (sinks != nullptr));
+        // The last `rows` of 60 keys: one tile.
+        TinyKv kv(60, kv_heads, dim, 21);
+        std::vector<int64_t> pos(static_cast<size_t>(rows));
+        for (int t = 0; t < rows; ++t) pos[size_t(t)] = 60 - rows + t;
+        const std::vector<float> q = randoms(size_t(rows * heads * dim), 22);
+        std::vector<float> got(q.size()), want(q.size());
+        gpu_like->attention(Mat(const_cast<float*>(q.data()), rows, heads * dim), pos.data(), kv.view, heads, scale,
+                            window, sinks, Mat(got.data(), rows, heads * dim));
+        exact->attention(Mat(const_cast<float*>(q.data()), rows, heads * dim), pos.data(), kv.view, heads, scale,
+                         window, sinks, Mat(want.data(), rows, heads * dim));
+        if (rows <= 16) {
+          EXPECT_EQ(got, want);
+          continue;
+        }
+        EXPECT_NE(got, want);
+        const float kLog2e = 1.4426950408889634f;
+        double worst = 0;
+        for (int t = 0; t < rows; ++t) {
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[size_t(t)] - window + 1) : 0;
+          for (int h = 0; h < heads; ++h) {
+            std::vector<float> qr(dim), sc;
+            for (int d = 0; d < dim; ++d) qr[size_t(d)] = round_bf16(q[size_t((t * heads + h) * dim + d)]);
+            float mx = -INFINITY;
+            for (int64_t j = lo; j <= pos[size_t(t)]; ++j) {
+              float s = 0;
+              for (int d = 0; d < dim; ++d) s += qr[size_t(d)] * kv.view.k_at(0, j)[(h / group) * dim + d];
+              sc.push_back(s * scale * kLog2e);
+              mx = std::max(mx, sc.back());
+            }
+            double l = 0;
+            std::vector<double> o(dim, 0.0);
+            for (size_t j = 0; j < sc.size(); ++j) {
+              const float p = round_bf16(std::exp2(sc[j] - mx));
+              l += p;
+              for (int d = 0; d < dim; ++d) o[size_t(d)] += double(p) * kv.view.v_at(0, lo + int64_t(j))[(h / group) * dim + d];
+            }
+            if (sinks) l += std::exp2(double(sinks[h]) * kLog2e - mx);
+            for (int d = 0; d < dim; ++d)
+              worst = std::max(worst, std::fabs(o[size_t(d)] / l - got[size_t((t * heads + h) * dim + d)]));
+          }
+        }
+        EXPECT_LT(worst, 1e-5) << "the one-tile formula";
+      }
+    }
+  }
+  // 150 keys (three tiles, running maxima): within bf16 of the exact kernel, and not equal.
+  TinyKv kv(150, kv_heads, dim, 31);
+  const int rows = 40;
+  std::vector<int64_t> pos(rows);
+  for (int t = 0; t < rows; ++t) pos[size_t(t)] = 110 + t;
+  const std::vector<float> q = randoms(size_t(rows * heads * dim), 32);
+  std::vector<float> got(q.size()), want(q.size());
+  gpu_like->attention(Mat(const_cast<float*>(q.data()), rows, heads * dim), pos.data(), kv.view, heads, scale, 0,
+                      nullptr, Mat(got.data(), rows, heads * dim));
+  exact->attention(Mat(const_cast<float*>(q.data()), rows, heads * dim), pos.data(), kv.view, heads, scale, 0, nullptr,
+                   Mat(want.data(), rows, heads * dim));
+  EXPECT_NE(got, want);
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, double(std::fabs(got[i] - want[i])));
+  EXPECT_LT(worst, 2e-2);
+}
+
+// MXFP4 matmuls read f32 activations under float_mxfp4 (CUDA's), the int8 ones otherwise.
+TEST(CpuPrecision, FloatMxfp4ReadsF32Activations) {
+  const int64_t rows = 6, cols = 64, n = 3;
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> byte(0, 255), sc(120, 130);
+  std::vector<uint8_t> blocks(size_t(rows * cols / 2)), scales(size_t(rows * cols / 32));
+  for (auto& b : blocks) b = uint8_t(byte(rng));
+  for (auto& s : scales) s = uint8_t(sc(rng));
+  WeightView w;
+  w.dtype = DType::MXFP4;
+  w.data = blocks.data();
+  w.rows = rows;
+  w.cols = cols;
+  w.row_bytes = cols / 2;
+  w.scales = scales.data();
+  w.scales_row_bytes = cols / 32;
+  w.group_size = 32;
+  const std::vector<float> x = randoms(size_t(n * cols), 6);
+  auto gpu_like = make_cpu_backend(1, CpuPrecision{.float_mxfp4 = true});
+  ThreadPool pool(1);
+  std::vector<float> want(size_t(n * rows)), int8(size_t(n * rows));
+  cpu::mxfp4_matmul_exact(pool, w, Mat(const_cast<float*>(x.data()), n, cols), Mat(want.data(), n, rows));
+  cpu::mxfp4_matmul_int8(pool, w, Mat(const_cast<float*>(x.data()), n, cols), Mat(int8.data(), n, rows));
+  const std::vector<float> got = product(*gpu_like, w, x, n);
+  EXPECT_EQ(got, want);
+  EXPECT_NE(got, int8);
 }
 
 TEST(CpuPrecision, KvRowsAreStoredAsBf16) {

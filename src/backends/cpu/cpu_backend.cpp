@@ -96,6 +96,14 @@ class CpuBackend final : public Backend {
 
   void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                  int window, const float* sinks, const Mat& out) override {
+    if (precision_.tc_attention_above_rows > 0 && q.rows > precision_.tc_attention_above_rows && kv.head_dim <= 128 &&
+        kv.head_dim % 8 == 0) {
+      for_each_sequence_run(kv, q.rows, [&](int64_t t0, int64_t n, const KvLayerView& one) {
+        attention_like_tensor_cores(q.rows_slice(t0, n), positions + t0, one, n_heads, scale, window, sinks,
+                                    out.rows_slice(t0, n));
+      });
+      return;
+    }
     for_each_sequence_run(kv, q.rows, [&](int64_t t0, int64_t n, const KvLayerView& one) {
       cpu::attention(pool_, q.rows_slice(t0, n), positions + t0, one, n_heads, scale, window, sinks,
                      out.rows_slice(t0, n));
@@ -329,10 +337,74 @@ class CpuBackend final : public Backend {
     return Mat(rounded_x_.data(), x.rows, x.cols, x.cols);
   }
 
+  // CpuPrecision::tc_attention_above_rows: one sequence's rows as CUDA's tensor-core prefill
+  // kernel rounds them (attention_prefill_tc.cu). Its blocks hold 128 query vectors (128 / group
+  // rows of a KV head's group) and walk keys in tiles of 64 from the block's first visible key;
+  // per tile, scores in f32 from the bf16 q, a running maximum, the probabilities against it
+  // rounded to bf16 for both P V and the row sum; sinks join at the end. A scalar reference:
+  // tests only.
+  void attention_like_tensor_cores(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads,
+                                   float scale, int window, const float* sinks, const Mat& out) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    const int hd = kv.head_dim, group = n_heads / kv.n_kv_heads;
+    const int64_t rows_per_block = std::max(1, 128 / group);
+    const float scale_log2 = scale * kLog2e;
+    auto first_key = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, positions[t] - window + 1) : int64_t(0); };
+    std::vector<float> qr(static_cast<size_t>(hd)), o(static_cast<size_t>(hd));
+    for (int64_t b0 = 0; b0 < q.rows; b0 += rows_per_block) {
+      const int64_t b1 = std::min(q.rows, b0 + rows_per_block);
+      int64_t kmin = INT64_MAX;
+      for (int64_t t = b0; t < b1; ++t) kmin = std::min(kmin, first_key(t));
+      for (int64_t t = b0; t < b1; ++t) {
+        const int64_t lo = first_key(t), hi = positions[t];
+        for (int h = 0; h < n_heads; ++h) {
+          const int kvh = h / group;
+          const float* qh = q.row(t) + int64_t(h) * hd;
+          for (int d = 0; d < hd; ++d) qr[size_t(d)] = bf16_to_f32(f32_to_bf16(qh[d]));
+          std::fill(o.begin(), o.end(), 0.f);
+          float m = -INFINITY, l = 0.f;
+          for (int64_t k0 = kmin; k0 <= hi; k0 += 64) {
+            const int64_t k1 = std::min(hi, k0 + 63);
+            float tile_max = -INFINITY;
+            for (int64_t j = std::max(k0, lo); j <= k1; ++j) {
+              const float* kj = kv.k_at(0, j) + int64_t(kvh) * hd;
+              float s = 0.f;
+              for (int d = 0; d < hd; ++d) s += qr[size_t(d)] * kj[d];
+              tile_max = std::max(tile_max, s * scale_log2);
+            }
+            if (tile_max == -INFINITY) continue;
+            const float m_new = std::max(m, tile_max);
+            const float alpha = std::exp2(m - m_new);
+            l *= alpha;
+            for (float& x : o) x *= alpha;
+            for (int64_t j = std::max(k0, lo); j <= k1; ++j) {
+              const float* kj = kv.k_at(0, j) + int64_t(kvh) * hd;
+              const float* vj = kv.v_at(0, j) + int64_t(kvh) * hd;
+              float s = 0.f;
+              for (int d = 0; d < hd; ++d) s += qr[size_t(d)] * kj[d];
+              const float p = bf16_to_f32(f32_to_bf16(std::exp2(s * scale_log2 - m_new)));
+              l += p;
+              for (int d = 0; d < hd; ++d) o[size_t(d)] += p * vj[d];
+            }
+            m = m_new;
+          }
+          float factor = 1.f / l;
+          if (sinks) {
+            const float sink = sinks[h] * kLog2e, mf = std::max(m, sink), f = std::exp2(m - mf);
+            factor = f / (l * f + std::exp2(sink - mf));
+          }
+          float* dst = out.row(t) + int64_t(h) * hd;
+          for (int d = 0; d < hd; ++d) dst[d] = o[size_t(d)] * factor;
+        }
+      }
+    }
+  }
+
   // Quantized formats have their own kernels; models never see the difference.
   void matmul_view(const WeightView& w, const Mat& x_in, const Mat& y) {
     const Mat x = gemm_input(w, x_in);
     if (w.dtype == DType::MXFP4) {
+      if (precision_.float_mxfp4) return cpu::mxfp4_matmul_exact(pool_, w, x, y);
       cpu::mxfp4_matmul(pool_, w, x, y);
     } else if (w.dtype == DType::INT4_AFFINE) {
       cpu::int4_affine_matmul(pool_, w, x, y);
@@ -356,7 +428,9 @@ class CpuBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_unique<CpuBackend>(n_threads, CpuPrecision{}); }
 std::unique_ptr<Backend> make_cpu_backend(int n_threads, const CpuPrecision& precision) {
-  TS_CHECK(precision.gemm_above_rows >= 0, "CpuPrecision: gemm_above_rows {} < 0", precision.gemm_above_rows);
+  TS_CHECK(precision.gemm_above_rows >= 0 && precision.tc_attention_above_rows >= 0,
+           "CpuPrecision: gemm_above_rows {} / tc_attention_above_rows {} < 0", precision.gemm_above_rows,
+           precision.tc_attention_above_rows);
   return std::make_unique<CpuBackend>(n_threads, precision);
 }
 
