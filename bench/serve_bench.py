@@ -16,6 +16,7 @@ chunk with text (both servers send one per token); TTFT is the time to the first
 the mean gap after it. Output tok/s = all tokens / wall time of the level.
 """
 import argparse
+import collections
 import http.client
 import json
 import os
@@ -53,7 +54,10 @@ def start(cmd, port_re, name):
     if port is None:
         proc.kill()
         sys.exit(f"serve_bench: {name} did not start:\n{''.join(lines[-20:])}")
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    # Keep draining stderr so the server never blocks on a full pipe; its last lines say why,
+    # should it die mid-run.
+    proc.tail = collections.deque(lines[-20:], maxlen=40)
+    threading.Thread(target=lambda: [proc.tail.append(line) for line in proc.stderr], daemon=True).start()
     return proc, port
 
 
@@ -130,24 +134,33 @@ def run_level(port, conc, args, base):
 def bench_engine(name, cmd, port_re, args):
     proc, port = start(cmd, port_re, name)
     try:
-        wait_healthy(port)
-        args.model_id = model_id(port)
-        one_request(port, 10_000, args)  # warm up
-        out = []
-        for k, conc in enumerate(args.concurrency):
-            r = run_level(port, conc, args, base=1000 * (k + 1))
-            r["engine"] = name
-            print(f"{name:>12}  c={conc:<3} {r['req_per_s']:7.3f} req/s  {r['output_tok_per_s']:8.2f} out tok/s  "
-                  f"TTFT {r['ttft_median_s']:.3f} / {r['ttft_p99_s']:.3f} s  "
-                  f"TPOT {r['tpot_median_s']:.4f} / {r['tpot_p99_s']:.4f} s (median / p99)", flush=True)
-            out.append(r)
-        return out
+        return bench_levels(name, proc, port, args)
+    except Exception as e:
+        time.sleep(1)
+        state = "running" if proc.poll() is None else f"exited with {proc.returncode}"
+        sys.exit(f"serve_bench: {name} failed ({type(e).__name__}: {e}); the server {state}; its last lines:\n"
+                 + "".join(proc.tail))
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def bench_levels(name, proc, port, args):
+    wait_healthy(port)
+    args.model_id = model_id(port)
+    one_request(port, 10_000, args)  # warm up
+    out = []
+    for k, conc in enumerate(args.concurrency):
+        r = run_level(port, conc, args, base=1000 * (k + 1))
+        r["engine"] = name
+        print(f"{name:>12}  c={conc:<3} {r['req_per_s']:7.3f} req/s  {r['output_tok_per_s']:8.2f} out tok/s  "
+              f"TTFT {r['ttft_median_s']:.3f} / {r['ttft_p99_s']:.3f} s  "
+              f"TPOT {r['tpot_median_s']:.4f} / {r['tpot_p99_s']:.4f} s (median / p99)", flush=True)
+        out.append(r)
+    return out
 
 
 def main():

@@ -51,12 +51,16 @@ constexpr double kCudaLogitTol = 3e-2;
 // match closely, whatever a fixture makes of those roundings against transformers.
 static_assert(cuda::kGemvMaxRows == 8 && cuda::kMoeDecodeMaxRows == 8 && cuda::kAttentionDecodeMaxRows == 16,
               "CpuPrecision::like_cuda() mirrors these");
+// `max_batch` must be the CUDA session's micro-batch: where rows are cut into micro-batches decides
+// what rounds (a 160-row prompt in one 2048-row CUDA batch against the CPU's 64 + 64 + 32 moved
+// random gpt-oss logits by 0.07-0.17).
 std::vector<float> cpu_at_cuda_precision(const std::string& model_path, const std::vector<int32_t>& tokens,
-                                         int64_t chunk, int64_t max_batch = kMaxPrefillBatch) {
+                                         int64_t chunk, int64_t max_batch, int64_t max_context = 0) {
   auto cpu = make_cpu_backend(4, CpuPrecision::like_cuda());
   LoadedModel m = load_model(model_path, *cpu);
   SessionOptions so;
   so.max_prefill_batch = max_batch;
+  if (max_context > 0) so.max_context = max_context;
   Session s(*m.model, *cpu, so);
   return s.feed(tokens, chunk, /*all_logits=*/true);
 }
@@ -129,7 +133,7 @@ TEST_P(CudaGolden, TokenByTokenMatchesTransformersToDecodeTolerance) {
   Session s(model(), *cuda_);
   std::vector<float> logits = s.feed(golden_.tokens, /*chunk=*/1, /*all_logits=*/true);
   const double err = max_rel_error(logits.data(), golden_.logits.data.data(), logits.size());
-  const std::vector<float> at_precision = cpu_at_cuda_precision(fixture(GetParam()), golden_.tokens, 1);
+  const std::vector<float> at_precision = cpu_at_cuda_precision(fixture(GetParam()), golden_.tokens, 1, kMaxPrefillBatch);
   EXPECT_LT(err, bound_against_transformers(kCudaDecodeLogitTol, at_precision, golden_.logits.data)) << GetParam();
   std::printf("[ measured ] %s token-by-token logit error %.3g (bf16 KV; the CPU at CUDA's precision: %.3g)\n",
               GetParam().c_str(), err, max_rel_error(at_precision.data(), golden_.logits.data.data(), logits.size()));
@@ -296,11 +300,16 @@ TEST_P(CudaLongGolden, LongPromptMatchesTransformers) {
   const auto json = testing::read_json(dir + "/long_golden.json");
   const std::vector<int32_t> tokens = json["tokens"].get<std::vector<int32_t>>();
   const NpyArray want = read_npy_f32(dir + "/long_logits.npy");
+  // Past the config's context where the prompt needs it (gpt_oss_yarn: 128), as the CPU suite.
+  const int64_t context = std::max<int64_t>(m.model->info().max_context, int64_t(tokens.size()) + 1);
   for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5), int64_t(100)}) {
-    Session s(*m.model, *cuda);
+    SessionOptions so;
+    so.max_context = context;
+    Session s(*m.model, *cuda, so);
     std::vector<float> logits = s.feed(tokens, chunk, true);
     ASSERT_EQ(logits.size(), want.data.size());
-    const std::vector<float> at_precision = cpu_at_cuda_precision(dir, tokens, chunk);
+    const std::vector<float> at_precision =
+        cpu_at_cuda_precision(dir, tokens, chunk, cuda->preferred_prefill_batch(), context);
     EXPECT_LT(max_rel_error(at_precision.data(), logits.data(), logits.size()), kCudaVsCpuAtItsPrecisionTol)
         << "chunk " << chunk << ": CUDA vs the CPU at CUDA's precision";
     EXPECT_LT(max_rel_error(logits.data(), want.data.data(), logits.size()),
