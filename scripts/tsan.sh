@@ -32,7 +32,7 @@ echo "tsan: gtest tiers passed at $(( $(date +%s) - start ))s" >&2
 if [ "${TSAN_SERVER:-1}" = 1 ]; then
   model="$TS_DEFAULT_GGUF"
   [ -f "$model" ] || { echo "tsan: no model at $model for the server tests (TS_DEFAULT_GGUF; TSAN_SERVER=0 skips them)" >&2; exit 1; }
-  TS_BIN=build-tsan/turbospark TS_DEFAULT_GGUF="$model" python3 tests/server/test_serve.py ||
+  TS_BIN=build-tsan/turbospark TS_DEFAULT_GGUF="$model" TS_HTTP_TIMEOUT=3600 python3 tests/server/test_serve.py ||
     { echo "tsan: server tests failed" >&2; exit 1; }
   echo "tsan: server tests passed at $(( $(date +%s) - start ))s" >&2
 fi

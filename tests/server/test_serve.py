@@ -30,6 +30,8 @@ import openai
 
 BIN = os.environ.get("TS_BIN", "build/turbospark")
 MODEL = os.environ.get("TS_DEFAULT_GGUF", "")
+# Seconds a request may take (scripts/tsan.sh raises it: ThreadSanitizer slows the server ~10x).
+HTTP_TIMEOUT = float(os.environ.get("TS_HTTP_TIMEOUT", "300"))
 QUESTION = "What is the capital of France?"
 MAX = 12
 
@@ -87,7 +89,7 @@ def http(method, url, body=None, headers=None, raw=None):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=300) as r:
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -538,7 +540,7 @@ class ServeLoad(unittest.TestCase):
                 if kind == "drop":
                     body.update(stream=True, max_tokens=64)
                     raw = json.dumps(body).encode()
-                    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+                    s = socket.create_connection(("127.0.0.1", port), timeout=HTTP_TIMEOUT)
                     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                               b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
                     got = b""
