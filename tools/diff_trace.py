@@ -22,10 +22,12 @@ import sys
 import numpy as np
 
 
-def run(ts, model, device, tokens, chunk, out_dir, precision="exact"):
+def run(ts, model, device, tokens, chunk, out_dir, precision="exact", extra=None):
+    """`turbospark logits` into out_dir (logits.npy and, by default, the traces); `extra` replaces
+    --trace-out with other output flags (tools/router_flips.py: --router-out)."""
     os.makedirs(out_dir, exist_ok=True)
     cmd = [ts, "logits", "--model", model, "--tokens", tokens, "--chunk", str(chunk), "--device", device,
-           "--out", os.path.join(out_dir, "logits.npy"), "--trace-out", out_dir]
+           "--out", os.path.join(out_dir, "logits.npy")] + (extra if extra is not None else ["--trace-out", out_dir])
     if device == "cpu" and precision != "exact":
         cmd += ["--precision", precision]
     env = dict(os.environ, TURBOSPARK_CUDA_UNVERIFIED="1")

@@ -11,21 +11,17 @@ alone may flip; a large one is a kernel error.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import diff_trace  # noqa: E402  (its `logits` runner)
 
-def route(ts, model, device, tokens, chunk, out, precision):
-    cmd = [ts, "logits", "--model", model, "--tokens", tokens, "--chunk", str(chunk), "--device", device,
-           "--out", out + ".logits.npy", "--router-out", out]
-    if device == "cpu" and precision != "exact":
-        cmd += ["--precision", precision]
-    env = dict(os.environ, TURBOSPARK_CUDA_UNVERIFIED="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        sys.exit(f"router_flips: {' '.join(cmd)} failed: {p.stderr.strip()[-400:]}")
+
+def route(ts, model, device, tokens, chunk, out_dir, precision):
+    out = os.path.join(out_dir, "router.npy")
+    diff_trace.run(ts, model, device, tokens, chunk, out_dir, precision, extra=["--router-out", out])
     return np.load(out)
 
 
@@ -42,8 +38,8 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     g = json.load(open(os.path.join(args.model, "long_golden.json" if args.long else "golden.json")))
     tokens = ",".join(map(str, g["tokens"]))
-    cpu = route(args.ts, args.model, "cpu", tokens, args.chunk, os.path.join(args.work, "cpu.npy"), args.precision)
-    gpu = route(args.ts, args.model, "cuda", tokens, args.chunk, os.path.join(args.work, "cuda.npy"), args.precision)
+    cpu = route(args.ts, args.model, "cpu", tokens, args.chunk, os.path.join(args.work, "cpu"), args.precision)
+    gpu = route(args.ts, args.model, "cuda", tokens, args.chunk, os.path.join(args.work, "cuda"), args.precision)
     k = args.k
     print(f"{os.path.basename(args.model)} tokens {cpu.shape[1]} chunk {args.chunk} cpu precision {args.precision}")
     for layer in range(cpu.shape[0]):

@@ -38,7 +38,7 @@ void for_each_sequence_run(const KvLayerView& kv, int64_t rows, Fn&& fn) {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int n_threads, const CpuPrecision& precision) : pool_(n_threads), precision_(precision) {}
+  CpuBackend(int n_threads, const CpuPrecision& precision) : precision_(precision), pool_(n_threads) {}
 
   std::string name() const override { return "cpu"; }
 
@@ -96,6 +96,7 @@ class CpuBackend final : public Backend {
 
   void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                  int window, const float* sinks, const Mat& out) override {
+    // The head dims CUDA's tensor-core prefill kernel takes (cuda::attention_prefill_tc_supports).
     if (precision_.tc_attention_above_rows > 0 && q.rows > precision_.tc_attention_above_rows && kv.head_dim <= 128 &&
         kv.head_dim % 8 == 0) {
       for_each_sequence_run(kv, q.rows, [&](int64_t t0, int64_t n, const KvLayerView& one) {
@@ -351,6 +352,7 @@ class CpuBackend final : public Backend {
     const float scale_log2 = scale * kLog2e;
     auto first_key = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, positions[t] - window + 1) : int64_t(0); };
     std::vector<float> qr(static_cast<size_t>(hd)), o(static_cast<size_t>(hd));
+    float scores[64];  // one tile's, in log2 units
     for (int64_t b0 = 0; b0 < q.rows; b0 += rows_per_block) {
       const int64_t b1 = std::min(q.rows, b0 + rows_per_block);
       int64_t kmin = INT64_MAX;
@@ -364,25 +366,23 @@ class CpuBackend final : public Backend {
           std::fill(o.begin(), o.end(), 0.f);
           float m = -INFINITY, l = 0.f;
           for (int64_t k0 = kmin; k0 <= hi; k0 += 64) {
-            const int64_t k1 = std::min(hi, k0 + 63);
+            const int64_t j0 = std::max(k0, lo), k1 = std::min(hi, k0 + 63);
             float tile_max = -INFINITY;
-            for (int64_t j = std::max(k0, lo); j <= k1; ++j) {
+            for (int64_t j = j0; j <= k1; ++j) {
               const float* kj = kv.k_at(0, j) + int64_t(kvh) * hd;
               float s = 0.f;
               for (int d = 0; d < hd; ++d) s += qr[size_t(d)] * kj[d];
-              tile_max = std::max(tile_max, s * scale_log2);
+              scores[j - k0] = s * scale_log2;
+              tile_max = std::max(tile_max, scores[j - k0]);
             }
             if (tile_max == -INFINITY) continue;
             const float m_new = std::max(m, tile_max);
             const float alpha = std::exp2(m - m_new);
             l *= alpha;
             for (float& x : o) x *= alpha;
-            for (int64_t j = std::max(k0, lo); j <= k1; ++j) {
-              const float* kj = kv.k_at(0, j) + int64_t(kvh) * hd;
+            for (int64_t j = j0; j <= k1; ++j) {
               const float* vj = kv.v_at(0, j) + int64_t(kvh) * hd;
-              float s = 0.f;
-              for (int d = 0; d < hd; ++d) s += qr[size_t(d)] * kj[d];
-              const float p = bf16_to_f32(f32_to_bf16(std::exp2(s * scale_log2 - m_new)));
+              const float p = bf16_to_f32(f32_to_bf16(std::exp2(scores[j - k0] - m_new)));
               l += p;
               for (int d = 0; d < hd; ++d) o[size_t(d)] += p * vj[d];
             }

@@ -565,9 +565,10 @@ class CudaBackend final : public Backend {
   // Decode-sized micro-batches with host compute on (TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE=1):
   // the experts the slots hold run on the GPU; of the missed ones, a share crosses the link
   // into slots (and stays cached) for the GPU, and the rest run on the host's cores from their
-  // host copies at the same time (a token's expert is ~2.5 MB of Q4_0, which the host reads
-  // from RAM about as fast as the link moves it: both paths at once beat either alone). The
-  // host's share is uploaded and added. The link's share of the misses
+  // host copies at the same time (a token's Q4_0 expert is ~2.5 MB, which the host might read
+  // from RAM about as fast as the link moves it; measured on an H100 machine, the host's share
+  // costs more than the link would, so this stays off by default: README). The host's share
+  // is uploaded and added. The link's share of the misses
   // (TURBOSPARK_CUDA_EXPERT_LINK_SHARE, a fraction; default auto) balances itself: after the
   // host's share, a GPU still busy lowers it a step, an idle one raises it.
   void moe_split(const std::vector<ExpertWeights>& experts, const Mat& x, const float* weight, int k, const Mat& out) {
@@ -819,7 +820,7 @@ class CudaBackend final : public Backend {
   std::vector<int32_t> routed_ids_;
   std::vector<float> routed_weights_;
   std::vector<int32_t> distinct_;     // moe_streamed: the layer's distinct routed experts
-  std::vector<uint8_t> expert_flag_;  // per expert: in this pass (moe_streamed) or held (moe_split)
+  std::vector<uint8_t> expert_flag_;  // per expert: in this pass (moe_streamed) or on the GPU (moe_split)
   std::vector<int32_t> pass_ids_;     // upload_masked_routing's host copies
   std::vector<float> pass_weights_;
   // moe_split's host side: the micro-batch's rows (then the host's share per row) and one row
