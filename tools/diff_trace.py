@@ -10,6 +10,15 @@ first token row where it exceeds the threshold: where a GPU path first leaves th
 --precision cuda runs the CPU side rounding where CUDA does (`logits --precision cuda`): what
 is left over is the GPU kernels' own error, not the bf16 the GPU path runs at.
 
+--noise (with --precision cuda) also runs the CPU side with every matmul output nudged by 2^-22
+(`logits --nudge 1`) and prints, next to each tensor's error, how far that nudge alone moved it:
+the resolution of the comparison. An error of the nudge's size is summation-order noise that bf16
+roundings downstream amplified, not a kernel bug.
+
+--replay-routes (MoE, with --precision cuda) runs the CPU side routing as CUDA did (CUDA runs
+first with --router-out; `logits --replay-routes`), so a near tie the two break differently does
+not show as a divergence; the CPU prints how many rows it would have routed otherwise.
+
 --long takes the fixture's long_golden.json tokens, otherwise golden.json's.
 """
 import argparse
@@ -47,14 +56,25 @@ def main():
     ap.add_argument("--work", default="/tmp/diff_trace")
     ap.add_argument("--show", type=int, default=12, help="print at most this many tensors past the threshold")
     ap.add_argument("--precision", default="exact", choices=["exact", "cuda"], help="the CPU side's rounding")
+    ap.add_argument("--noise", action="store_true", help="also print the CPU side's own nudge noise (--precision cuda)")
+    ap.add_argument("--replay-routes", action="store_true", help="the CPU side routes as CUDA did (--precision cuda)")
     a = ap.parse_args()
+    if (a.noise or a.replay_routes) and a.precision != "cuda":
+        sys.exit("diff_trace: --noise and --replay-routes shape the CPU reference of CUDA: add --precision cuda")
     tokens = a.tokens
     if not tokens:
         with open(os.path.join(a.model, "long_golden.json" if a.long else "golden.json")) as fh:
             tokens = ",".join(str(t) for t in json.load(fh)["tokens"])
-    cpu_dir, cuda_dir = os.path.join(a.work, "cpu"), os.path.join(a.work, "cuda")
-    run(a.ts, a.model, "cpu", tokens, a.chunk, cpu_dir, a.precision)
-    run(a.ts, a.model, "cuda", tokens, a.chunk, cuda_dir)
+    cpu_dir, cuda_dir, noise_dir = (os.path.join(a.work, d) for d in ("cpu", "cuda", "noise"))
+    extra_cuda, extra_cpu = [], []
+    if a.replay_routes:
+        routes = os.path.join(a.work, "cuda_router.npy")
+        extra_cuda, extra_cpu = ["--router-out", routes], ["--replay-routes", routes]
+    run(a.ts, a.model, "cuda", tokens, a.chunk, cuda_dir, extra=extra_cuda + ["--trace-out", cuda_dir])
+    run(a.ts, a.model, "cpu", tokens, a.chunk, cpu_dir, a.precision, extra=extra_cpu + ["--trace-out", cpu_dir])
+    if a.noise:
+        run(a.ts, a.model, "cpu", tokens, a.chunk, noise_dir, a.precision,
+            extra=extra_cpu + ["--nudge", "1", "--trace-out", noise_dir])
 
     def key(name):
         m = re.match(r"(.*)_(-?\d+)\.npy$", name)
@@ -74,7 +94,11 @@ def main():
         err = float(np.nan_to_num(row_err, nan=np.inf).max())
         if err > a.threshold or n == "logits.npy":
             first = int(np.argmax(np.nan_to_num(row_err, nan=np.inf) > a.threshold)) if err > a.threshold else -1
-            print(f"  {n[:-4]:<32} err {err:.3g}  first row over {first} of {x.shape[0]}")
+            noise = ""
+            if a.noise:
+                z = np.load(os.path.join(noise_dir, n))
+                noise = f"  (nudge noise {float(np.abs(z - x).max()) / scale:.3g})"
+            print(f"  {n[:-4]:<32} err {err:.3g}  first row over {first} of {x.shape[0]}{noise}")
             shown += 1
             if shown >= a.show:
                 break

@@ -1,5 +1,6 @@
 // turbospark logits: teacher-forced next-token logits for a token list, as .npy.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <map>
 #include <string>
@@ -18,6 +19,8 @@ namespace turbospark::cli {
 void add_logits_command(CLI::App& app) {
   struct Opts {
     std::string model, tokens, out, router_out, router_stats, trace_out, device = "auto", precision = "exact";
+    std::string replay_routes;
+    uint32_t nudge = 0;
     int64_t chunk = 0;
     int threads = 0;
     ExpertCacheFlags experts;
@@ -42,6 +45,13 @@ void add_logits_command(CLI::App& app) {
                   "bf16, GEMM inputs of micro-batches over 8 rows as bf16/tf32), a reference that tells a GPU "
                   "kernel's error from its path's precision (tools/diff_trace.py --precision cuda)")
       ->capture_default_str();
+  cmd->add_option("--nudge", o->nudge,
+                  "--precision cuda only: scale every matmul output by 1 +- 2^-22 (signs from this seed): comparing "
+                  "with an un-nudged run shows how far f32 rounding noise alone moves this reference "
+                  "(tools/diff_trace.py --noise)");
+  cmd->add_option("--replay-routes", o->replay_routes,
+                  "--precision cuda only: route as the run that wrote this --router-out .npy did (CUDA's), and "
+                  "print how many rows the CPU would have routed differently and its widest margin there");
   add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     if (o->chunk < 0) fail("logits: --chunk must be >= 0 (0 = the largest micro-batch), got {}", o->chunk);
@@ -50,9 +60,25 @@ void add_logits_command(CLI::App& app) {
       fail("logits: --precision {}: want exact or cuda", o->precision);
     if (o->precision == "cuda" && o->device != "cpu")
       fail("logits: --precision cuda is the CPU backend's emulation of CUDA's rounding: use it with --device cpu");
+    if (o->precision != "cuda" && (o->nudge != 0 || !o->replay_routes.empty()))
+      fail("logits: {} shapes the CPU reference of CUDA: use it with --device cpu --precision cuda",
+           o->nudge != 0 ? "--nudge" : "--replay-routes");
     CpuPrecision precision;
     if (o->precision == "cuda") precision = CpuPrecision::like_cuda();
+    precision.nudge_seed = o->nudge;
+    // Filled once the model says its shape; the backend holds the same object.
+    if (!o->replay_routes.empty()) precision.route_replay = std::make_shared<RouteReplay>();
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, /*quiet=*/true, o->experts, precision);
+    if (!o->replay_routes.empty()) {
+      const NpyArray routes = read_npy_f32(o->replay_routes);
+      const Model& m = *rt.model.model;
+      if (m.n_experts() == 0) fail("--replay-routes: {} has no routed experts", m.info().architecture);
+      if (routes.shape != std::vector<int64_t>{m.info().n_layers, int64_t(tokens.size()), m.n_experts()})
+        fail("--replay-routes {}: shape {} is not [layers {}, tokens {}, experts {}]", o->replay_routes,
+             fmt::join(routes.shape, "x"), m.info().n_layers, tokens.size(), m.n_experts());
+      *precision.route_replay = *route_replay_from_probs(routes.data, m.info().n_layers, int64_t(tokens.size()),
+                                                         m.n_experts(), m.experts_per_token());
+    }
     const Model& model = *rt.model.model;
     for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--router-out", &o->router_out},
                                       {"--router-stats", &o->router_stats}})
@@ -88,6 +114,11 @@ void add_logits_command(CLI::App& app) {
       stats.add(router, T);
       stats.write_csv(o->router_stats);
       fmt::print(stderr, "{}\n", stats.summary());
+    }
+    if (precision.route_replay) {
+      const RouteReplay& r = *precision.route_replay;
+      fmt::print(stderr, "route replay: {} of {} routed rows differ from the CPU's own choice (its widest margin there {:.3g})\n",
+                 r.flips, T * int64_t(r.layers.size()), r.widest_flip_margin);
     }
   });
 }

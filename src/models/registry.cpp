@@ -24,6 +24,14 @@ bool cuda_unverified_allowed() {
   return v && std::string(v) == "1";
 }
 
+void check_family_runs_on(const FamilyEntry& family, const std::string& backend, const std::string& path) {
+  if (backend != "cpu" && !family.cuda && !cuda_unverified_allowed()) {
+    fail("{}: {} is not supported on --device {} yet (it runs on --device cpu; TURBOSPARK_CUDA_UNVERIFIED=1 runs its "
+         "GPU kernels, which have not passed the device tests yet)",
+         path, family.architecture, backend);
+  }
+}
+
 const std::vector<FamilyEntry>& families() {
   static const std::vector<FamilyEntry> kFamilies = {
       // model_type, architecture, factory, runs on CUDA (false: its CUDA kernels exist but have
@@ -32,10 +40,10 @@ const std::vector<FamilyEntry>& families() {
       {"qwen2", "Qwen2ForCausalLM", make_qwen2, true},
       {"qwen3", "Qwen3ForCausalLM", make_qwen3, true},
       {"gemma3_text", "Gemma3ForCausalLM", make_gemma3, true},
-      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4, false},
-      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, false},
+      {"gemma4_text", "Gemma4ForCausalLM", make_gemma4, true},
+      {"gemma4_text", "Gemma4ForConditionalGeneration", make_gemma4, true},
       {"qwen3_moe", "Qwen3MoeForCausalLM", make_qwen3_moe, true},
-      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, false},
+      {"gpt_oss", "GptOssForCausalLM", make_gpt_oss, true},
       {"qwen4_exp_text", "Qwen4ExpForCausalLM", make_qwen4_exp, true},
       {"qwen4_exp_text", "Qwen4ExpForConditionalGeneration", make_qwen4_exp, true},
   };
@@ -59,11 +67,7 @@ LoadedModel load_model(const std::string& model_dir, Backend& backend) {
     fail("{}: unsupported architecture {} (model_type {}); supported: {}", config.path(),
          arch.empty() ? "<none>" : arch, type.empty() ? "<none>" : type, known);
   }
-  if (backend.name() != "cpu" && !entry->cuda && !cuda_unverified_allowed()) {
-    fail("{}: {} is not supported on --device {} yet (it runs on --device cpu; TURBOSPARK_CUDA_UNVERIFIED=1 runs its "
-         "GPU kernels, which have not passed the device tests yet)",
-         config.path(), entry->architecture, backend.name());
-  }
+  check_family_runs_on(*entry, backend.name(), config.path());
   LoadedModel loaded;
   loaded.checkpoint = gguf_checkpoint ? gguf_checkpoint : std::make_shared<Checkpoint>(model_dir);
   const bool routed = config.has("num_experts") || config.has("num_local_experts");

@@ -22,6 +22,9 @@ const std::vector<FamilyEntry>& families();
 // TURBOSPARK_CUDA_UNVERIFIED=1: families whose CUDA kernels are written but have not yet
 // passed the device tests load on the GPU anyway (the device tests set it to test them).
 bool cuda_unverified_allowed();
+// Throws naming the family and the backend when `family` may not run on `backend` (a GPU
+// backend, its kernels unverified, no TURBOSPARK_CUDA_UNVERIFIED=1); `path` leads the message.
+void check_family_runs_on(const FamilyEntry& family, const std::string& backend, const std::string& path);
 
 // Loads config.json and the safetensors checkpoint in `model_dir` and builds the family's
 // model, its weights and parameters resident on `backend` (which the model must not

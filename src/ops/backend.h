@@ -455,6 +455,28 @@ inline void Backend::download(const Mat& src, float* dst) {
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads);
 
+// The experts another run chose (CUDA's, from its --router-out probabilities), imposed on the CPU
+// reference so that a near tie the two break differently does not split the comparison: each
+// MoE layer's [tokens * top_k] ids, consumed in call order (router calls cycle through the MoE
+// layers per micro-batch). Where the CPU's own choice differs, the row is counted with the CPU's
+// margin there ((k-th - (k+1)-th probability) / the first), so a test can require every such
+// difference to be a near tie.
+struct RouteReplay {
+  int top_k = 0;
+  std::vector<std::vector<int32_t>> layers;
+  // Filled as the run goes.
+  size_t calls = 0;
+  std::vector<int64_t> cursor;  // rows consumed per layer
+  int64_t flips = 0;
+  double widest_flip_margin = 0;
+};
+
+// From router probabilities [n_layers, tokens, n_experts] (Session::feed's capture, --router-out):
+// each MoE layer's top_k experts per token, in descending probability, lower index first on
+// ties (the routers' rule). Layers whose rows are all zero (dense) are left out.
+std::shared_ptr<RouteReplay> route_replay_from_probs(const std::vector<float>& probs, int64_t n_layers, int64_t tokens,
+                                                     int64_t n_experts, int top_k);
+
 // The CUDA backend's rounding on the CPU backend, as a reference for the device tests: they
 // compare the GPU with a CPU that rounds where the GPU path does, which tells a kernel's error
 // from the precision that path runs at (random-weight fixtures amplify a bf16 step in a KV row or
@@ -473,12 +495,29 @@ struct CpuPrecision {
   int64_t tc_attention_above_rows = 0;
   // MXFP4 matmuls read f32 activations (as CUDA's do) instead of the CPU's default int8 ones.
   bool float_mxfp4 = false;
+  // > 0: the backend's preferred_prefill_batch() (where a prompt is cut into micro-batches
+  // decides what rounds): CUDA's 2048.
+  int64_t prefill_batch = 0;
+  // != 0: every matmul output is scaled by 1 +- 2^-22 (sign pseudo-random per element, from this
+  // seed and the call): a stand-in for another summation order. Comparing a run with and without
+  // it measures how far f32 rounding noise alone moves this reference (every bf16 rounding an
+  // f32 difference tips over is amplified downstream): the resolution of a comparison with CUDA.
+  uint32_t nudge_seed = 0;
+  // Non-null: routing taken from another run (RouteReplay) instead of the CPU's own top-k.
+  std::shared_ptr<RouteReplay> route_replay;
 
   // The CUDA backend's: bf16 KV, GEMMs past its 8-row GEMV and MoE-decode bound, tensor-core
-  // attention past 16 rows, f32 activations into MXFP4 (tests/device/test_cuda_golden.cpp holds
-  // the 8 and 16 to cuda::kGemvMaxRows, kMoeDecodeMaxRows and kAttentionDecodeMaxRows).
+  // attention past 16 rows, f32 activations into MXFP4, 2048-row micro-batches
+  // (tests/device/test_cuda_golden.cpp holds them to cuda::kGemvMaxRows, kMoeDecodeMaxRows,
+  // kAttentionDecodeMaxRows and the CUDA backend's preferred_prefill_batch()).
   static CpuPrecision like_cuda() {
-    return CpuPrecision{.bf16_kv = true, .gemm_above_rows = 8, .tc_attention_above_rows = 16, .float_mxfp4 = true};
+    CpuPrecision p;
+    p.bf16_kv = true;
+    p.gemm_above_rows = 8;
+    p.tc_attention_above_rows = 16;
+    p.float_mxfp4 = true;
+    p.prefill_batch = 2048;
+    return p;
   }
 };
 std::unique_ptr<Backend> make_cpu_backend(int n_threads, const CpuPrecision& precision);

@@ -16,6 +16,8 @@
 # BUILD_DIR/device-results.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# Every family runs on CUDA without the unverified-kernels override (CudaRefusals checks that).
+unset TURBOSPARK_CUDA_UNVERIFIED
 build=${1:-build-cuda}
 out=${OUT:-$build/device-results}
 mkdir -p "$out"
@@ -75,15 +77,11 @@ cli_check() {
 }
 fx=tests/data/fixtures
 cli_check "unknown device refused" "unknown device" "$build/turbospark" logits --model $fx/qwen3_tiny --tokens 1,2 --device tpu --out /tmp/x.npy
-# The families whose CUDA kernels are not yet verified (registry.cpp): refused by name, and with
-# TURBOSPARK_CUDA_UNVERIFIED=1 their trained fixtures answer with the same greedy ids on both
-# devices from the command line.
-cli_check "gpt_oss refused on cuda until verified" "not supported on --device cuda" "$build/turbospark" logits --model $fx/gpt_oss_tiny --tokens 1,2 --device cuda --out /tmp/x.npy
+# The trained fixtures of the hybrid families (verified on CUDA 2026-12-05: Qwen4-Exp, then
+# gpt-oss and Gemma 4) answer with the same greedy ids on both devices from the command line.
 for f in qwen4_exp_trained_tiny gpt_oss_trained_tiny gemma4_trained_tiny; do
   ids=$("$build/turbospark" generate --model $fx/$f --tokens 3,1,4,1,5,9,2,6 --max-tokens 16 --temperature 0 --format ids --device cpu 2>/dev/null)
-  unverified=TURBOSPARK_CUDA_UNVERIFIED=1
-  [ $f = qwen4_exp_trained_tiny ] && unverified=TURBOSPARK_CUDA_UNVERIFIED=0  # verified 2026-12-05
-  cli_check "$f generate ids equal on cpu and cuda ($ids)" "^${ids:-none}\$" env $unverified "$build/turbospark" generate --model $fx/$f \
+  cli_check "$f generate ids equal on cpu and cuda ($ids)" "^${ids:-none}\$" "$build/turbospark" generate --model $fx/$f \
     --tokens 3,1,4,1,5,9,2,6 --max-tokens 16 --temperature 0 --format ids --device cuda
 done
 cpu_ids=$("$build/turbospark" generate --model $fx/llama_tiny --tokens 3,1,4,1,5,9,2,6 --max-tokens 12 --temperature 0 --format ids --device cpu 2>/dev/null)

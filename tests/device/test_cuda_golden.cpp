@@ -1,7 +1,7 @@
 // The families on the CUDA backend against the same transformers goldens as the CPU suite
 // (tests/golden/), plus the engine invariants on the GPU: chunk boundaries, cached decode
-// against recompute, CPU and CUDA greedy ids, and refusals (a model that does not fit, a
-// family the backend does not run yet).
+// against recompute, CPU and CUDA greedy ids, every family loading without the unverified-kernels
+// override, and refusals (a model that does not fit).
 //
 // Tolerance: CUDA is held tightly to the CPU backend rounding where the CUDA path rounds
 // (CpuPrecision; MatchesTheCpuAtCudaPrecision), and to transformers within the tolerances below,
@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -72,13 +73,65 @@ constexpr double kCudaVsCpuAtItsPrecisionTol = 5e-3;
 // roundings past it, what the CPU at CUDA's precision scores plus this headroom (the GPU's own
 // error is held to kCudaVsCpuAtItsPrecisionTol by MatchesTheCpuAtCudaPrecision).
 constexpr double kPrecisionHeadroom = 5e-3;
-double bound_against_transformers(double tol, const std::vector<float>& at_precision, const std::vector<float>& golden) {
-  return std::max(tol, max_rel_error(at_precision.data(), golden.data(), golden.size()) + kPrecisionHeadroom);
+double bound_against_transformers(double tol, const std::vector<float>& at_precision, const std::vector<float>& golden,
+                                  double headroom = kPrecisionHeadroom) {
+  return std::max(tol, max_rel_error(at_precision.data(), golden.data(), golden.size()) + headroom);
 }
 
-// The hybrid and gpt-oss / Gemma 4 goldens below are what lets FamilyEntry::cuda turn true:
-// they run on kernels the registry still calls unverified.
-[[maybe_unused]] const bool kUnverifiedAllowed = setenv("TURBOSPARK_CUDA_UNVERIFIED", "1", 1) == 0;
+// The CPU reference of one long CUDA run. Over 160 tokens two things the rounding model cannot
+// make bit-exact add up past kCudaVsCpuAtItsPrecisionTol (2026-12-05, H100: gpt-oss 0.0058,
+// Gemma 4 dense 0.0058, gpt-oss chunked 0.07, MXFP4 gpt-oss 0.17):
+// - routing near ties: a row whose k-th and (k+1)-th experts the CPU separates by 1e-4 of the top
+//   probability goes the other way on the GPU. So the reference routes as the GPU did (its router
+//   probabilities, RouteReplay) and reports where its own choice differed and by what margin:
+//   every such row must be a near tie (kNearTieMargin), and few (kMaxFlipShare);
+// - f32 summation order: where the GPU's f32 differs from the CPU's by an ulp, a bf16 rounding
+//   downstream (GEMM inputs, K/V, q, probabilities) can tip the other way, a 2^-9 step that the
+//   layers after it carry on. `noise` measures that on the CPU alone: the reference against itself
+//   with every matmul output nudged by 2^-22 (CpuPrecision::nudge_seed, two seeds). Gemma 4 dense's
+//   160-token prompt moved 0.0037-0.008 that way, the GPU 0.0047-0.0058 from the reference: the
+//   GPU is held to kNoiseFactor times it (at least kCudaVsCpuAtItsPrecisionTol).
+constexpr double kNearTieMargin = 1e-2;
+constexpr double kMaxFlipShare = 0.01;
+constexpr double kNoiseFactor = 2.0;
+struct CpuReference {
+  std::vector<float> logits;
+  double noise = 0;
+  int64_t flips = 0, routed_rows = 0;
+  double widest_flip_margin = 0;
+};
+CpuReference cpu_reference(const std::string& model_path, const std::vector<int32_t>& tokens, int64_t chunk,
+                           int64_t max_batch, int64_t max_context, const std::vector<float>* gpu_router_probs) {
+  CpuReference ref;
+  for (uint32_t nudge : {0u, 1u, 2u}) {
+    CpuPrecision p = CpuPrecision::like_cuda();
+    p.nudge_seed = nudge;
+    if (gpu_router_probs) p.route_replay = std::make_shared<RouteReplay>();  // filled once the model is loaded
+    auto cpu = make_cpu_backend(4, p);
+    LoadedModel m = load_model(model_path, *cpu);
+    if (gpu_router_probs) {
+      const Model& model = *m.model;
+      *p.route_replay = *route_replay_from_probs(*gpu_router_probs, model.info().n_layers, int64_t(tokens.size()),
+                                                 model.n_experts(), model.experts_per_token());
+    }
+    SessionOptions so;
+    so.max_prefill_batch = max_batch;
+    so.max_context = max_context;
+    Session s(*m.model, *cpu, so);
+    std::vector<float> logits = s.feed(tokens, chunk, /*all_logits=*/true);
+    if (nudge == 0) {
+      ref.logits = std::move(logits);
+      if (p.route_replay) {
+        ref.flips = p.route_replay->flips;
+        ref.widest_flip_margin = p.route_replay->widest_flip_margin;
+        ref.routed_rows = int64_t(tokens.size() * p.route_replay->layers.size());
+      }
+    } else {
+      ref.noise = std::max(ref.noise, max_rel_error(logits.data(), ref.logits.data(), logits.size()));
+    }
+  }
+  return ref;
+}
 
 bool have_gpu() { return cuda_available(); }
 
@@ -296,25 +349,39 @@ TEST_P(CudaLongGolden, LongPromptMatchesTransformers) {
   const std::string dir = fixture(GetParam());
   ASSERT_TRUE(std::filesystem::exists(dir + "/long_golden.json")) << dir << "/long_golden.json missing";
   auto cuda = make_cuda_backend(0);
+  EXPECT_EQ(cuda->preferred_prefill_batch(), CpuPrecision::like_cuda().prefill_batch);
   LoadedModel m = load_model(dir, *cuda);
   const auto json = testing::read_json(dir + "/long_golden.json");
   const std::vector<int32_t> tokens = json["tokens"].get<std::vector<int32_t>>();
   const NpyArray want = read_npy_f32(dir + "/long_logits.npy");
   // Past the config's context where the prompt needs it (gpt_oss_yarn: 128), as the CPU suite.
   const int64_t context = std::max<int64_t>(m.model->info().max_context, int64_t(tokens.size()) + 1);
+  const bool routed = m.model->n_experts() > 0;
   for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5), int64_t(100)}) {
     SessionOptions so;
     so.max_context = context;
     Session s(*m.model, *cuda, so);
-    std::vector<float> logits = s.feed(tokens, chunk, true);
+    std::vector<float> router_probs;
+    std::vector<float> logits = s.feed(tokens, chunk, true, routed ? &router_probs : nullptr);
     ASSERT_EQ(logits.size(), want.data.size());
-    const std::vector<float> at_precision =
-        cpu_at_cuda_precision(dir, tokens, chunk, cuda->preferred_prefill_batch(), context);
-    EXPECT_LT(max_rel_error(at_precision.data(), logits.data(), logits.size()), kCudaVsCpuAtItsPrecisionTol)
-        << "chunk " << chunk << ": CUDA vs the CPU at CUDA's precision";
+    const CpuReference ref =
+        cpu_reference(dir, tokens, chunk, cuda->preferred_prefill_batch(), context, routed ? &router_probs : nullptr);
+    EXPECT_LE(ref.flips, std::max<int64_t>(1, int64_t(kMaxFlipShare * double(ref.routed_rows))))
+        << "chunk " << chunk << ": rows the CPU routes differently from CUDA";
+    EXPECT_LT(ref.widest_flip_margin, kNearTieMargin)
+        << "chunk " << chunk << ": CUDA routed a row the CPU separates clearly elsewhere";
+    const double err = max_rel_error(ref.logits.data(), logits.data(), logits.size());
+    const double tol = std::max(kCudaVsCpuAtItsPrecisionTol, kNoiseFactor * ref.noise);
+    EXPECT_LT(err, tol) << "chunk " << chunk << ": CUDA vs the CPU at CUDA's precision (its own noise " << ref.noise
+                        << ")";
     EXPECT_LT(max_rel_error(logits.data(), want.data.data(), logits.size()),
-              bound_against_transformers(kCudaLogitTol, at_precision, want.data))
+              bound_against_transformers(kCudaLogitTol, ref.logits, want.data,
+                                         std::max(kPrecisionHeadroom, kNoiseFactor * ref.noise)))
         << "chunk " << chunk;
+    std::printf("[ measured ] %s chunk %lld: CUDA vs the CPU at CUDA's precision %.3g (its noise %.3g; %lld of %lld "
+                "routed rows replayed from CUDA, widest CPU margin %.3g)\n",
+                GetParam().c_str(), static_cast<long long>(chunk), err, ref.noise, static_cast<long long>(ref.flips),
+                static_cast<long long>(ref.routed_rows), ref.widest_flip_margin);
   }
 }
 
@@ -418,25 +485,15 @@ TEST(CudaGgufGolden, BlockFormatsMatchLlamaCpp) {
   }
 }
 
-// Families whose CUDA kernels have not yet passed these tests (FamilyEntry::cuda false) are
-// refused by name unless TURBOSPARK_CUDA_UNVERIFIED=1, which this binary sets for the goldens.
-TEST(CudaRefusals, UnverifiedFamiliesAreRefusedByName) {
+// Every family loads on the GPU without TURBOSPARK_CUDA_UNVERIFIED (the gate itself:
+// Registry.UnverifiedFamiliesAreRefusedOnTheGpuByName), one fixture per family.
+TEST(CudaRefusals, EveryFamilyLoadsWithoutTheOverride) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto cuda = make_cuda_backend(0);
-  unsetenv("TURBOSPARK_CUDA_UNVERIFIED");
-  try {
-    load_model(fixture("gpt_oss_tiny"), *cuda);
-    ADD_FAILURE() << "gpt_oss loaded on cuda";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("GptOssForCausalLM is not supported on --device cuda"), std::string::npos)
-        << e.what();
-  }
-  setenv("TURBOSPARK_CUDA_UNVERIFIED", "1", 1);
-  EXPECT_NO_THROW(load_model(fixture("gpt_oss_tiny"), *cuda));
-  // Verified families load without it.
-  unsetenv("TURBOSPARK_CUDA_UNVERIFIED");
-  EXPECT_NO_THROW(load_model(fixture("qwen4_exp_tiny"), *cuda));
-  setenv("TURBOSPARK_CUDA_UNVERIFIED", "1", 1);
+  ASSERT_EQ(std::getenv("TURBOSPARK_CUDA_UNVERIFIED"), nullptr);
+  for (const char* f : {"qwen3_tiny", "qwen2_tiny", "llama_tiny", "gemma3_tiny", "qwen3_moe_tiny", "qwen4_exp_tiny",
+                        "qwen4_exp_mm_tiny", "gpt_oss_tiny", "gemma4_dense_tiny", "gemma4_mm_tiny"})
+    EXPECT_NO_THROW(load_model(fixture(f), *cuda)) << f;
 }
 
 TEST(CudaRefusals, AModelThatDoesNotFitIsRefusedWithByteCounts) {

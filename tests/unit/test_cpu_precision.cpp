@@ -2,17 +2,21 @@
 // the device tests hold the GPU to. Checked here op by op: K/V stored as bf16, and GEMM inputs
 // rounded (bf16, tf32 for f32 weights) past the row bound, in dense matmuls and in every matmul
 // of a MoE micro-batch past it, with f32 kept at and below the bound; attention past its bound
-// as the tensor-core prefill kernel rounds it; MXFP4 matmuls on f32 activations.
+// as the tensor-core prefill kernel rounds it; MXFP4 matmuls on f32 activations. And the two
+// aids of the GPU comparison: routing replayed from another run, and the nudge that measures the
+// reference's own rounding noise.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "backends/cpu/mxfp4.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "ops/backend.h"
 
@@ -292,6 +296,120 @@ TEST(CpuPrecision, KvRowsAreStoredAsBf16) {
       }
     }
   }
+}
+
+
+// Route replay: rows whose own top-k differs take the replayed experts, weighted from this
+// run's probabilities (renormalized over them when asked), counted with the CPU's margin;
+// calls cycle through the replay's MoE layers, each with its own row cursor.
+TEST(CpuPrecision, RouteReplayImposesAnotherRunsExperts) {
+  const int64_t n = 5;
+  const int k = 2;
+  // Rows: probabilities are softmax(logits); row 1 of layer 0 is replayed differently.
+  const std::vector<float> logits = {3.f, 2.f, 1.f,  0.f, -1.f,    // own top 2: {0, 1}
+                                     0.f, 1.f, 0.9f, 0.2f, -1.f,   // own {1, 2}, replayed {1, 3}
+                                     -1.f, 0.f, 4.f, 3.f, 0.5f};   // own {2, 3}
+  auto replay = std::make_shared<RouteReplay>();
+  replay->top_k = k;
+  replay->layers = {{0, 1, 3, 1, 2, 3}, {0, 1, 2, 1, 3, 2}};
+  CpuPrecision p;
+  p.route_replay = replay;
+  auto be = make_cpu_backend(1, p);
+  auto own_backend = make_cpu_backend(1);
+  for (bool renormalize : {true, false}) {
+    *replay = RouteReplay{.top_k = k, .layers = replay->layers};
+    std::vector<int32_t> idx(6), own_idx(6);
+    std::vector<float> w(6), own_w(6);
+    Mat rows01(const_cast<float*>(logits.data()), 2, n), row2(const_cast<float*>(logits.data()) + 2 * n, 1, n);
+    // Layer 0 rows 0-1, layer 1 rows 0-1, layer 0 row 2.
+    be->router_softmax_topk(rows01, k, renormalize, idx.data(), w.data(), nullptr);
+    own_backend->router_softmax_topk(rows01, k, renormalize, own_idx.data(), own_w.data(), nullptr);
+    EXPECT_EQ(replay->flips, 1);
+    EXPECT_EQ(std::vector<int32_t>(idx.begin(), idx.begin() + 2), std::vector<int32_t>(own_idx.begin(), own_idx.begin() + 2));
+    EXPECT_EQ(w[0], own_w[0]);
+    EXPECT_EQ(idx[2], 3);
+    EXPECT_EQ(idx[3], 1);
+    double sum = 0, e[5];
+    for (int c = 0; c < n; ++c) sum += (e[c] = std::exp(double(logits[size_t(n + c)])));
+    const double p1 = e[1] / sum, p3 = e[3] / sum;
+    EXPECT_NEAR(w[2], renormalize ? p3 / (p1 + p3) : p3, 1e-6);
+    EXPECT_NEAR(w[3], renormalize ? p1 / (p1 + p3) : p1, 1e-6);
+    EXPECT_NEAR(replay->widest_flip_margin, (e[2] - e[3]) / e[1], 1e-6);  // own 2nd (expert 2) - 3rd (expert 3), over 1st
+    // Layer 1 replays the CPU's own sets ({2, 1} is {1, 2}): nothing changes.
+    be->router_softmax_topk(rows01, k, renormalize, idx.data(), w.data(), nullptr);
+    EXPECT_EQ(replay->flips, 1);
+    EXPECT_EQ(idx, own_idx);
+    EXPECT_EQ(w, own_w);
+    be->router_softmax_topk(row2, k, renormalize, idx.data(), w.data(), nullptr);  // layer 0, row 2: {2, 3} own
+    EXPECT_EQ(replay->flips, 1);
+    EXPECT_EQ(idx[0], 2);
+    EXPECT_EQ(replay->cursor, (std::vector<int64_t>{3, 2}));
+    EXPECT_THROW(be->router_softmax_topk(rows01, k, renormalize, idx.data(), w.data(), nullptr), Error)
+        << "layer 1 holds 3 rows: 2 + 2 run past them";
+  }
+}
+
+// Replayed experts from router probabilities: each routed layer's top k per token, descending,
+// lower index first on ties; dense (all-zero) layers left out.
+TEST(CpuPrecision, RouteReplayFromProbabilities) {
+  // 3 layers x 2 tokens x 4 experts; layer 1 dense.
+  const std::vector<float> probs = {0.1f, 0.4f, 0.3f, 0.2f, 0.25f, 0.25f, 0.25f, 0.25f,  //
+                                    0.f,  0.f,  0.f,  0.f,  0.f,   0.f,   0.f,   0.f,    //
+                                    0.7f, 0.1f, 0.1f, 0.1f, 0.f,   0.f,   0.5f,  0.5f};
+  const auto r = route_replay_from_probs(probs, 3, 2, 4, 2);
+  EXPECT_EQ(r->top_k, 2);
+  ASSERT_EQ(r->layers.size(), 2u);
+  EXPECT_EQ(r->layers[0], (std::vector<int32_t>{1, 2, 0, 1}));
+  EXPECT_EQ(r->layers[1], (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_THROW(route_replay_from_probs(probs, 3, 2, 3, 2), Error);
+  EXPECT_THROW(route_replay_from_probs(std::vector<float>(8, 0.f), 1, 2, 4, 2), Error);
+}
+
+// The nudge: every matmul output scaled by exactly 1 +- 2^-22, both signs present, the signs
+// differing by seed and by call; seed 0 leaves the product alone.
+TEST(CpuPrecision, NudgeScalesMatmulOutputsByOneUlpOfNoise) {
+  const Matrix m = make_matrix(DType::BF16, 24, 32, 11);
+  const std::vector<float> x = randoms(size_t(3 * 32), 12);
+  auto plain = make_cpu_backend(1);
+  const std::vector<float> want = product(*plain, m.view, x, 3);
+  std::vector<std::vector<float>> runs;
+  for (uint32_t seed : {1u, 1u, 2u}) {
+    CpuPrecision p;
+    p.nudge_seed = seed;
+    auto be = make_cpu_backend(1, p);
+    runs.push_back(product(*be, m.view, x, 3));
+    if (seed == 2) runs.push_back(product(*be, m.view, x, 3));  // the second call of one backend
+  }
+  for (const auto& got : runs) {
+    int up = 0, down = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (got[i] == want[i] * (1.f + 0x1p-22f)) {
+        ++up;
+      } else if (got[i] == want[i] * (1.f - 0x1p-22f)) {
+        ++down;
+      } else {
+        ADD_FAILURE() << "element " << i << ": " << got[i] << " is not " << want[i] << " * (1 +- 2^-22)";
+      }
+    }
+    EXPECT_GT(up, 10);
+    EXPECT_GT(down, 10);
+  }
+  EXPECT_EQ(runs[0], runs[1]) << "one seed, one call: the same signs";
+  EXPECT_NE(runs[0], runs[2]) << "another seed";
+  EXPECT_NE(runs[2], runs[3]) << "another call";
+  CpuPrecision zero;
+  auto be = make_cpu_backend(1, zero);
+  EXPECT_EQ(product(*be, m.view, x, 3), want);
+}
+
+// like_cuda() cuts prompts where CUDA does: its 2048-row micro-batches (the device tests hold
+// this to the CUDA backend's preferred_prefill_batch()).
+TEST(CpuPrecision, PrefillBatchIsTheBackendsPreferred) {
+  EXPECT_EQ(make_cpu_backend(1)->preferred_prefill_batch(), kDefaultPrefillBatch);
+  EXPECT_EQ(make_cpu_backend(1, CpuPrecision::like_cuda())->preferred_prefill_batch(), 2048);
+  CpuPrecision bad;
+  bad.prefill_batch = -1;
+  EXPECT_THROW(make_cpu_backend(1, bad), Error);
 }
 
 }  // namespace

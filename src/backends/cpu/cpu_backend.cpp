@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <numeric>
 
 #include "backends/cpu/hybrid_ops.h"
 #include "backends/cpu/int4_affine.h"
@@ -126,10 +128,14 @@ class CpuBackend final : public Backend {
   }
 
   void add(const Mat& y, const Mat& x) override { cpu::add_scaled(y, x, 1.f); }
+  int64_t preferred_prefill_batch() const override {
+    return precision_.prefill_batch > 0 ? precision_.prefill_batch : kDefaultPrefillBatch;
+  }
 
   void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
                            const float* expert_scale) override {
     cpu::router_softmax_topk(logits, k, renormalize, idx, weight);
+    if (precision_.route_replay) replay_routes(*precision_.route_replay, logits, k, renormalize, idx, weight);
     if (expert_scale) {
       for (int64_t j = 0; j < logits.rows * k; ++j) weight[j] *= expert_scale[idx[j]];
     }
@@ -400,18 +406,74 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // CpuPrecision::route_replay: rows whose experts differ from the replayed ones take those,
+  // weighted from this run's own probabilities as cpu::router_softmax_topk weighs its picks.
+  static void replay_routes(RouteReplay& r, const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight) {
+    TS_CHECK(!r.layers.empty() && r.top_k == k, "route replay: {} MoE layers of top {}, the model routes top {}",
+             r.layers.size(), r.top_k, k);
+    if (r.cursor.size() != r.layers.size()) r.cursor.assign(r.layers.size(), 0);
+    const size_t layer = r.calls++ % r.layers.size();
+    const std::vector<int32_t>& want = r.layers[layer];
+    int64_t& at = r.cursor[layer];
+    TS_CHECK((at + logits.rows) * k <= int64_t(want.size()),
+             "route replay: MoE layer {} holds {} rows, the run reached row {}", layer, int64_t(want.size()) / k,
+             at + logits.rows);
+    std::vector<float> prob(static_cast<size_t>(logits.cols)), sorted;
+    for (int64_t t = 0; t < logits.rows; ++t) {
+      const int32_t* forced = want.data() + (at + t) * k;
+      int32_t* ti = idx + t * k;
+      float* tw = weight + t * k;
+      if (std::is_permutation(ti, ti + k, forced)) continue;
+      const float* l = logits.row(t);
+      const float m = *std::max_element(l, l + logits.cols);
+      float sum = 0.f;
+      for (int64_t e = 0; e < logits.cols; ++e) sum += (prob[size_t(e)] = std::exp(l[e] - m));
+      sorted = prob;
+      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+      const double margin = k < logits.cols ? double(sorted[size_t(k - 1)] - sorted[size_t(k)]) / sorted[0] : 0.0;
+      ++r.flips;
+      r.widest_flip_margin = std::max(r.widest_flip_margin, margin);
+      float picked = 0.f;
+      for (int j = 0; j < k; ++j) {
+        TS_CHECK(forced[j] >= 0 && forced[j] < logits.cols, "route replay: expert {} of {}", forced[j], logits.cols);
+        ti[j] = forced[j];
+        picked += (tw[j] = prob[size_t(forced[j])] / sum);
+      }
+      if (renormalize)
+        for (int j = 0; j < k; ++j) tw[j] /= picked;
+    }
+    at += logits.rows;
+  }
+
   // Quantized formats have their own kernels; models never see the difference.
   void matmul_view(const WeightView& w, const Mat& x_in, const Mat& y) {
     const Mat x = gemm_input(w, x_in);
     if (w.dtype == DType::MXFP4) {
-      if (precision_.float_mxfp4) return cpu::mxfp4_matmul_exact(pool_, w, x, y);
-      cpu::mxfp4_matmul(pool_, w, x, y);
+      if (precision_.float_mxfp4) {
+        cpu::mxfp4_matmul_exact(pool_, w, x, y);
+      } else {
+        cpu::mxfp4_matmul(pool_, w, x, y);
+      }
     } else if (w.dtype == DType::INT4_AFFINE) {
       cpu::int4_affine_matmul(pool_, w, x, y);
     } else if (is_quantized(w.dtype)) {
       cpu::quant_matmul(pool_, w, x, y);
     } else {
       cpu::matmul(pool_, w, x, y);
+    }
+    if (precision_.nudge_seed != 0) nudge(y);
+  }
+
+  // CpuPrecision::nudge_seed: y *= 1 +- 2^-22, the sign from a hash of (seed, call, element).
+  void nudge(const Mat& y) {
+    const uint64_t call = nudge_calls_++;
+    for (int64_t r = 0; r < y.rows; ++r) {
+      float* row = y.row(r);
+      for (int64_t c = 0; c < y.cols; ++c) {
+        uint64_t h = (uint64_t(precision_.nudge_seed) << 40) ^ (call << 24) ^ uint64_t(r * y.cols + c);
+        h ^= h >> 33, h *= 0xff51afd7ed558ccdull, h ^= h >> 33, h *= 0xc4ceb9fe1a85ec53ull, h ^= h >> 33;
+        row[c] *= (h & 1) ? 1.f + 0x1p-22f : 1.f - 0x1p-22f;
+      }
     }
   }
 
@@ -422,16 +484,40 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   std::vector<float> scratch_;  // gathered expert inputs and FFN intermediates, grown once
   std::vector<std::vector<std::pair<int32_t, float>>> by_expert_;  // moe_experts: (token, weight) per expert
+  uint64_t nudge_calls_ = 0;
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return std::make_unique<CpuBackend>(n_threads, CpuPrecision{}); }
 std::unique_ptr<Backend> make_cpu_backend(int n_threads, const CpuPrecision& precision) {
-  TS_CHECK(precision.gemm_above_rows >= 0 && precision.tc_attention_above_rows >= 0,
-           "CpuPrecision: gemm_above_rows {} / tc_attention_above_rows {} < 0", precision.gemm_above_rows,
-           precision.tc_attention_above_rows);
+  TS_CHECK(precision.gemm_above_rows >= 0 && precision.tc_attention_above_rows >= 0 && precision.prefill_batch >= 0,
+           "CpuPrecision: gemm_above_rows {} / tc_attention_above_rows {} / prefill_batch {} < 0",
+           precision.gemm_above_rows, precision.tc_attention_above_rows, precision.prefill_batch);
   return std::make_unique<CpuBackend>(n_threads, precision);
+}
+
+std::shared_ptr<RouteReplay> route_replay_from_probs(const std::vector<float>& probs, int64_t n_layers, int64_t tokens,
+                                                     int64_t n_experts, int top_k) {
+  TS_CHECK(int64_t(probs.size()) == n_layers * tokens * n_experts && top_k >= 1 && top_k <= n_experts,
+           "route replay: {} probabilities for {} layers x {} tokens x {} experts, top {}", probs.size(), n_layers,
+           tokens, n_experts, top_k);
+  auto r = std::make_shared<RouteReplay>();
+  r->top_k = top_k;
+  std::vector<int32_t> order(static_cast<size_t>(n_experts));
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const float* layer = probs.data() + l * tokens * n_experts;
+    if (std::all_of(layer, layer + tokens * n_experts, [](float p) { return p == 0.f; })) continue;
+    std::vector<int32_t>& ids = r->layers.emplace_back();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* p = layer + t * n_experts;
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+      ids.insert(ids.end(), order.begin(), order.begin() + top_k);
+    }
+  }
+  TS_CHECK(!r->layers.empty(), "route replay: no layer routed any token");
+  return r;
 }
 
 }  // namespace turbospark
