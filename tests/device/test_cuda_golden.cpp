@@ -24,6 +24,8 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <span>
+#include <utility>
 
 #include "backends/cuda/matmul.h"
 #include "backends/cuda/ops.h"
@@ -100,8 +102,39 @@ struct CpuReference {
   int64_t flips = 0, routed_rows = 0;
   double widest_flip_margin = 0;
 };
-CpuReference cpu_reference(const std::string& model_path, const std::vector<int32_t>& tokens, int64_t chunk,
-                           int64_t max_batch, int64_t max_context, const std::vector<float>* gpu_router_probs) {
+// A prompt fed as consecutive segments, each [begin, end) of the tokens in micro-batches of at
+// most `chunk` (0: the session's largest): prefill, then decode steps (chunk 1).
+struct Segment {
+  int64_t begin, end, chunk;
+};
+// Every segment's logits (all rows) and, when `router_probs` is non-null, the router
+// probabilities [n_layers, T, n_experts] over all of them.
+std::vector<float> feed_segments(Session& s, const Model& model, const std::vector<int32_t>& tokens,
+                                 const std::vector<Segment>& segments, std::vector<float>* router_probs) {
+  std::vector<float> logits;
+  std::vector<std::vector<float>> probs;
+  for (const Segment& g : segments) {
+    std::vector<float> p;
+    const std::vector<float> l = s.feed(std::span<const int32_t>(tokens.data() + g.begin, size_t(g.end - g.begin)),
+                                        g.chunk, /*all_logits=*/true, router_probs ? &p : nullptr);
+    logits.insert(logits.end(), l.begin(), l.end());
+    probs.push_back(std::move(p));
+  }
+  if (router_probs) {
+    const int64_t layers = model.info().n_layers, e = model.n_experts();
+    router_probs->clear();
+    for (int64_t l = 0; l < layers; ++l)
+      for (size_t i = 0; i < segments.size(); ++i) {
+        const int64_t n = segments[i].end - segments[i].begin;
+        const float* src = probs[i].data() + l * n * e;
+        router_probs->insert(router_probs->end(), src, src + n * e);
+      }
+  }
+  return logits;
+}
+CpuReference cpu_reference(const std::string& model_path, const std::vector<int32_t>& tokens,
+                           const std::vector<Segment>& segments, int64_t max_batch, int64_t max_context,
+                           const std::vector<float>* gpu_router_probs) {
   CpuReference ref;
   for (uint32_t nudge : {0u, 1u, 2u}) {
     CpuPrecision p = CpuPrecision::like_cuda();
@@ -118,7 +151,7 @@ CpuReference cpu_reference(const std::string& model_path, const std::vector<int3
     so.max_prefill_batch = max_batch;
     so.max_context = max_context;
     Session s(*m.model, *cpu, so);
-    std::vector<float> logits = s.feed(tokens, chunk, /*all_logits=*/true);
+    std::vector<float> logits = feed_segments(s, *m.model, tokens, segments, nullptr);
     if (nudge == 0) {
       ref.logits = std::move(logits);
       if (p.route_replay) {
@@ -131,6 +164,34 @@ CpuReference cpu_reference(const std::string& model_path, const std::vector<int3
     }
   }
   return ref;
+}
+
+// CUDA fed `segments` against the CPU reference fed the same way: routing differences only at
+// near ties, and the logits within max(kCudaVsCpuAtItsPrecisionTol, kNoiseFactor x its noise).
+// Returns the CUDA logits and the reference.
+std::pair<std::vector<float>, CpuReference> expect_cuda_matches_cpu_reference(
+    Backend& cuda, const Model& model, const std::string& dir, const std::vector<int32_t>& tokens,
+    const std::vector<Segment>& segments, int64_t max_context, const std::string& what) {
+  const bool routed = model.n_experts() > 0;
+  SessionOptions so;
+  so.max_context = max_context;
+  Session s(model, cuda, so);
+  std::vector<float> router_probs;
+  std::vector<float> logits = feed_segments(s, model, tokens, segments, routed ? &router_probs : nullptr);
+  CpuReference ref = cpu_reference(dir, tokens, segments, cuda.preferred_prefill_batch(), max_context,
+                                   routed ? &router_probs : nullptr);
+  EXPECT_EQ(logits.size(), ref.logits.size());
+  EXPECT_LE(ref.flips, std::max<int64_t>(1, int64_t(kMaxFlipShare * double(ref.routed_rows))))
+      << what << ": rows the CPU routes differently from CUDA";
+  EXPECT_LT(ref.widest_flip_margin, kNearTieMargin) << what << ": CUDA routed a row the CPU separates clearly elsewhere";
+  const double err = max_rel_error(ref.logits.data(), logits.data(), std::min(logits.size(), ref.logits.size()));
+  EXPECT_LT(err, std::max(kCudaVsCpuAtItsPrecisionTol, kNoiseFactor * ref.noise))
+      << what << ": CUDA vs the CPU at CUDA's precision (its own noise " << ref.noise << ")";
+  std::printf("[ measured ] %s: CUDA vs the CPU at CUDA's precision %.3g (its noise %.3g; %lld of %lld routed rows "
+              "replayed from CUDA, widest CPU margin %.3g)\n",
+              what.c_str(), err, ref.noise, static_cast<long long>(ref.flips), static_cast<long long>(ref.routed_rows),
+              ref.widest_flip_margin);
+  return {std::move(logits), std::move(ref)};
 }
 
 bool have_gpu() { return cuda_available(); }
@@ -356,38 +417,53 @@ TEST_P(CudaLongGolden, LongPromptMatchesTransformers) {
   const NpyArray want = read_npy_f32(dir + "/long_logits.npy");
   // Past the config's context where the prompt needs it (gpt_oss_yarn: 128), as the CPU suite.
   const int64_t context = std::max<int64_t>(m.model->info().max_context, int64_t(tokens.size()) + 1);
-  const bool routed = m.model->n_experts() > 0;
+  const int64_t T = int64_t(tokens.size());
   for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5), int64_t(100)}) {
-    SessionOptions so;
-    so.max_context = context;
-    Session s(*m.model, *cuda, so);
-    std::vector<float> router_probs;
-    std::vector<float> logits = s.feed(tokens, chunk, true, routed ? &router_probs : nullptr);
+    const auto [logits, ref] = expect_cuda_matches_cpu_reference(*cuda, *m.model, dir, tokens, {{0, T, chunk}}, context,
+                                                                 GetParam() + " chunk " + std::to_string(chunk));
     ASSERT_EQ(logits.size(), want.data.size());
-    const CpuReference ref =
-        cpu_reference(dir, tokens, chunk, cuda->preferred_prefill_batch(), context, routed ? &router_probs : nullptr);
-    EXPECT_LE(ref.flips, std::max<int64_t>(1, int64_t(kMaxFlipShare * double(ref.routed_rows))))
-        << "chunk " << chunk << ": rows the CPU routes differently from CUDA";
-    EXPECT_LT(ref.widest_flip_margin, kNearTieMargin)
-        << "chunk " << chunk << ": CUDA routed a row the CPU separates clearly elsewhere";
-    const double err = max_rel_error(ref.logits.data(), logits.data(), logits.size());
-    const double tol = std::max(kCudaVsCpuAtItsPrecisionTol, kNoiseFactor * ref.noise);
-    EXPECT_LT(err, tol) << "chunk " << chunk << ": CUDA vs the CPU at CUDA's precision (its own noise " << ref.noise
-                        << ")";
     EXPECT_LT(max_rel_error(logits.data(), want.data.data(), logits.size()),
               bound_against_transformers(kCudaLogitTol, ref.logits, want.data,
                                          std::max(kPrecisionHeadroom, kNoiseFactor * ref.noise)))
         << "chunk " << chunk;
-    std::printf("[ measured ] %s chunk %lld: CUDA vs the CPU at CUDA's precision %.3g (its noise %.3g; %lld of %lld "
-                "routed rows replayed from CUDA, widest CPU margin %.3g)\n",
-                GetParam().c_str(), static_cast<long long>(chunk), err, ref.noise, static_cast<long long>(ref.flips),
-                static_cast<long long>(ref.routed_rows), ref.widest_flip_margin);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Decoder, CudaLongGolden,
                          ::testing::Values("qwen3_tiny", "qwen3_moe_tiny", "qwen2_tiny", "llama_tiny", "gemma3_tiny"));
 INSTANTIATE_TEST_SUITE_P(Hybrid, CudaLongGolden, kHybridFixtures);
+
+// QSA past 4k tokens (tools/fixtures/make_ctx4k_golden.py; the CPU's own check is
+// Qwen4Exp.QsaPastFourThousandTokensMatchesTransformers): 4544 tokens of prefill, whole and in
+// chunks of 1000, then 64 decode steps, while the QSA layers select 2 of up to 1151 blocks.
+// Every row against the CPU at CUDA's precision; the decoded rows against transformers.
+TEST(CudaLongContext, QsaPastFourThousandTokens) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = fixture("qwen4_exp_tiny");
+  const auto json = testing::read_json(dir + "/ctx4k_golden.json");
+  const std::vector<int32_t> tokens = json["tokens"].get<std::vector<int32_t>>();
+  const int64_t from = json["rows_from"].get<int64_t>(), T = int64_t(tokens.size());
+  const NpyArray want = read_npy_f32(dir + "/ctx4k_logits.npy");
+  auto cuda = make_cuda_backend(0);
+  LoadedModel m = load_model(dir, *cuda);
+  const int64_t vocab = m.model->info().vocab_size;
+  ASSERT_EQ(want.data.size(), size_t((T - from) * vocab));
+  for (int64_t chunk : {int64_t(0), int64_t(1000)}) {
+    const auto [logits, ref] = expect_cuda_matches_cpu_reference(
+        *cuda, *m.model, dir, tokens, {{0, from, chunk}, {from, T, 1}}, T, "qsa 4k prefill chunk " + std::to_string(chunk));
+    ASSERT_EQ(logits.size(), size_t(T * vocab));
+    const std::vector<float> decoded(logits.begin() + from * vocab, logits.end());
+    const std::vector<float> ref_decoded(ref.logits.begin() + from * vocab, ref.logits.end());
+    EXPECT_LT(max_rel_error(decoded.data(), want.data.data(), decoded.size()),
+              bound_against_transformers(kCudaLogitTol, ref_decoded, want.data,
+                                         std::max(kPrecisionHeadroom, kNoiseFactor * ref.noise)))
+        << "chunk " << chunk;
+    std::printf("[ measured ] qsa 4k prefill chunk %lld: 64 decode steps vs transformers %.3g (the CPU at CUDA's "
+                "precision %.3g)\n",
+                static_cast<long long>(chunk), max_rel_error(decoded.data(), want.data.data(), decoded.size()),
+                max_rel_error(ref_decoded.data(), want.data.data(), decoded.size()));
+  }
+}
 
 // GGUF fixtures (llama.cpp's converter) on CUDA: the block formats' device kernels on a
 // whole model.

@@ -100,6 +100,26 @@ TEST(Qwen4Exp, LanguageModelPrefixFormMatchesGolden) {
   EXPECT_LT(testing::max_rel_error(logits.data(), ref.data.data(), ref.data.size()), 2e-4);
 }
 
+// QSA past 4k tokens (tools/fixtures/make_ctx4k_golden.py): 4544 tokens of prefill, then 64
+// decode steps, each step's logits against transformers' single forward over all 4608; its QSA
+// layers select 2 of up to 1151 blocks, and the EOS every 509 tokens restarts the n-gram segments.
+TEST(Qwen4Exp, QsaPastFourThousandTokensMatchesTransformers) {
+  const std::string dir = fixture("qwen4_exp_tiny");
+  const auto json = testing::read_json(dir + "/ctx4k_golden.json");
+  const std::vector<int32_t> tokens = json["tokens"].get<std::vector<int32_t>>();
+  const int64_t from = json["rows_from"].get<int64_t>(), T = int64_t(tokens.size());
+  const NpyArray want = read_npy_f32(dir + "/ctx4k_logits.npy");
+  auto be = make_cpu_backend(2);
+  LoadedModel m = load_model(dir, *be);
+  ASSERT_EQ(want.data.size(), size_t((T - from) * m.model->info().vocab_size));
+  SessionOptions so;
+  so.max_context = T;
+  Session s(*m.model, *be, so);
+  s.feed(std::span<const int32_t>(tokens.data(), size_t(from)));
+  const std::vector<float> decoded = s.feed(std::span<const int32_t>(tokens.data() + from, size_t(T - from)), 1, true);
+  EXPECT_LT(testing::max_rel_error(decoded.data(), want.data.data(), want.data.size()), 2e-4);
+}
+
 TEST(Qwen4ExpBlocks, GroupedNormIsPerGroupWithUnitOffset) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
