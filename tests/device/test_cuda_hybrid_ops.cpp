@@ -340,8 +340,12 @@ TEST(CudaHybridOps, AttentionOverSelectedPositions) {
     int64_t rows, context;
     int n_seqs;
   };
+  // Rows up to 16 with more than 64 selected take the split path when given scratch: every case
+  // runs with and without it. The last case is the Flash-Next decode shape (head dim 256,
+  // 2063 positions: 128 blocks of 16 and the tail).
   for (const Case& c : {Case{4, 2, 16, 11, 5, 40, 1}, Case{8, 1, 64, 40, 17, 300, 1}, Case{2, 2, 128, 2111, 3, 3000, 1},
-                        Case{16, 4, 256, 70, 9, 500, 3}, Case{3, 1, 80, 1, 4, 50, 2}}) {
+                        Case{16, 4, 256, 70, 9, 500, 3}, Case{3, 1, 80, 1, 4, 50, 2}, Case{4, 2, 32, 129, 16, 400, 2},
+                        Case{16, 2, 256, 2063, 1, 4100, 1}}) {
     SCOPED_TRACE("heads " + dims({c.n_heads, c.n_kv_heads, c.head_dim, c.max_selected, c.rows, c.context, c.n_seqs}));
     PagedCache cache(c.n_seqs, c.context, c.n_kv_heads, c.head_dim, uint32_t(51 + c.head_dim));
     std::vector<int32_t> seq(size_t(c.rows));
@@ -367,10 +371,17 @@ TEST(CudaHybridOps, AttentionOverSelectedPositions) {
     const float scale = 1.f / std::sqrt(float(c.head_dim));
     cpu().attention_selected(q.h(), cache.host_view(c.n_seqs > 1 ? seq.data() : nullptr), c.n_heads, scale, sel.data(),
                              counts.data(), c.max_selected, out.h());
-    cuda::attention_selected(q.d(), cache.device_view(c.n_seqs > 1 ? dseq.get() : nullptr), c.n_heads, scale,
-                             dsel.get(), dcounts.get(), c.max_selected, out.d(), stream());
-    EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), 1e-5);
-    EXPECT_TRUE(out.dev_pads_poisoned());
+    const int64_t floats = cuda::attention_selected_scratch_floats(c.rows, c.n_heads, c.head_dim, c.max_selected);
+    EXPECT_EQ(floats > 0, c.rows <= 16);
+    DeviceBuffer<float> scratch(static_cast<size_t>(std::max<int64_t>(floats, 1)));
+    for (bool split : {false, true}) {
+      out.poison();
+      cuda::attention_selected(q.d(), cache.device_view(c.n_seqs > 1 ? dseq.get() : nullptr), c.n_heads, scale,
+                               dsel.get(), dcounts.get(), c.max_selected, out.d(), stream(),
+                               split ? scratch.get() : nullptr, split ? floats : 0);
+      EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), 1e-5) << "split " << split;
+      EXPECT_TRUE(out.dev_pads_poisoned()) << "split " << split;
+    }
   }
 }
 

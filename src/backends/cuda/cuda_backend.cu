@@ -495,7 +495,9 @@ class CudaBackend final : public Backend {
   }
   void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
                           const int32_t* counts, int max_selected, const Mat& out) override {
-    cuda::attention_selected(q, kv, n_heads, scale, selected, counts, max_selected, out, stream_);
+    const int64_t want = cuda::attention_selected_scratch_floats(q.rows, n_heads, kv.head_dim, max_selected);
+    cuda::attention_selected(q, kv, n_heads, scale, selected, counts, max_selected, out, stream_,
+                             attention_scratch(want), want);
   }
 
  private:

@@ -91,8 +91,12 @@ class DeviceScratch;
 void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
                 int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream,
                 DeviceScratch* spill = nullptr, QsaScores scores = QsaScores::kAuto);
+// With `scratch` of attention_selected_scratch_floats() floats (non-zero for steps of a few rows,
+// decode), the selection is split into pieces run in parallel and combined.
 void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
-                        const int32_t* counts, int max_selected, const Mat& out, cudaStream_t stream);
+                        const int32_t* counts, int max_selected, const Mat& out, cudaStream_t stream,
+                        float* scratch = nullptr, int64_t scratch_floats = 0);
+int64_t attention_selected_scratch_floats(int64_t rows, int n_heads, int head_dim, int max_selected);
 
 // ---- kv_cache.cu ----
 // k, v [rows, n_kv_heads * head_dim] into the paged pools at positions[t] of row_seq[t].
