@@ -313,15 +313,24 @@ class GgufParser {
       t.dims.push_back(int64_t(ne));
     }
     t.ggml_type = read<uint32_t>(what);
-    if (!dtype_from_ggml(t.ggml_type, &t.dtype))
-      fail("{}: tensor {} has unsupported ggml type {} ({})", path, t.name, t.ggml_type, ggml_type_name(t.ggml_type));
     t.offset = read<uint64_t>(what);
-
-    const int64_t block = block_size(t.dtype);
-    if (t.dims[0] % block != 0)
-      fail("{}: tensor {}: ne0 = {} is not a multiple of the {} block size {}", path, t.name, t.dims[0],
-           dtype_name(t.dtype), block);
-    t.nbytes = size_t(numel / uint64_t(block) * uint64_t(block_bytes(t.dtype)));
+    if (t.ggml_type == kGgmlMxfp4) {
+      // Raw bytes: blocks of 32 values as { u8 E8M0 scale, 16 bytes of nibbles }; only the
+      // architecture mappings that know the layout read them (gguf_model.cpp).
+      t.dtype = DType::U8;
+      if (t.dims[0] % kGgmlMxfp4Block != 0)
+        fail("{}: tensor {}: ne0 = {} is not a multiple of the MXFP4 block size {}", path, t.name, t.dims[0],
+             kGgmlMxfp4Block);
+      t.nbytes = size_t(numel / kGgmlMxfp4Block * kGgmlMxfp4BlockBytes);
+    } else {
+      if (!dtype_from_ggml(t.ggml_type, &t.dtype))
+        fail("{}: tensor {} has unsupported ggml type {} ({})", path, t.name, t.ggml_type, ggml_type_name(t.ggml_type));
+      const int64_t block = block_size(t.dtype);
+      if (t.dims[0] % block != 0)
+        fail("{}: tensor {}: ne0 = {} is not a multiple of the {} block size {}", path, t.name, t.dims[0],
+             dtype_name(t.dtype), block);
+      t.nbytes = size_t(numel / uint64_t(block) * uint64_t(block_bytes(t.dtype)));
+    }
     if (t.offset % f_.alignment_ != 0)
       fail("{}: tensor {}: data offset {} is not a multiple of the alignment {}", path, t.name, t.offset,
            f_.alignment_);
@@ -452,6 +461,7 @@ const GgufTensor& GgufFile::get(const std::string& name) const {
 
 WeightView GgufFile::weight(const std::string& name) const {
   const GgufTensor& t = get(name);
+  if (t.ggml_type == kGgmlMxfp4) fail("{}: tensor {}: ggml MXFP4 is read only as gpt-oss experts", path(), name);
   WeightView w;
   w.dtype = t.dtype;
   w.data = t.data;

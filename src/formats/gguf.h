@@ -40,6 +40,11 @@ std::string_view gguf_type_name(GgufType t);
 std::string_view ggml_type_name(uint32_t ggml_type);
 // The engine dtype of a ggml tensor type; false when the engine has no kernels for it.
 bool dtype_from_ggml(uint32_t ggml_type, DType* out);
+// ggml's MXFP4 (gpt-oss experts): a GgufTensor of this type has dtype U8 and nbytes of its
+// 17-byte blocks of 32 values ({ u8 E8M0 scale, u8 nibbles[16] }, value j in the low nibble of
+// byte j and value j + 16 in its high nibble); gguf_model.cpp repacks it.
+inline constexpr uint32_t kGgmlMxfp4 = 39;
+inline constexpr uint64_t kGgmlMxfp4Block = 32, kGgmlMxfp4BlockBytes = 17;
 
 // One metadata value. Integers keep their signedness in one 64-bit field each, floats are
 // widened to double, arrays hold their elements (which may themselves be arrays).

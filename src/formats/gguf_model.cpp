@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <regex>
 
 #include "core/error.h"
@@ -27,6 +28,7 @@ constexpr ArchInfo kArchs[] = {
     {"qwen3", "Qwen3ForCausalLM", "qwen3", false, false},
     {"gemma3", "Gemma3ForCausalLM", "gemma3_text", false, true},
     {"qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", false, false},
+    {"gpt-oss", "GptOssForCausalLM", "gpt_oss", false, false},
 };
 
 const ArchInfo& arch_of(const GgufFile& g) {
@@ -54,6 +56,13 @@ std::string hf_block_name(const std::string& arch, const std::string& rest) {
   };
   const size_t dot = rest.find('.');
   const std::string base = rest.substr(0, dot), suffix = dot == std::string::npos ? "" : rest.substr(dot);
+  if (arch == "gpt-oss") {
+    // Its expert stacks are rebuilt in gguf_hf_tensors (gpt_oss_experts); the rest by name.
+    if (base == "attn_sinks" && suffix == ".weight") return "self_attn.sinks";
+    if (base == "post_attention_norm") return "post_attention_layernorm" + suffix;
+    if (base == "ffn_gate_inp") return "mlp.router" + suffix;
+    if (base.ends_with("_exps")) return "";
+  }
   if (arch == "gemma3") {
     if (base == "ffn_norm") return "pre_feedforward_layernorm" + suffix;
     if (base == "post_attention_norm") return "post_attention_layernorm" + suffix;
@@ -68,6 +77,146 @@ std::string hf_block_name(const std::string& arch, const std::string& rest) {
   return "";
 }
 
+// gpt-oss's expert stacks as transformers names them, rebuilt from llama.cpp's: the gate and up
+// stacks [E, I, H] become one gate_up stack with their rows interleaved (even gate, odd up) and
+// the biases likewise [E, 2I]. MXFP4 stacks (ggml blocks of { scale, 16 nibble bytes }) become
+// the _blocks [E, out, in/32, 16] / _scales [E, out, in/32] planes, each block's nibbles put back
+// in transformers' order (byte i: values 2i, 2i + 1; ggml: byte j holds j and j + 16); float
+// stacks become [E, in, out] (transformers' x @ W layout, which the model transposes back).
+// A one-time copy into `owned` at load: these experts are resident, not streamed from the file.
+class GptOssExperts {
+ public:
+  GptOssExperts(const GgufFile& g, std::vector<std::unique_ptr<uint8_t[]>>& owned) : g_(g), owned_(owned) {}
+
+  void add(const std::string& layer, const std::string& base, const std::string& suffix, const GgufTensor& t) {
+    Stack& st = layers_[layer];
+    if (suffix == ".weight") {
+      (base == "ffn_gate_exps" ? st.gate : base == "ffn_up_exps" ? st.up : st.down) = &t;
+    } else if (suffix == ".bias") {
+      (base == "ffn_gate_exps" ? st.gate_bias : base == "ffn_up_exps" ? st.up_bias : st.down_bias) = &t;
+    } else {
+      fail("{}: tensor {} is not supported for architecture gpt-oss", g_.path(), t.name);
+    }
+  }
+
+  void emit(std::vector<TensorInfo>& out) {
+    for (const auto& [layer, st] : layers_) {
+      for (const GgufTensor* t : {st.gate, st.up, st.down, st.gate_bias, st.up_bias, st.down_bias})
+        if (!t) fail("{}: layer {} lacks one of ffn_{{gate,up,down}}_exps.{{weight,bias}}", g_.path(), layer);
+      const std::string p = "model.layers." + layer + ".mlp.experts.";
+      const bool mxfp4 = st.gate->ggml_type == kGgmlMxfp4;
+      if ((st.up->ggml_type == kGgmlMxfp4) != mxfp4 || (st.down->ggml_type == kGgmlMxfp4) != mxfp4 ||
+          (!mxfp4 && (st.gate->dtype != st.up->dtype || st.gate->dtype != st.down->dtype)))
+        fail("{}: layer {}: expert stacks of different types ({}, {}, {})", g_.path(), layer,
+             ggml_type_name(st.gate->ggml_type), ggml_type_name(st.up->ggml_type), ggml_type_name(st.down->ggml_type));
+      const int64_t H = dim(*st.gate, 0), I = dim(*st.gate, 1), E = dim(*st.gate, 2);
+      for (const GgufTensor* t : {st.up})
+        if (t->dims != st.gate->dims) fail("{}: {}: dims {} differ from {}'s {}", g_.path(), t->name, t->dims_str(), st.gate->name, st.gate->dims_str());
+      if (st.down->dims != std::vector<int64_t>{I, H, E})
+        fail("{}: {}: dims {} where [{}, {}, {}] is expected", g_.path(), st.down->name, st.down->dims_str(), I, H, E);
+      if (mxfp4) {
+        gate_up_planes(p + "gate_up_proj", *st.gate, *st.up, E, I, H, out);
+        planes(p + "down_proj", {st.down}, E, H, I, out);
+      } else {
+        floats_in_out(p + "gate_up_proj", *st.gate, st.up, E, I, H, out);
+        floats_in_out(p + "down_proj", *st.down, nullptr, E, H, I, out);
+      }
+      interleaved_bias(p + "gate_up_proj_bias", *st.gate_bias, *st.up_bias, E, I, out);
+      out.push_back(as_is(p + "down_proj_bias", *st.down_bias, {E, H}));
+    }
+  }
+
+ private:
+  struct Stack {
+    const GgufTensor *gate = nullptr, *up = nullptr, *down = nullptr;
+    const GgufTensor *gate_bias = nullptr, *up_bias = nullptr, *down_bias = nullptr;
+  };
+
+  int64_t dim(const GgufTensor& t, size_t i) const {
+    if (t.dims.size() != 3) fail("{}: {}: dims {} where [in, out, experts] is expected", g_.path(), t.name, t.dims_str());
+    return t.dims[i];
+  }
+  uint8_t* buffer(size_t n) {
+    owned_.push_back(std::make_unique<uint8_t[]>(n));
+    return owned_.back().get();
+  }
+  TensorInfo info(const std::string& name, DType dtype, std::vector<int64_t> shape, const uint8_t* data, size_t n) {
+    TensorInfo t;
+    t.name = name;
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.data = data;
+    t.nbytes = n;
+    t.file = &g_.path();
+    return t;
+  }
+  TensorInfo as_is(const std::string& name, const GgufTensor& t, std::vector<int64_t> shape) {
+    return info(name, t.dtype, std::move(shape), t.data, t.nbytes);
+  }
+
+  // One ggml block into transformers' 16 nibble bytes.
+  static void unshuffle(const uint8_t* qs, uint8_t* dst) {
+    uint8_t v[32];
+    for (int j = 0; j < 16; ++j) v[j] = qs[j] & 0x0f, v[j + 16] = qs[j] >> 4;
+    for (int i = 0; i < 16; ++i) dst[i] = uint8_t(v[2 * i] | (v[2 * i + 1] << 4));
+  }
+  // Rows of `srcs` (each [E, rows, cols] in ggml blocks) interleaved row by row into planes.
+  void planes(const std::string& stem, std::vector<const GgufTensor*> srcs, int64_t E, int64_t rows, int64_t cols,
+              std::vector<TensorInfo>& out) {
+    const int64_t nb = cols / int64_t(kGgmlMxfp4Block), n = int64_t(srcs.size());
+    const size_t src_row = size_t(nb) * kGgmlMxfp4BlockBytes;
+    uint8_t* blocks = buffer(size_t(E * n * rows * nb * 16));
+    uint8_t* scales = buffer(size_t(E * n * rows * nb));
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t s = 0; s < n; ++s) {
+          const int64_t row = (e * rows + r) * n + s;  // the output row
+          const uint8_t* src = srcs[size_t(s)]->data + size_t(e * rows + r) * src_row;
+          for (int64_t b = 0; b < nb; ++b) {
+            scales[row * nb + b] = src[size_t(b) * kGgmlMxfp4BlockBytes];
+            unshuffle(src + size_t(b) * kGgmlMxfp4BlockBytes + 1, blocks + (row * nb + b) * 16);
+          }
+        }
+    out.push_back(info(stem + "_blocks", DType::U8, {E, n * rows, nb, 16}, blocks, size_t(E * n * rows * nb * 16)));
+    out.push_back(info(stem + "_scales", DType::U8, {E, n * rows, nb}, scales, size_t(E * n * rows * nb)));
+  }
+  void gate_up_planes(const std::string& stem, const GgufTensor& gate, const GgufTensor& up, int64_t E, int64_t I,
+                      int64_t H, std::vector<TensorInfo>& out) {
+    planes(stem, {&gate, &up}, E, I, H, out);
+  }
+  // [E, rows, cols] stacks ([out, in], `up` interleaved with `a` when given) into [E, cols, n * rows].
+  void floats_in_out(const std::string& name, const GgufTensor& a, const GgufTensor* up, int64_t E, int64_t rows,
+                     int64_t cols, std::vector<TensorInfo>& out) {
+    const size_t es = dtype_size(a.dtype);
+    if (es == 0) fail("{}: {}: gpt-oss experts of type {} are not supported (MXFP4, BF16, F16 or F32)", g_.path(), a.name, dtype_name(a.dtype));
+    const int64_t n = up ? 2 : 1;
+    uint8_t* dst = buffer(size_t(E * rows * cols * n) * es);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t s = 0; s < n; ++s) {
+        const uint8_t* src = (s == 0 ? a : *up).data + size_t(e * rows * cols) * es;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            std::memcpy(dst + size_t((e * cols + c) * n * rows + r * n + s) * es, src + size_t(r * cols + c) * es, es);
+      }
+    out.push_back(info(name, a.dtype, {E, cols, n * rows}, dst, size_t(E * rows * cols * n) * es));
+  }
+  void interleaved_bias(const std::string& name, const GgufTensor& gate, const GgufTensor& up, int64_t E, int64_t I,
+                        std::vector<TensorInfo>& out) {
+    for (const GgufTensor* t : {&gate, &up})
+      if (t->dtype != DType::F32 || t->dims != std::vector<int64_t>{I, E})
+        fail("{}: {}: {} {} where F32 [{}, {}] is expected", g_.path(), t->name, dtype_name(t->dtype), t->dims_str(), I, E);
+    auto* dst = reinterpret_cast<float*>(buffer(size_t(E * 2 * I) * 4));
+    const auto* g = reinterpret_cast<const float*>(gate.data);
+    const auto* u = reinterpret_cast<const float*>(up.data);
+    for (int64_t k = 0; k < E * I; ++k) dst[2 * k] = g[k], dst[2 * k + 1] = u[k];
+    out.push_back(info(name, DType::F32, {E, 2 * I}, reinterpret_cast<const uint8_t*>(dst), size_t(E * 2 * I) * 4));
+  }
+
+  const GgufFile& g_;
+  std::vector<std::unique_ptr<uint8_t[]>>& owned_;
+  std::map<std::string, Stack> layers_;
+};
+
 }  // namespace
 
 bool is_gguf_path(const std::string& path) {
@@ -81,9 +230,21 @@ std::vector<TensorInfo> gguf_hf_tensors(const GgufFile& g, std::vector<std::uniq
   const int64_t n_kv = g.get_u32(a + ".attention.head_count_kv", uint32_t(n_head));
   static const std::regex kBlock(R"(blk\.(\d+)\.(.+))");
   std::vector<TensorInfo> out;
+  GptOssExperts gpt_oss(g, owned);
   for (const GgufTensor& t : g.tensors()) {
     std::string name;
     std::smatch m;
+    if (a == "gpt-oss" && std::regex_match(t.name, m, kBlock)) {
+      const std::string rest = m[2].str();
+      const size_t dot = rest.find('.');
+      const std::string base = rest.substr(0, dot);
+      if (base == "ffn_gate_exps" || base == "ffn_up_exps" || base == "ffn_down_exps") {
+        gpt_oss.add(m[1].str(), base, dot == std::string::npos ? "" : rest.substr(dot), t);
+        continue;
+      }
+    }
+    if (t.ggml_type == kGgmlMxfp4)
+      fail("{}: tensor {}: ggml MXFP4 is supported for gpt-oss expert stacks only", g.path(), t.name);
     if (t.name == "token_embd.weight") name = "model.embed_tokens.weight";
     else if (t.name == "output_norm.weight") name = "model.norm.weight";
     else if (t.name == "output.weight") name = "lm_head.weight";
@@ -136,6 +297,7 @@ std::vector<TensorInfo> gguf_hf_tensors(const GgufFile& g, std::vector<std::uniq
     }
     out.push_back(std::move(info));
   }
+  gpt_oss.emit(out);
   return out;
 }
 
@@ -191,6 +353,39 @@ nlohmann::json gguf_hf_config(const GgufFile& g) {
     c["rope_parameters"] = {{"full_attention", global},
                             {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", swa_theta}}}};
     if (g.has(a + ".final_logit_softcapping")) c["final_logit_softcapping"] = g.get_f32(a + ".final_logit_softcapping");
+  } else if (a == "gpt-oss") {
+    // llama.cpp's gpt-oss: experts of expert_feed_forward_length, sliding window on even layers
+    // (its swa pattern 2), YaRN as the file states it. transformers' gpt-oss computes YaRN's
+    // correction range without rounding it to whole dims (rope_parameters.truncate false), which
+    // a GGUF cannot state; this follows transformers (llama.cpp's runtime rounds it).
+    c.erase("num_experts");
+    c.erase("moe_intermediate_size");
+    c.erase("norm_topk_prob");
+    c["num_local_experts"] = g.get_u32(a + ".expert_count");
+    c["intermediate_size"] = g.get_u32(a + ".expert_feed_forward_length");
+    c["attention_bias"] = true;
+    const int64_t layers = g.get_u32(a + ".block_count");
+    if (g.has(a + ".attention.sliding_window")) {
+      c["sliding_window"] = g.get_u32(a + ".attention.sliding_window");
+      nlohmann::json types = nlohmann::json::array();
+      for (int64_t i = 0; i < layers; ++i) types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+      c["layer_types"] = types;
+    } else {
+      c["layer_types"] = nlohmann::json(std::vector<std::string>(size_t(layers), "full_attention"));
+    }
+    if (scaling == "yarn") {
+      c["rope_parameters"] = {{"rope_type", "yarn"},
+                              {"rope_theta", theta},
+                              {"factor", factor},
+                              {"original_max_position_embeddings", g.get_u32(a + ".rope.scaling.original_context_length")},
+                              {"beta_fast", g.get_f32(a + ".rope.scaling.yarn_beta_fast", 32.f)},
+                              {"beta_slow", g.get_f32(a + ".rope.scaling.yarn_beta_slow", 1.f)},
+                              {"truncate", false}};
+    } else if (scaling == "none" || (scaling == "linear" && factor == 1.0)) {
+      c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", theta}};
+    } else {
+      fail("{}: rope scaling {} is not supported for {}", g.path(), scaling, a);
+    }
   } else {
     if (scaling != "none" && !(scaling == "linear" && factor == 1.0)) {
       fail("{}: rope scaling {} is not supported for {}", g.path(), scaling, a);

@@ -324,6 +324,11 @@ Checkpoint::Checkpoint(const std::string& path) {
     gguf_tensors_ = gguf_hf_tensors(*gguf_, owned_);
     for (const TensorInfo& t : gguf_tensors_) {
       if (!index_.emplace(t.name, &t).second) fail("{}: tensor {} appears twice", path, t.name);
+      // gpt-oss's MXFP4 experts, repacked into transformers' planes (gguf_model.cpp).
+      if (t.name.ends_with("_blocks")) {
+        quant_.method = QuantConfig::Method::kMxfp4;
+        quant_.source = path + ": ggml MXFP4 experts";
+      }
     }
     return;
   }

@@ -493,6 +493,31 @@ TEST(CudaGgufGolden, Q8AndBf16FilesMatchTransformers) {
   }
 }
 
+// gpt-oss GGUFs from llama.cpp's converter (MXFP4 experts repacked at load, bf16 experts as
+// separate stacks; tests/golden GptOssGguf holds them bit-equal to their checkpoints on the CPU):
+// on CUDA against the CPU at CUDA's precision on the same file, and against transformers.
+TEST(CudaGgufGolden, GptOssFilesMatchTheCpuAtCudaPrecision) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const char* name : {"gpt_oss_mxfp4_tiny", "gpt_oss_tiny"}) {
+    const std::string path = fixture(name) + "/" + name + "-bf16.gguf";
+    ASSERT_TRUE(std::filesystem::exists(path)) << path;
+    auto cuda = make_cuda_backend(0);
+    LoadedModel m = load_model(path, *cuda);
+    const Golden g = load_golden(name);
+    for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5)}) {
+      Session s(*m.model, *cuda);
+      const std::vector<float> logits = s.feed(g.tokens, chunk, true);
+      const std::vector<float> want = cpu_at_cuda_precision(path, g.tokens, chunk, cuda->preferred_prefill_batch());
+      ASSERT_EQ(logits.size(), want.size());
+      EXPECT_LT(max_rel_error(logits.data(), want.data(), want.size()), kCudaVsCpuAtItsPrecisionTol)
+          << name << " chunk " << chunk;
+      EXPECT_LT(max_rel_error(logits.data(), g.logits.data.data(), logits.size()),
+                bound_against_transformers(kCudaLogitTol, want, g.logits.data))
+          << name << " chunk " << chunk;
+    }
+  }
+}
+
 // A Q4_0 GGUF (tools/fixtures/requantize_gguf.py) on CUDA against the CPU backend on the same
 // file in both device layouts: planes (the default; repack.cu rewrites Q4_0 at upload) and
 // TURBOSPARK_CUDA_Q4_0_PLANES=0, ggml's blocks. Decode rows (chunks 1 and 7) quantize their

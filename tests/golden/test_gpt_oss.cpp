@@ -221,5 +221,34 @@ TEST(GptOssMxfp4, ExpertsStayPacked) {
   EXPECT_EQ(rest, dense);
 }
 
+// The same fixtures converted by llama.cpp's convert_hf_to_gguf.py
+// (tools/fixtures/make_gguf_fixtures.py): MXFP4 experts as ggml block_mxfp4, bf16 experts as
+// separate gate/up/down stacks, sinks, router and biases under llama.cpp's names, YaRN and the
+// sliding window from its metadata. Loaded from the .gguf they must give bit for bit the logits
+// of the safetensors checkpoint they came from (at several chunk sizes), and so meet
+// transformers' golden; the MXFP4 experts stay packed (repacked once at load).
+TEST(GptOssGguf, LlamaCppConvertedFilesEqualTheirCheckpoints) {
+  auto be = make_cpu_backend(2);
+  testing::Mxfp4Activations float32(false);
+  for (const char* name : {"gpt_oss_mxfp4_tiny", "gpt_oss_tiny"}) {
+    SCOPED_TRACE(name);
+    LoadedModel st = load_model(fixture(name), *be);
+    LoadedModel gg = load_model(fixture(name) + "/" + name + "-bf16.gguf", *be);
+    EXPECT_EQ(gg.model->info().architecture, "GptOssForCausalLM");
+    // Experts the same bytes (MXFP4 stays packed); the converter writes the routers as F32
+    // where the checkpoint has bf16: 2 more bytes per router weight.
+    const HfConfig c = HfConfig::load(fixture(name));
+    EXPECT_EQ(gg.model->info().weight_bytes - st.model->info().weight_bytes,
+              c.get_int("num_hidden_layers") * c.get_int("num_local_experts") * c.get_int("hidden_size") * 2);
+    const Golden g = load_golden(name);
+    for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5)}) {
+      const std::vector<float> want = run_logits(*st.model, *be, g.tokens, chunk);
+      const std::vector<float> got = run_logits(*gg.model, *be, g.tokens, chunk);
+      EXPECT_EQ(got, want) << "chunk " << chunk;
+      EXPECT_LT(max_rel_error(got.data(), g.logits.data.data(), got.size()), kLogitTol) << "chunk " << chunk;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace turbospark

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/quant.h"
 #include "formats/gguf.h"
+#include "formats/gguf_model.h"
 #include "test_util.h"
 
 namespace turbospark {
@@ -538,6 +539,117 @@ TEST(GgufErrors, RandomCorruptionNeverCrashes) {
   // a parser that refused everything, or nothing, would fail here.
   EXPECT_GT(refused, 60);
   EXPECT_GT(accepted, 10);
+}
+
+// ggml MXFP4 (type 39): 17-byte blocks of 32 values; read only as gpt-oss experts.
+std::vector<uint8_t> f32_bytes(size_t n, float v) {
+  std::vector<uint8_t> b(n * 4);
+  for (size_t i = 0; i < n; ++i) std::memcpy(b.data() + 4 * i, &v, 4);
+  return b;
+}
+
+GgufBuilder gpt_oss_layer(bool with_down_bias) {
+  // One layer, 1 expert, hidden 32, expert width 32: gate/up [32 in, 32 out, 1], down likewise.
+  GgufBuilder b;
+  b.kv_str("general.architecture", "gpt-oss").kv("gpt-oss.attention.head_count", GgufType::U32, uint32_t(1));
+  std::vector<uint8_t> gate(32 * 17), up(32 * 17), down(32 * 17);
+  for (int r = 0; r < 32; ++r) {
+    gate[size_t(r * 17)] = uint8_t(100 + r);  // E8M0 scales
+    up[size_t(r * 17)] = uint8_t(200 - r);
+    down[size_t(r * 17)] = uint8_t(r);
+    for (int j = 0; j < 16; ++j) {
+      gate[size_t(r * 17 + 1 + j)] = uint8_t(j | ((15 - j) << 4));  // value j: j, value j + 16: 15 - j
+      up[size_t(r * 17 + 1 + j)] = uint8_t((r + j) & 15);
+      down[size_t(r * 17 + 1 + j)] = uint8_t(j << 4);
+    }
+  }
+  b.tensor({"blk.0.ffn_gate_exps.weight", {32, 32, 1}, kGgmlMxfp4, gate});
+  b.tensor({"blk.0.ffn_up_exps.weight", {32, 32, 1}, kGgmlMxfp4, up});
+  b.tensor({"blk.0.ffn_down_exps.weight", {32, 32, 1}, kGgmlMxfp4, down});
+  b.tensor({"blk.0.ffn_gate_exps.bias", {32, 1}, 0, f32_bytes(32, 1.f)});
+  b.tensor({"blk.0.ffn_up_exps.bias", {32, 1}, 0, f32_bytes(32, 2.f)});
+  if (with_down_bias) b.tensor({"blk.0.ffn_down_exps.bias", {32, 1}, 0, f32_bytes(32, 3.f)});
+  return b;
+}
+
+TEST(GgufMxfp4, GptOssStacksRepackIntoTransformersPlanes) {
+  TempDir dir;
+  GgufFile g(write_file(dir, "m.gguf", gpt_oss_layer(true).build()));
+  EXPECT_EQ(g.get("blk.0.ffn_gate_exps.weight").nbytes, 32u * 17);
+  EXPECT_THROW(g.weight("blk.0.ffn_gate_exps.weight"), Error);
+  std::vector<std::unique_ptr<uint8_t[]>> owned;
+  const std::vector<TensorInfo> ts = gguf_hf_tensors(g, owned);
+  auto find = [&](const std::string& n) -> const TensorInfo& {
+    for (const auto& t : ts)
+      if (t.name == n) return t;
+    throw std::runtime_error("no " + n);
+  };
+  const std::string p = "model.layers.0.mlp.experts.";
+  const TensorInfo& blocks = find(p + "gate_up_proj_blocks");
+  const TensorInfo& scales = find(p + "gate_up_proj_scales");
+  EXPECT_EQ(blocks.shape, (std::vector<int64_t>{1, 64, 1, 16}));
+  EXPECT_EQ(scales.shape, (std::vector<int64_t>{1, 64, 1}));
+  // Rows interleave gate (even) and up (odd); each block's nibbles in transformers' order:
+  // byte i holds values 2i (low) and 2i + 1 (high).
+  for (int r = 0; r < 32; ++r) {
+    EXPECT_EQ(scales.data[2 * r], 100 + r);
+    EXPECT_EQ(scales.data[2 * r + 1], 200 - r);
+    for (int i = 0; i < 16; ++i) {
+      auto gate_value = [](int k) { return k < 16 ? k : 15 - (k - 16); };
+      EXPECT_EQ(blocks.data[(2 * r) * 16 + i], uint8_t(gate_value(2 * i) | (gate_value(2 * i + 1) << 4))) << r << " " << i;
+      auto up_value = [&](int k) { return k < 16 ? (r + k) & 15 : 0; };
+      EXPECT_EQ(blocks.data[(2 * r + 1) * 16 + i], uint8_t(up_value(2 * i) | (up_value(2 * i + 1) << 4))) << r << " " << i;
+    }
+  }
+  EXPECT_EQ(find(p + "down_proj_blocks").shape, (std::vector<int64_t>{1, 32, 1, 16}));
+  const TensorInfo& bias = find(p + "gate_up_proj_bias");
+  ASSERT_EQ(bias.shape, (std::vector<int64_t>{1, 64}));
+  const float* bv = reinterpret_cast<const float*>(bias.data);
+  EXPECT_EQ(bv[0], 1.f);
+  EXPECT_EQ(bv[1], 2.f);
+  EXPECT_EQ(bv[62], 1.f);
+  EXPECT_EQ(bv[63], 2.f);
+  EXPECT_EQ(find(p + "down_proj_bias").shape, (std::vector<int64_t>{1, 32}));
+}
+
+TEST(GgufMxfp4, MalformedOrMisplacedBlocksAreRefusedByName) {
+  TempDir dir;
+  {
+    GgufFile g(write_file(dir, "nobias.gguf", gpt_oss_layer(false).build()));
+    std::vector<std::unique_ptr<uint8_t[]>> owned;
+    try {
+      gguf_hf_tensors(g, owned);
+      ADD_FAILURE() << "a layer without ffn_down_exps.bias was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 0 lacks one of ffn_{gate,up,down}_exps.{weight,bias}"), std::string::npos)
+          << e.what();
+    }
+  }
+  {
+    GgufBuilder b;
+    b.kv_str("general.architecture", "qwen3").kv("qwen3.attention.head_count", GgufType::U32, uint32_t(1));
+    b.tensor({"blk.0.ffn_down.weight", {32, 2}, kGgmlMxfp4, std::vector<uint8_t>(2 * 17)});
+    GgufFile g(write_file(dir, "qwen.gguf", b.build()));
+    std::vector<std::unique_ptr<uint8_t[]>> owned;
+    try {
+      gguf_hf_tensors(g, owned);
+      ADD_FAILURE() << "an MXFP4 tensor outside gpt-oss was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ggml MXFP4 is supported for gpt-oss expert stacks only"), std::string::npos)
+          << e.what();
+    }
+  }
+  {
+    GgufBuilder b;
+    b.kv_str("general.architecture", "gpt-oss");
+    b.tensor({"blk.0.ffn_down_exps.weight", {40, 2, 1}, kGgmlMxfp4, std::vector<uint8_t>(4 * 17)});
+    try {
+      GgufFile g(write_file(dir, "ragged.gguf", b.build()));
+      ADD_FAILURE() << "MXFP4 rows of 40 values were accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not a multiple of the MXFP4 block size 32"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
