@@ -110,18 +110,20 @@ class GptOssExperts {
         fail("{}: layer {}: expert stacks of different types ({}, {}, {})", g_.path(), layer,
              ggml_type_name(st.gate->ggml_type), ggml_type_name(st.up->ggml_type), ggml_type_name(st.down->ggml_type));
       const int64_t H = dim(*st.gate, 0), I = dim(*st.gate, 1), E = dim(*st.gate, 2);
-      for (const GgufTensor* t : {st.up})
-        if (t->dims != st.gate->dims) fail("{}: {}: dims {} differ from {}'s {}", g_.path(), t->name, t->dims_str(), st.gate->name, st.gate->dims_str());
+      if (st.up->dims != st.gate->dims)
+        fail("{}: {}: dims {} differ from {}'s {}", g_.path(), st.up->name, st.up->dims_str(), st.gate->name,
+             st.gate->dims_str());
       if (st.down->dims != std::vector<int64_t>{I, H, E})
         fail("{}: {}: dims {} where [{}, {}, {}] is expected", g_.path(), st.down->name, st.down->dims_str(), I, H, E);
       if (mxfp4) {
-        gate_up_planes(p + "gate_up_proj", *st.gate, *st.up, E, I, H, out);
+        planes(p + "gate_up_proj", {st.gate, st.up}, E, I, H, out);
         planes(p + "down_proj", {st.down}, E, H, I, out);
       } else {
         floats_in_out(p + "gate_up_proj", *st.gate, st.up, E, I, H, out);
         floats_in_out(p + "down_proj", *st.down, nullptr, E, H, I, out);
       }
       interleaved_bias(p + "gate_up_proj_bias", *st.gate_bias, *st.up_bias, E, I, out);
+      check_bias(*st.down_bias, H, E);
       out.push_back(as_is(p + "down_proj_bias", *st.down_bias, {E, H}));
     }
   }
@@ -180,15 +182,13 @@ class GptOssExperts {
     out.push_back(info(stem + "_blocks", DType::U8, {E, n * rows, nb, 16}, blocks, size_t(E * n * rows * nb * 16)));
     out.push_back(info(stem + "_scales", DType::U8, {E, n * rows, nb}, scales, size_t(E * n * rows * nb)));
   }
-  void gate_up_planes(const std::string& stem, const GgufTensor& gate, const GgufTensor& up, int64_t E, int64_t I,
-                      int64_t H, std::vector<TensorInfo>& out) {
-    planes(stem, {&gate, &up}, E, I, H, out);
-  }
   // [E, rows, cols] stacks ([out, in], `up` interleaved with `a` when given) into [E, cols, n * rows].
   void floats_in_out(const std::string& name, const GgufTensor& a, const GgufTensor* up, int64_t E, int64_t rows,
                      int64_t cols, std::vector<TensorInfo>& out) {
+    if (a.dtype != DType::BF16 && a.dtype != DType::F16 && a.dtype != DType::F32)
+      fail("{}: {}: gpt-oss experts of type {} are not supported (MXFP4, BF16, F16 or F32)", g_.path(), a.name,
+           dtype_name(a.dtype));
     const size_t es = dtype_size(a.dtype);
-    if (es == 0) fail("{}: {}: gpt-oss experts of type {} are not supported (MXFP4, BF16, F16 or F32)", g_.path(), a.name, dtype_name(a.dtype));
     const int64_t n = up ? 2 : 1;
     uint8_t* dst = buffer(size_t(E * rows * cols * n) * es);
     for (int64_t e = 0; e < E; ++e)
@@ -200,11 +200,14 @@ class GptOssExperts {
       }
     out.push_back(info(name, a.dtype, {E, cols, n * rows}, dst, size_t(E * rows * cols * n) * es));
   }
+  void check_bias(const GgufTensor& t, int64_t n, int64_t E) const {
+    if (t.dtype != DType::F32 || t.dims != std::vector<int64_t>{n, E})
+      fail("{}: {}: {} {} where F32 [{}, {}] is expected", g_.path(), t.name, dtype_name(t.dtype), t.dims_str(), n, E);
+  }
   void interleaved_bias(const std::string& name, const GgufTensor& gate, const GgufTensor& up, int64_t E, int64_t I,
                         std::vector<TensorInfo>& out) {
-    for (const GgufTensor* t : {&gate, &up})
-      if (t->dtype != DType::F32 || t->dims != std::vector<int64_t>{I, E})
-        fail("{}: {}: {} {} where F32 [{}, {}] is expected", g_.path(), t->name, dtype_name(t->dtype), t->dims_str(), I, E);
+    check_bias(gate, I, E);
+    check_bias(up, I, E);
     auto* dst = reinterpret_cast<float*>(buffer(size_t(E * 2 * I) * 4));
     const auto* g = reinterpret_cast<const float*>(gate.data);
     const auto* u = reinterpret_cast<const float*>(up.data);

@@ -449,9 +449,8 @@ TEST(GgufErrors, UnsupportedGgmlTypeRefusedByNameAndNumber) {
   GgufBuilder u = valid_builder();
   u.tensors[0].ggml_type = 99;
   expect_refused(u.build(), {"tensor token_embd.weight has unsupported ggml type 99 (unknown)"});
-  GgufBuilder m = valid_builder();
-  m.tensors[0].ggml_type = 39;
-  expect_refused(m.build(), {"unsupported ggml type 39 (MXFP4)"});
+  // MXFP4 (39) parses since gpt-oss GGUFs load; outside gpt-oss's expert stacks the mapping
+  // refuses it by name (GgufMxfp4.MalformedOrMisplacedBlocksAreRefusedByName).
 }
 
 TEST(GgufErrors, SizeMustMatchTypeAndDims) {
