@@ -138,6 +138,30 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
+// Scores of the n selected keys sel[0..n) against q_s (a warp per key), then their softmax
+// numerators in place: w[i] = exp(q.k_i * scale - max). Returns (max, sum of w) to every
+// thread; the block's barriers publish w. Every thread of the block calls it.
+__device__ float2 selected_weights(const float* q_s, const PagedKv& kv, const int32_t* table, const int32_t* sel,
+                                  int n, int kvh, float scale, float* w, float* red) {
+  const int hd = kv.head_dim;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = kThreads / kWarp;
+  for (int i = warp; i < n; i += n_warps) {
+    const uint16_t* k = kv.k + pool_offset(kv, table, sel[i], kvh);
+    float dot = 0.f;
+    for (int j = lane; j < hd; j += kWarp) dot += q_s[j] * bf16_bits_to_f32(k[j]);
+    dot = warp_sum(dot);
+    if (lane == 0) w[i] = dot * scale;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < n; i += kThreads) mx = fmaxf(mx, w[i]);
+  mx = block_max(mx, red);
+  float sum = 0.f;
+  for (int i = threadIdx.x; i < n; i += kThreads) sum += (w[i] = expf(w[i] - mx));
+  sum = block_sum(sum, red);  // its barriers also publish w
+  return make_float2(mx, sum);
+}
+
 __global__ void __launch_bounds__(kThreads)
     attention_selected_kernel(const float* __restrict__ q, int64_t q_stride, PagedKv kv, int n_heads, float scale,
                               const int32_t* __restrict__ selected, const int32_t* __restrict__ counts,
@@ -149,26 +173,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y, kvh = h / (n_heads / kv.n_kv_heads);
   const int hd = kv.head_dim;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = kThreads / kWarp;
   const int32_t* table = kv.block_table + int64_t(kv.row_seq ? kv.row_seq[t] : 0) * kv.max_blocks;
   const int32_t* sel = selected + t * max_selected;
   const int cnt = counts[t];
   for (int i = threadIdx.x; i < hd; i += kThreads) q_s[i] = q[t * q_stride + int64_t(h) * hd + i];
   __syncthreads();
-  for (int i = warp; i < cnt; i += n_warps) {
-    const uint16_t* k = kv.k + pool_offset(kv, table, sel[i], kvh);
-    float dot = 0.f;
-    for (int j = lane; j < hd; j += kWarp) dot += q_s[j] * bf16_bits_to_f32(k[j]);
-    dot = warp_sum(dot);
-    if (lane == 0) weights[i] = dot * scale;
-  }
-  __syncthreads();
-  float mx = -INFINITY;
-  for (int i = threadIdx.x; i < cnt; i += kThreads) mx = fmaxf(mx, weights[i]);
-  mx = block_max(mx, red);
-  float sum = 0.f;
-  for (int i = threadIdx.x; i < cnt; i += kThreads) sum += (weights[i] = expf(weights[i] - mx));
-  sum = block_sum(sum, red);  // its barriers also publish `weights`
+  const float sum = selected_weights(q_s, kv, table, sel, cnt, kvh, scale, weights, red).y;
   float* o = out + t * out_stride + int64_t(h) * hd;
   for (int j = threadIdx.x; j < hd; j += kThreads) {
     float acc = 0.f;
@@ -194,7 +204,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y, s = blockIdx.z, kvh = h / (n_heads / kv.n_kv_heads);
   const int hd = kv.head_dim;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = kThreads / kWarp;
   float* dst = part + ((t * n_heads + h) * n_splits + s) * (int64_t(hd) + 2);
   const int begin = s * kSplitKeys, n = min(counts[t], begin + kSplitKeys) - begin;
   if (n <= 0) {
@@ -205,20 +214,8 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* sel = selected + t * max_selected + begin;
   for (int i = threadIdx.x; i < hd; i += kThreads) q_s[i] = q[t * q_stride + int64_t(h) * hd + i];
   __syncthreads();
-  for (int i = warp; i < n; i += n_warps) {
-    const uint16_t* k = kv.k + pool_offset(kv, table, sel[i], kvh);
-    float dot = 0.f;
-    for (int j = lane; j < hd; j += kWarp) dot += q_s[j] * bf16_bits_to_f32(k[j]);
-    dot = warp_sum(dot);
-    if (lane == 0) p_s[i] = dot * scale;
-  }
-  __syncthreads();
-  float mx = -INFINITY;
-  for (int i = threadIdx.x; i < n; i += kThreads) mx = fmaxf(mx, p_s[i]);
-  mx = block_max(mx, red);
-  float sum = 0.f;
-  for (int i = threadIdx.x; i < n; i += kThreads) sum += (p_s[i] = expf(p_s[i] - mx));
-  sum = block_sum(sum, red);  // its barriers also publish p_s
+  const float2 ms = selected_weights(q_s, kv, table, sel, n, kvh, scale, p_s, red);
+  const float mx = ms.x, sum = ms.y;
   for (int j = threadIdx.x; j < hd; j += kThreads) {
     float acc = 0.f;
     for (int i = 0; i < n; ++i) acc += p_s[i] * bf16_bits_to_f32(kv.v[pool_offset(kv, table, sel[i], kvh) + j]);
