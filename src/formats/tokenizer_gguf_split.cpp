@@ -210,6 +210,76 @@ void split_llama3_family(Stretch& s, LetterStyle style) {
   }
 }
 
+// GPT-4o's pattern (tokenizer.ggml.pre "gpt-4o", "llama4", ...) as llama.cpp runs it: through
+// std::regex (ECMAScript: leftmost, alternatives in order, greedy with backtracking) on the
+// collapsed text, in its lookahead form
+//   [^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?
+//  |[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:...)?
+//  |\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+// Collapsed, every non-ASCII letter is one byte outside [a-z] and [A-Z], so it counts as both
+// an "upper" letter (a letter not in a-z) and a "lower" one (a letter not in A-Z), and marks are
+// not letters. Every position starts a match, so the words tile the text.
+void split_gpt4o(Stretch& s) {
+  const auto in = [&](size_t pos) { return pos >= s.begin() && pos < s.end(); };
+  const auto flags_of = [&](size_t pos) { return s.flags(pos) & ~kWhitespace; };
+  const auto space = [&](size_t pos) { return in(pos) && (s.flags(pos) & kWhitespace); };
+  const auto wide_letter = [&](size_t pos) {
+    return in(pos) && s.cp(pos) >= 0x80 && !space(pos) && (flags_of(pos) & kLetter);
+  };
+  const auto upper = [&](size_t pos) { return (in(pos) && s.cp(pos) >= 'A' && s.cp(pos) <= 'Z') || wide_letter(pos); };
+  const auto lower = [&](size_t pos) { return (in(pos) && s.cp(pos) >= 'a' && s.cp(pos) <= 'z') || wide_letter(pos); };
+  const auto letter = [&](size_t pos) { return upper(pos) || lower(pos); };
+  const auto number = [&](size_t pos) {
+    if (!in(pos)) return false;
+    const char32_t cp = s.cp(pos);
+    return cp < 0x80 ? (cp >= '0' && cp <= '9') : (!space(pos) && (flags_of(pos) & kNumber));
+  };
+  // [^\r\n\p{L}\p{N}] and [^\s\p{L}\p{N}]
+  const auto prefix = [&](size_t pos) { return in(pos) && !is_r_or_n(s.cp(pos)) && !letter(pos) && !number(pos); };
+  const auto other = [&](size_t pos) { return in(pos) && !space(pos) && !letter(pos) && !number(pos); };
+  const auto contraction = [&](size_t pos) { return in(pos) ? contraction_at(s, pos, /*exact_case=*/false) : 0; };
+  for (size_t pos = s.begin(); pos < s.end();) {
+    const size_t start = prefix(pos) && letter(pos + 1) ? pos + 1 : pos;  // the optional prefix, taken when it helps
+    if (letter(start)) {
+      // First alternative: upper* then lower+, backing off the upper run one at a time.
+      size_t u = 0;
+      while (upper(start + u)) ++u;
+      size_t end = 0;
+      for (size_t k = u + 1; k-- > 0;) {
+        if (lower(start + k)) {
+          end = start + k;
+          while (lower(end)) ++end;
+          break;
+        }
+      }
+      if (end == 0) {
+        // Second alternative: upper+ then lower* (the upper run is not empty: a letter that is
+        // not lower is upper).
+        end = start + u;
+        while (lower(end)) ++end;
+      }
+      end += contraction(end);
+      s.end_word(pos = end);
+      continue;
+    }
+    if (number(pos)) {
+      size_t n = 1;
+      while (n < 3 && number(pos + n)) ++n;
+      s.end_word(pos += n);
+      continue;
+    }
+    const size_t o = s.cp(pos) == ' ' && other(pos + 1) ? pos + 1 : pos;
+    if (other(o)) {
+      size_t end = o;
+      while (other(end)) ++end;
+      while (in(end) && (is_r_or_n(s.cp(end)) || s.cp(end) == '/')) ++end;
+      s.end_word(pos = end);
+      continue;
+    }
+    match_whitespace(s, pos, /*newline_runs=*/true, pos);
+  }
+}
+
 // [^\n]+|[\n]+
 void split_newline_runs(Stretch& s) {
   for (size_t pos = s.begin(); pos < s.end();) {
@@ -280,6 +350,7 @@ enum class Split {
   kLlama3,
   kQwen2,
   kQwen35,
+  kGpt4o,
   kNewlineRuns,
   kNumbersEach,        // \p{N}
   kNumbersRun,         // \p{N}+
@@ -294,6 +365,7 @@ void apply_split(Split split, Stretch& s) {
     case Split::kLlama3: return split_llama3_family(s, LetterStyle::kLlama3);
     case Split::kQwen2: return split_llama3_family(s, LetterStyle::kQwen2);
     case Split::kQwen35: return split_llama3_family(s, LetterStyle::kQwen35);
+    case Split::kGpt4o: return split_gpt4o(s);
     case Split::kNewlineRuns: return split_newline_runs(s);
     case Split::kNumbersEach: return split_class_runs(s, CharClass::kNumber, 1, 1);
     case Split::kNumbersRun: return split_class_runs(s, CharClass::kNumber, 1, 0);
@@ -318,6 +390,7 @@ const std::vector<SplitterSet>& splitter_sets() {
       {"qwen35", {Split::kQwen35}},                                                                      // 4
       {"starcoder", {Split::kNumbersEach, Split::kGpt2}},                                                // 5
       {"falcon", {Split::kPunctuationFalcon, Split::kGpt2, Split::kAsciiDigitTriples}},                  // 6
+      {"gpt4o", {Split::kGpt4o}},                                                                        // 7
   };
   return sets;
 }
@@ -358,6 +431,7 @@ const std::vector<PreEntry>& pre_entries() {
       entry({"qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open", "grok-2"}, 3, false),
       entry({"stablelm2", "megrez"}, 3, true),
       entry({"qwen35"}, 4, false),
+      entry({"gpt-4o", "llama4", "kanana2", "talkie"}, 7, false),
   };
   return entries;
 }
@@ -366,7 +440,7 @@ const std::vector<PreEntry>& pre_entries() {
 constexpr std::string_view kKnownUnsupported[] = {
     "minicpm5", "deepseek-llm", "deepseek-coder", "deepseek-v3", "spark2_5", "youtu", "jais-2", "gemma4",
     "granite-embed-multi-311m", "sarvam-moe", "whitespace", "poro-chat", "viking", "tekken", "bloom",
-    "gpt3-finnish", "exaone-moe", "chameleon", "gpt-4o", "llama4", "kanana2", "talkie", "granite-embed-multi-97m",
+    "gpt3-finnish", "exaone-moe", "chameleon", "granite-embed-multi-97m",
     "tiny_aya", "cohere2moe", "superbpe", "bailingmoe", "bailingmoe2", "llada-moe", "seed-coder", "hunyuan-dense",
     "hy_v4", "joyai-llm", "kimi-k2", "ufakzeka", "afmoe", "laguna", "minimax-m2"};
 
@@ -379,7 +453,7 @@ const GgufPreTokenizer& find_gguf_pre_tokenizer(std::string_view pre, std::strin
   const bool known = std::find(std::begin(kKnownUnsupported), std::end(kKnownUnsupported), pre) !=
                      std::end(kKnownUnsupported);
   fail("{}: tokenizer.ggml.pre \"{}\" is {}; supported: default, gpt-2, llama3/llama-bpe, qwen2, qwen35, smollm, "
-       "starcoder, falcon, stablelm2, command-r, olmo, mpt, dbrx, chatglm-bpe, glm4 and their aliases",
+       "starcoder, falcon, stablelm2, command-r, olmo, mpt, dbrx, chatglm-bpe, glm4, gpt-4o and their aliases",
        source, pre,
        known ? "a llama.cpp pre-tokenizer whose patterns turbospark does not implement"
              : "not a pre-tokenizer llama.cpp knows");

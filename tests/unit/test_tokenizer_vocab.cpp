@@ -467,6 +467,9 @@ TEST(VocabLlamaCpp, TinyBpeDefault) { expect_matches_llama_cpp("expected_tiny_bp
 TEST(VocabLlamaCpp, TinyBpeLlama3) { expect_matches_llama_cpp("expected_tiny_bpe_llama3.txt"); }
 TEST(VocabLlamaCpp, TinyBpeQwen2) { expect_matches_llama_cpp("expected_tiny_bpe_qwen2.txt"); }
 TEST(VocabLlamaCpp, TinyBpeQwen35) { expect_matches_llama_cpp("expected_tiny_bpe_qwen35.txt"); }
+// gpt-oss's GGUFs ("gpt-4o"): llama.cpp runs that pattern through std::regex on the collapsed
+// text; the whole corpus, every script in it.
+TEST(VocabLlamaCpp, TinyBpeGpt4o) { expect_matches_llama_cpp("expected_tiny_bpe_gpt4o.txt"); }
 TEST(VocabLlamaCpp, TinyBpeSmolLM) { expect_matches_llama_cpp("expected_tiny_bpe_smollm.txt"); }
 TEST(VocabLlamaCpp, TinyBpeFalcon) { expect_matches_llama_cpp("expected_tiny_bpe_falcon.txt"); }
 TEST(VocabLlamaCpp, TinyBpeStableLM2) { expect_matches_llama_cpp("expected_tiny_bpe_stablelm2.txt"); }

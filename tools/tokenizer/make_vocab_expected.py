@@ -193,6 +193,7 @@ CASES = {
     "tiny_bpe_llama3": ("tiny_bpe.json", {"pre": "llama-bpe"}, "small"),
     "tiny_bpe_qwen2": ("tiny_bpe.json", {"pre": "qwen2"}, "small"),
     "tiny_bpe_qwen35": ("tiny_bpe.json", {"pre": "qwen35"}, "small"),
+    "tiny_bpe_gpt4o": ("tiny_bpe.json", {"pre": "gpt-4o"}, "main"),
     "tiny_bpe_smollm": ("tiny_bpe.json", {"pre": "smollm"}, "small"),
     "tiny_bpe_falcon": ("tiny_bpe.json", {"pre": "falcon", "add_space_prefix": True}, "small"),
     "tiny_bpe_stablelm2": ("tiny_bpe.json", {"pre": "stablelm2"}, "small"),
