@@ -97,6 +97,38 @@ TEST(Cli, LogitsPrecisionCudaRoundsAsTheGpuDoes) {
                         "--precision fp8");
 }
 
+// The CPU reference's two aids from the command line: --replay-routes with a run's own
+// --router-out changes no logit and reports no rerouted row; --nudge moves the logits by f32
+// noise only (nonzero, far below the golden tolerance); both refused outside --precision cuda,
+// and a routing file of another shape is refused naming the shapes.
+TEST(Cli, LogitsReplayRoutesAndNudgeShapeTheCudaReference) {
+  TempDir tmp;
+  const std::string moe = fixture("qwen3_moe_tiny");
+  const std::string tokens = tokens_csv(golden_tokens("qwen3_moe_tiny"));
+  const std::string base = "logits --device cpu --precision cuda --model " + moe + " --tokens " + tokens + " --out ";
+  auto r = run_cli(base + tmp.str() + "/a.npy --router-out " + tmp.str() + "/r.npy");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  r = run_cli(base + tmp.str() + "/b.npy --replay-routes " + tmp.str() + "/r.npy");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("route replay: 0 of"), std::string::npos) << r.out;
+  const NpyArray a = read_npy_f32(tmp.str() + "/a.npy"), b = read_npy_f32(tmp.str() + "/b.npy");
+  EXPECT_EQ(a.data, b.data);
+  r = run_cli(base + tmp.str() + "/c.npy --nudge 7");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const NpyArray c = read_npy_f32(tmp.str() + "/c.npy");
+  const double moved = testing::max_rel_error(c.data.data(), a.data.data(), a.data.size());
+  EXPECT_GT(moved, 0.0);
+  EXPECT_LT(moved, 1e-3);
+  expect_one_line_error(run_cli("logits --device cpu --model " + moe + " --tokens 1,2 --nudge 1 --out /tmp/x.npy"),
+                        "--nudge shapes the CPU reference of CUDA");
+  expect_one_line_error(run_cli("logits --device cpu --model " + moe + " --tokens 1,2 --replay-routes " + tmp.str() +
+                                "/r.npy --out /tmp/x.npy"),
+                        "--replay-routes shapes the CPU reference of CUDA");
+  expect_one_line_error(run_cli(base.substr(0, base.find(" --tokens ")) + " --tokens 1,2 --replay-routes " + tmp.str() +
+                                "/r.npy --out /tmp/x.npy"),
+                        "is not [layers 3, tokens 2, experts 8]");
+}
+
 TEST(Cli, LogitsRouterOutHasLayersTokensExperts) {
   TempDir tmp;
   auto r = run_cli("logits --model " + fixture("qwen3_moe_tiny") + " --tokens 1,2,3,4 --out " + tmp.str() +
