@@ -231,6 +231,8 @@ std::vector<TensorInfo> gguf_hf_tensors(const GgufFile& g, std::vector<std::uniq
   const std::string a = arch.gguf;
   const int64_t n_head = g.get_u32(a + ".attention.head_count");
   const int64_t n_kv = g.get_u32(a + ".attention.head_count_kv", uint32_t(n_head));
+  if (n_head <= 0 || n_kv <= 0)
+    fail("{}: {}.attention.head_count {} / head_count_kv {} must be positive", g.path(), a, n_head, n_kv);
   static const std::regex kBlock(R"(blk\.(\d+)\.(.+))");
   std::vector<TensorInfo> out;
   GptOssExperts gpt_oss(g, owned);
@@ -274,6 +276,8 @@ std::vector<TensorInfo> gguf_hf_tensors(const GgufFile& g, std::vector<std::uniq
       // this works for every quant type.
       const int64_t heads = is_q ? n_head : n_kv;
       const int64_t rows = info.shape[0];
+      if (rows <= 0 || rows % (2 * heads) != 0)
+        fail("{}: tensor {}: {} rows are not {} heads of an even size", g.path(), t.name, rows, heads);
       const int64_t row_bytes = int64_t(t.nbytes) / rows;
       const int64_t hd = rows / heads, half = hd / 2;
       auto buf = std::make_unique<uint8_t[]>(t.nbytes);
@@ -312,6 +316,7 @@ nlohmann::json gguf_hf_config(const GgufFile& g) {
   c["model_type"] = arch.model_type;
   const int64_t hidden = g.get_u32(a + ".embedding_length");
   const int64_t heads = g.get_u32(a + ".attention.head_count");
+  if (heads <= 0) fail("{}: {}.attention.head_count must be positive, got {}", g.path(), a, heads);
   int64_t vocab = 0;
   if (g.has(a + ".vocab_size")) vocab = g.get_u32(a + ".vocab_size");
   else if (g.has("tokenizer.ggml.tokens")) vocab = int64_t(g.get_str_arr("tokenizer.ggml.tokens").size());

@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -569,6 +570,25 @@ GgufBuilder gpt_oss_layer(bool with_down_bias) {
   b.tensor({"blk.0.ffn_up_exps.bias", {32, 1}, 0, f32_bytes(32, 2.f)});
   if (with_down_bias) b.tensor({"blk.0.ffn_down_exps.bias", {32, 1}, 0, f32_bytes(32, 3.f)});
   return b;
+}
+
+// A head count of zero is refused by name before anything divides by it (the GGUF fuzzer's
+// first find once it ran the mapping: regressions/gguf/zero-head-count.gguf, a SIGFPE before).
+TEST(GgufErrors, ZeroHeadCountRefusedByNameInTheMapping) {
+  TempDir dir;
+  GgufBuilder b = valid_builder();
+  b.kv<uint32_t>("qwen3.embedding_length", GgufType::U32, 64).kv<uint32_t>("qwen3.attention.head_count", GgufType::U32, 0);
+  GgufFile g(write_file(dir, "m.gguf", b.build()));
+  std::vector<std::unique_ptr<uint8_t[]>> owned;
+  for (auto fn : {std::function<void()>([&] { (void)gguf_hf_config(g); }),
+                  std::function<void()>([&] { (void)gguf_hf_tensors(g, owned); })}) {
+    try {
+      fn();
+      ADD_FAILURE() << "a head count of 0 was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("qwen3.attention.head_count"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(GgufMxfp4, GptOssStacksRepackIntoTransformersPlanes) {
