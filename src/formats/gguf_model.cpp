@@ -334,7 +334,12 @@ nlohmann::json gguf_hf_config(const GgufFile& g) {
   c["intermediate_size"] = g.has(a + ".feed_forward_length") || !g.has(a + ".expert_feed_forward_length")
                                ? g.get_u32(a + ".feed_forward_length")
                                : g.get_u32(a + ".expert_feed_forward_length");
-  c["num_hidden_layers"] = g.get_u32(a + ".block_count");
+  // Every block has tensors of its own: a count past the file's tensors is refused before a
+  // model sizes anything by it.
+  const int64_t layers = g.get_u32(a + ".block_count");
+  if (layers < 1 || layers > int64_t(g.tensors().size()))
+    fail("{}: {}.block_count {} is not between 1 and the file's {} tensors", g.path(), a, layers, g.tensors().size());
+  c["num_hidden_layers"] = layers;
   c["num_attention_heads"] = heads;
   c["num_key_value_heads"] = g.get_u32(a + ".attention.head_count_kv", uint32_t(heads));
   const int64_t head_dim = g.get_u32(a + ".attention.key_length", uint32_t(hidden / heads));
@@ -372,7 +377,6 @@ nlohmann::json gguf_hf_config(const GgufFile& g) {
     c["num_local_experts"] = g.get_u32(a + ".expert_count");
     c["intermediate_size"] = g.get_u32(a + ".expert_feed_forward_length");
     c["attention_bias"] = true;
-    const int64_t layers = g.get_u32(a + ".block_count");
     if (g.has(a + ".attention.sliding_window")) {
       c["sliding_window"] = g.get_u32(a + ".attention.sliding_window");
       nlohmann::json types = nlohmann::json::array();

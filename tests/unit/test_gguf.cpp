@@ -591,6 +591,27 @@ TEST(GgufErrors, ZeroHeadCountRefusedByNameInTheMapping) {
   }
 }
 
+// A block count past the file's tensors is refused before a model sizes anything by it (the
+// fuzzer's second find: 4 billion gpt-oss layer types ran out of memory; regression input
+// huge-block-count.gguf).
+TEST(GgufErrors, BlockCountPastTheTensorsRefusedByName) {
+  TempDir dir;
+  GgufBuilder b;
+  b.kv_str("general.architecture", "qwen3").kv<uint32_t>("qwen3.block_count", GgufType::U32, 1000);
+  b.kv<uint32_t>("qwen3.embedding_length", GgufType::U32, 64).kv<uint32_t>("qwen3.attention.head_count", GgufType::U32, 4);
+  b.kv<uint32_t>("qwen3.feed_forward_length", GgufType::U32, 128);
+  b.tensor({"output_norm.weight", {5}, 0, pattern(20, 3)});
+  GgufFile g(write_file(dir, "m.gguf", b.build()));
+  try {
+    (void)gguf_hf_config(g);
+    ADD_FAILURE() << "1000 blocks in a file of one tensor were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("qwen3.block_count 1000 is not between 1 and the file's 1 tensors"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(GgufMxfp4, GptOssStacksRepackIntoTransformersPlanes) {
   TempDir dir;
   GgufFile g(write_file(dir, "m.gguf", gpt_oss_layer(true).build()));
