@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -29,6 +30,8 @@ constexpr ArchInfo kArchs[] = {
     {"gemma3", "Gemma3ForCausalLM", "gemma3_text", false, true},
     {"qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", false, false},
     {"gpt-oss", "GptOssForCausalLM", "gpt_oss", false, false},
+    // Its (1 + w) norms, stored plus one, are undone in Qwen4ExpTensors (not the GatedDeltaNet's).
+    {"qwen4exp", "Qwen4ExpForCausalLM", "qwen4_exp_text", false, false},
 };
 
 const ArchInfo& arch_of(const GgufFile& g) {
@@ -220,6 +223,304 @@ class GptOssExperts {
   std::map<std::string, Stack> layers_;
 };
 
+// llama.cpp's qwen4exp files (its converter's conversion/qwen4exp.py) under transformers'
+// Qwen4ExpForCausalLM names. What the converter did to the weights is undone here or told to
+// the model:
+//  - every (1 + w) norm (hyper-connections, q/k, indexer, PLE) was stored as 1 + w: minus 1,
+//    exact in f32; the GatedDeltaNet's gated norm (plain w) is kept;
+//  - A_log was stored as A = -exp(A_log): log(-A) in f32 (within an ulp of the checkpoint's);
+//  - the indexer's fused q/k projection was split into indexer.{q,k}_proj: rows joined again;
+//  - the conv1d kernels lost their middle dim: back to [C, 1, K];
+//  - the n-gram table's shards became one per_layer_token_embd table: it is the one table of
+//    the (single) PLE layer, its hashing constants read from the metadata (gguf_hf_config);
+//  - GatedDeltaNet value heads were reordered from grouped to tiled in every value-head-indexed
+//    tensor: kept as stored (no copy, any quant type) and the model runs them tiled
+//    (config linear_value_heads_tiled).
+class Qwen4ExpTensors {
+ public:
+  Qwen4ExpTensors(const GgufFile& g, std::vector<std::unique_ptr<uint8_t[]>>& owned) : g_(g), owned_(owned) {
+    if (g.has("qwen4exp.ple.layers")) {
+      const auto layers = g.get_int_arr("qwen4exp.ple.layers");
+      if (layers.size() == 1) ple_layer_ = layers[0];
+    }
+  }
+
+  // False when `t` is not one of this architecture's tensors.
+  bool add(const GgufTensor& t, std::vector<TensorInfo>& out) {
+    static const std::regex kBlock(R"(blk\.(\d+)\.(.+))");
+    std::smatch m;
+    if (t.name == "token_embd.weight") {
+      out.push_back(as_is("model.embed_tokens.weight", t));
+      if (!g_.find("output.weight")) out.push_back(as_is("lm_head.weight", t));  // tied
+      return true;
+    }
+    if (t.name == "output.weight") return out.push_back(as_is("lm_head.weight", t)), true;
+    if (t.name == "output_hc_norm.weight") return out.push_back(minus_one("model.hyper_connection_mixer.hc_norm.weight", t)), true;
+    if (t.name == "output_hc_down.weight")
+      return out.push_back(as_is("model.hyper_connection_mixer.input_mix_weight_down.weight", t)), true;
+    if (t.name == "output_hc_up.weight")
+      return out.push_back(as_is("model.hyper_connection_mixer.input_mix_weight_up.weight", t)), true;
+    if (t.name == "per_layer_token_embd.weight") {
+      if (ple_layer_ < 0) fail("{}: tensor {} without qwen4exp.ple.layers naming its one layer", g_.path(), t.name);
+      return out.push_back(as_is(fmt::format("model.layers.{}.ple.ple_embedding.ngram_embedding.weight", ple_layer_), t)), true;
+    }
+    if (!std::regex_match(t.name, m, kBlock)) return false;
+    const std::string layer = m[1].str(), rest = m[2].str(), p = "model.layers." + layer + ".";
+    static const std::map<std::string, std::string> kAsIs = {
+        {"hc_attn_down.weight", "attn_hyper_connection.input_mix_weight_down.weight"},
+        {"hc_attn_up.weight", "attn_hyper_connection.input_mix_weight_up.weight"},
+        {"hc_attn_inject.weight", "attn_hyper_connection.block_inject_weight.weight"},
+        {"hc_ffn_down.weight", "mlp_hyper_connection.input_mix_weight_down.weight"},
+        {"hc_ffn_up.weight", "mlp_hyper_connection.input_mix_weight_up.weight"},
+        {"hc_ffn_inject.weight", "mlp_hyper_connection.block_inject_weight.weight"},
+        {"ssm_dt.bias", "linear_attn.dt_bias"},
+        {"ssm_alpha.weight", "linear_attn.in_proj_a.weight"},
+        {"ssm_beta.weight", "linear_attn.in_proj_b.weight"},
+        {"attn_qkv.weight", "linear_attn.in_proj_qkv.weight"},
+        {"attn_gate.weight", "linear_attn.in_proj_z.weight"},
+        {"ssm_norm.weight", "linear_attn.norm.weight"},
+        {"ssm_out.weight", "linear_attn.out_proj.weight"},
+        {"attn_q.weight", "self_attn.q_proj.weight"},
+        {"attn_k.weight", "self_attn.k_proj.weight"},
+        {"attn_v.weight", "self_attn.v_proj.weight"},
+        {"attn_output.weight", "self_attn.o_proj.weight"},
+        {"ffn_gate_inp.weight", "mlp.gate.weight"},
+        {"ffn_gate_exps.weight", "mlp.experts.gate_proj"},
+        {"ffn_up_exps.weight", "mlp.experts.up_proj"},
+        {"ffn_down_exps.weight", "mlp.experts.down_proj"},
+        {"ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight"},
+        {"ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"},
+        {"ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight"},
+        {"ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"},
+        {"ple_key.weight", "ple.key_proj.weight"},
+        {"ple_value.weight", "ple.value_proj.weight"},
+    };
+    static const std::map<std::string, std::string> kPlusOne = {
+        {"hc_attn_norm.weight", "attn_hyper_connection.hc_norm.weight"},
+        {"hc_ffn_norm.weight", "mlp_hyper_connection.hc_norm.weight"},
+        {"attn_q_norm.weight", "self_attn.q_norm.weight"},
+        {"attn_k_norm.weight", "self_attn.k_norm.weight"},
+        {"indexer.q_norm.weight", "self_attn.indexer.q_layernorm.weight"},
+        {"indexer.k_norm.weight", "self_attn.indexer.k_layernorm.weight"},
+        {"ple_norm_key.weight", "ple.norm_key.weight"},
+        {"ple_norm_query.weight", "ple.norm_query.weight"},
+        {"ple_norm_conv.weight", "ple.norm_conv.weight"},
+    };
+    if (auto it = kAsIs.find(rest); it != kAsIs.end()) return out.push_back(as_is(p + it->second, t)), true;
+    if (auto it = kPlusOne.find(rest); it != kPlusOne.end()) return out.push_back(minus_one(p + it->second, t)), true;
+    if (rest == "ssm_a") return out.push_back(a_log(p + "linear_attn.A_log", t)), true;
+    if (rest == "ssm_conv1d.weight") return out.push_back(conv(p + "linear_attn.conv1d.weight", t)), true;
+    if (rest == "ple_conv1d.weight") return out.push_back(conv(p + "ple.conv1d.weight", t)), true;
+    if (rest == "indexer.q_proj.weight" || rest == "indexer.k_proj.weight") {
+      (rest[8] == 'q' ? index_q_ : index_k_)[layer] = &t;
+      return true;
+    }
+    return false;
+  }
+
+  // The indexer's q and k rows joined into transformers' index_qk_proj (q heads first).
+  void emit(std::vector<TensorInfo>& out) {
+    for (const auto& [layer, q] : index_q_) {
+      auto k = index_k_.find(layer);
+      if (k == index_k_.end()) fail("{}: blk.{}.indexer.q_proj.weight without its indexer.k_proj.weight", g_.path(), layer);
+      const GgufTensor& kt = *k->second;
+      if (q->dtype != kt.dtype || q->dims.size() != 2 || kt.dims.size() != 2 || q->dims[0] != kt.dims[0])
+        fail("{}: {} ({} {}) and {} ({} {}) cannot be joined into one projection", g_.path(), q->name,
+             dtype_name(q->dtype), q->dims_str(), kt.name, dtype_name(kt.dtype), kt.dims_str());
+      uint8_t* dst = buffer(q->nbytes + kt.nbytes);
+      std::memcpy(dst, q->data, q->nbytes);
+      std::memcpy(dst + q->nbytes, kt.data, kt.nbytes);
+      out.push_back(info("model.layers." + layer + ".self_attn.indexer.index_qk_proj.weight", q->dtype,
+                         {q->dims[1] + kt.dims[1], q->dims[0]}, dst, q->nbytes + kt.nbytes));
+    }
+    for (const auto& [layer, k] : index_k_)
+      if (!index_q_.count(layer)) fail("{}: {} without its indexer.q_proj.weight", g_.path(), k->name);
+  }
+
+ private:
+  uint8_t* buffer(size_t n) {
+    owned_.push_back(std::make_unique<uint8_t[]>(n));
+    return owned_.back().get();
+  }
+  TensorInfo info(const std::string& name, DType dtype, std::vector<int64_t> shape, const uint8_t* data, size_t n) const {
+    TensorInfo t;
+    t.name = name;
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.data = data;
+    t.nbytes = n;
+    t.file = &g_.path();
+    return t;
+  }
+  TensorInfo as_is(const std::string& name, const GgufTensor& t) const {
+    return info(name, t.dtype, std::vector<int64_t>(t.dims.rbegin(), t.dims.rend()), t.data, t.nbytes);
+  }
+  const float* f32(const GgufTensor& t, size_t dims) const {
+    if (t.dtype != DType::F32 || t.dims.size() != dims)
+      fail("{}: tensor {}: {} {} where F32 with {} dims is expected", g_.path(), t.name, dtype_name(t.dtype), t.dims_str(), dims);
+    return reinterpret_cast<const float*>(t.data);
+  }
+  TensorInfo minus_one(const std::string& name, const GgufTensor& t) {
+    const float* src = f32(t, 1);
+    auto* dst = reinterpret_cast<float*>(buffer(t.nbytes));
+    for (int64_t i = 0; i < t.numel(); ++i) dst[i] = src[i] - 1.f;
+    return info(name, DType::F32, {t.dims[0]}, reinterpret_cast<const uint8_t*>(dst), t.nbytes);
+  }
+  TensorInfo a_log(const std::string& name, const GgufTensor& t) {
+    const float* src = f32(t, 1);
+    auto* dst = reinterpret_cast<float*>(buffer(t.nbytes));
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      // A = -exp(A_log) is negative and finite; anything else was not written by the converter.
+      if (!(src[i] < 0.f) || !std::isfinite(src[i]))
+        fail("{}: tensor {}[{}] = {} where a negative decay rate -exp(A_log) is expected", g_.path(), t.name, i, src[i]);
+      dst[i] = float(std::log(-double(src[i])));
+    }
+    return info(name, DType::F32, {t.dims[0]}, reinterpret_cast<const uint8_t*>(dst), t.nbytes);
+  }
+  TensorInfo conv(const std::string& name, const GgufTensor& t) const {
+    if (t.dims.size() != 2) fail("{}: tensor {}: dims {} where [kernel, channels] is expected", g_.path(), t.name, t.dims_str());
+    return info(name, t.dtype, {t.dims[1], 1, t.dims[0]}, t.data, t.nbytes);
+  }
+
+  const GgufFile& g_;
+  std::vector<std::unique_ptr<uint8_t[]>>& owned_;
+  int64_t ple_layer_ = -1;
+  std::map<std::string, const GgufTensor*> index_q_, index_k_;
+};
+
+// Qwen4-Exp's config from a qwen4exp file's metadata (`c` holds the shared fields). What the
+// format cannot state is what llama.cpp's runtime assumes (a sigmoid output gate on the
+// GatedDeltaNet norm, renormalized top-k weights); what it states that the model cannot run is
+// refused by name.
+void qwen4exp_config(const GgufFile& g, int64_t layers, nlohmann::json& c) {
+  const std::string a = "qwen4exp.";
+  const std::string& path = g.path();
+  c["model_type"] = "qwen4_exp_text";
+  c["hidden_act"] = "silu";
+  c["output_gate_type"] = "sigmoid";
+  c["tie_word_embeddings"] = false;  // lm_head is given the embedding's tensor instead
+  c["attention_bias"] = false;
+  const int64_t head_dim = c["head_dim"].get<int64_t>();
+  if (g.get_u32(a + "attention.value_length", uint32_t(head_dim)) != head_dim)
+    fail("{}: {}attention.value_length {} differs from key_length {}; Qwen4-Exp attention has one head size", path, a,
+         g.get_u32(a + "attention.value_length"), head_dim);
+  if (!g.get_bool(a + "expert_weights_norm", true))
+    fail("{}: {}expert_weights_norm false: llama.cpp's qwen4exp always renormalizes the chosen experts' weights, so "
+         "the file cannot mean it", path, a);
+  c["norm_topk_prob"] = true;
+  c["shared_expert_intermediate_size"] = g.get_u32(a + "expert_shared_feed_forward_length");
+  c["hc_count"] = g.get_u32(a + "hyper_connection.count");
+  c["hc_lowrank"] = g.get_u32(a + "hyper_connection.low_rank");
+
+  // RoPE: partial (dimension_count of head_dim); the mRoPE sections coincide for text positions.
+  const std::string scaling = g.get_str(a + "rope.scaling.type", "none");
+  if (scaling != "none" && !(scaling == "linear" && g.get_f32(a + "rope.scaling.factor", 1.f) == 1.f))
+    fail("{}: rope scaling {} is not supported for qwen4exp", path, scaling);
+  const int64_t rot = g.get_u32(a + "rope.dimension_count", uint32_t(head_dim));
+  if (rot <= 0 || rot > head_dim || rot % 2)
+    fail("{}: {}rope.dimension_count {} for heads of {}", path, a, rot, head_dim);
+  c["rope_parameters"] = {{"rope_type", "default"},
+                          {"rope_theta", g.get_f32(a + "rope.freq_base", 10000.f)},
+                          {"partial_rotary_factor", double(rot) / double(head_dim)}};
+
+  // GatedDeltaNet: key heads (group_count) of state_size, value heads (time_step_rank) of
+  // inner_size / time_step_rank, in llama.cpp's tiled value order.
+  const int64_t nk = g.get_u32(a + "ssm.group_count"), nv = g.get_u32(a + "ssm.time_step_rank");
+  const int64_t inner = g.get_u32(a + "ssm.inner_size");
+  if (nk <= 0 || nv <= 0 || nv % nk || inner % nv)
+    fail("{}: {}ssm.group_count {}, time_step_rank {} and inner_size {} are not key heads, value heads and their "
+         "width", path, a, nk, nv, inner);
+  c["linear_num_key_heads"] = nk;
+  c["linear_num_value_heads"] = nv;
+  c["linear_key_head_dim"] = g.get_u32(a + "ssm.state_size");
+  c["linear_value_head_dim"] = inner / nv;
+  c["linear_conv_kernel_dim"] = g.get_u32(a + "ssm.conv_kernel");
+  c["linear_value_heads_tiled"] = true;
+
+  // Layer types: recurrent layers are GatedDeltaNet; the others QSA, whose compress ratio the
+  // file must state. llama.cpp's converter writes 0 for layers its config names
+  // qwen_sparse_attention rather than full_attention (what transformers >= 5.17 renames them to
+  // on load), and llama.cpp then runs them as dense attention, which differs from QSA once the
+  // context passes the indexer's budget: refused here rather than guessed.
+  std::vector<bool> recurrent;
+  if (g.has(a + "attention.recurrent_layers")) {
+    for (const auto& v : g.find_value(a + "attention.recurrent_layers")->as_array(path + ": " + a + "attention.recurrent_layers"))
+      recurrent.push_back(v.as_bool(path + ": " + a + "attention.recurrent_layers element"));
+  } else {
+    const int64_t interval = g.get_u32(a + "full_attention_interval", 4);
+    if (interval <= 0) fail("{}: {}full_attention_interval must be positive", path, a);
+    for (int64_t i = 0; i < layers; ++i) recurrent.push_back((i + 1) % interval != 0);
+  }
+  if (int64_t(recurrent.size()) < layers)
+    fail("{}: {}attention.recurrent_layers has {} entries for {} layers", path, a, recurrent.size(), layers);
+  std::vector<int64_t> ratios(size_t(layers), 0);
+  if (g.has(a + "attention.compress_ratios")) {
+    const auto r = g.get_int_arr(a + "attention.compress_ratios");
+    for (size_t i = 0; i < r.size() && i < ratios.size(); ++i) ratios[i] = r[i];
+  }
+  nlohmann::json types = nlohmann::json::array();
+  int64_t ratio = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    if (recurrent[size_t(i)]) {
+      types.push_back("linear_attention");
+      continue;
+    }
+    const int64_t r = ratios[size_t(i)];
+    if (r <= 0)
+      fail("{}: layer {} is an attention layer without a QSA compress ratio ({}attention.compress_ratios[{}] = {}); "
+           "Qwen4-Exp has no dense attention layers. llama.cpp's converter writes 0 when its config names the QSA "
+           "layers qwen_sparse_attention (transformers >= 5.17 renames full_attention so): convert from config.json "
+           "as released", path, i, a, i, r);
+    if (ratio && r != ratio) fail("{}: QSA layers with compress ratios {} and {}: Qwen4-Exp has one", path, ratio, r);
+    ratio = r;
+    types.push_back("qwen_sparse_attention");
+  }
+  c["layer_types"] = types;
+  if (ratio) {
+    c["indexer_n_heads"] = g.get_u32(a + "attention.indexer.head_count");
+    c["indexer_head_dim"] = g.get_u32(a + "attention.indexer.key_length");
+    c["indexer_budget"] = g.get_u32(a + "attention.indexer.top_k");
+    c["indexer_compress_ratio"] = ratio;
+    c["indexer_kv_heads"] = 1;
+  }
+
+  // n-gram PLE: one layer (llama.cpp holds one set of hashing constants), the constants stated.
+  if (g.has(a + "ple.layers")) {
+    const auto ple = g.get_int_arr(a + "ple.layers");
+    if (ple.size() > 1) fail("{}: {}ple.layers lists {} layers; llama.cpp's qwen4exp holds one", path, a, ple.size());
+    if (ple.size() == 1) {
+      if (ple[0] < 0 || ple[0] >= layers) fail("{}: {}ple.layers names layer {} of {}", path, a, ple[0], layers);
+      const int64_t ngram = g.get_u32(a + "ple.ngram_size"), per = g.get_u32(a + "ple.heads_per_ngram");
+      const int64_t row = g.get_u32(a + "embedding_length_per_layer_input");
+      // Bounds far past any real model's (3, 8, 256) keep the products below meaningful.
+      if (ngram < 2 || ngram > 64 || per < 1 || per > 1024 || row < 1 || row > (1 << 20))
+        fail("{}: {}ple.ngram_size {}, heads_per_ngram {} and embedding_length_per_layer_input {} do not make n-gram "
+             "heads (2..64, 1..1024, 1..2^20)", path, a, ngram, per, row);
+      c["ple_layer_ids"] = {ple[0] + 1};
+      c["ngram_size"] = ngram;
+      c["heads_per_ngram"] = per;
+      c["ple_embed_dim"] = row * (ngram - 1) * per;
+      c["ple_conv_kernel_size"] = g.get_u32(a + "ple.conv_kernel");
+      auto u64s = [&](const std::string& key) {
+        std::vector<uint64_t> v;
+        for (const auto& x : g.find_value(key)->as_array(path + ": " + key)) v.push_back(x.as_u64(path + ": " + key + " element"));
+        return v;
+      };
+      for (const char* key : {"ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes"})
+        if (!g.has(a + key)) fail("{}: metadata {}{} is missing", path, a, key);
+      c["ple_hash_constants"] = {{"layer_multipliers", u64s(a + "ple.layer_multipliers")},
+                                 {"head_offsets", u64s(a + "ple.head_offsets")},
+                                 {"head_vocab_sizes", u64s(a + "ple.head_vocab_sizes")}};
+      // The n-gram context resets on this id; the tokenizer's EOS stops generation.
+      const int64_t eos = g.get_u32(a + "ple.eos_token_id");
+      nlohmann::json ids = {eos};
+      if (g.has("tokenizer.ggml.eos_token_id") && g.get_u32("tokenizer.ggml.eos_token_id") != eos)
+        ids.push_back(g.get_u32("tokenizer.ggml.eos_token_id"));
+      c["eos_token_id"] = ids;
+    }
+  }
+}
+
 }  // namespace
 
 bool is_gguf_path(const std::string& path) {
@@ -235,6 +536,15 @@ std::vector<TensorInfo> gguf_hf_tensors(const GgufFile& g, std::vector<std::uniq
     fail("{}: {}.attention.head_count {} / head_count_kv {} must be positive", g.path(), a, n_head, n_kv);
   static const std::regex kBlock(R"(blk\.(\d+)\.(.+))");
   std::vector<TensorInfo> out;
+  if (a == "qwen4exp") {
+    Qwen4ExpTensors q(g, owned);
+    for (const GgufTensor& t : g.tensors()) {
+      if (t.ggml_type == kGgmlMxfp4 || !q.add(t, out))
+        fail("{}: tensor {} ({}) is not supported for architecture {}", g.path(), t.name, ggml_type_name(t.ggml_type), a);
+    }
+    q.emit(out);
+    return out;
+  }
   GptOssExperts gpt_oss(g, owned);
   for (const GgufTensor& t : g.tensors()) {
     std::string name;
@@ -398,6 +708,8 @@ nlohmann::json gguf_hf_config(const GgufFile& g) {
     } else {
       fail("{}: rope scaling {} is not supported for {}", g.path(), scaling, a);
     }
+  } else if (a == "qwen4exp") {
+    qwen4exp_config(g, layers, c);
   } else {
     if (scaling != "none" && !(scaling == "linear" && factor == 1.0)) {
       fail("{}: rope scaling {} is not supported for {}", g.path(), scaling, a);

@@ -132,15 +132,9 @@ DecoderModel::DecoderModel(ModelInfo info, DecoderHparams hp, const TensorNames&
         if (stacked) {
           // Separate [E, inter, hidden] gate and up stacks and an [E, hidden, inter] down stack
           // (GGUF's *_exps tensors): each expert a contiguous slice of each.
-          auto slice = [&](const std::string& name, int64_t rows, int64_t cols) {
-            Weight w;
-            w.view = ld.expert_view(ck.matrix_in_stack(p + name, e, E, rows, cols), p + name);
-            w.name = p + name;
-            return w;
-          };
-          ew.gate = slice(names.stacked_gate, I, H);
-          ew.up = slice(names.stacked_up, I, H);
-          ew.down = slice(names.stacked_down, H, I);
+          ew.gate = ld.expert_in_stack(p + names.stacked_gate, e, E, I, H, i);
+          ew.up = ld.expert_in_stack(p + names.stacked_up, e, E, I, H, i);
+          ew.down = ld.expert_in_stack(p + names.stacked_down, e, E, H, I, i);
         } else if (fused) {
           const std::string& gu_name = p + names.fused_gate_up;
           const WeightView gate_up = ld.expert_view(ck.matrix_in_stack(gu_name, e, E, 2 * I, H), gu_name);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "core/error.h"
 #include "formats/hf_config.h"
@@ -50,6 +51,9 @@ struct Hparams {
   int64_t ple_dim = 0;
   int ple_kernel = 0;
   NgramHashSpec ngram;  // ple_index filled per layer
+  // Hashing constants the checkpoint states instead of deriving them (GGUF files: one PLE
+  // layer); padded_rows is then the table's own row count.
+  std::optional<NgramHash> given_hash;
 };
 
 Hparams read_hparams(const HfConfig& c) {
@@ -169,6 +173,9 @@ Hparams read_hparams(const HfConfig& c) {
   if (g.n_k_heads <= 0 || g.n_v_heads % g.n_k_heads) {
     fail("{}: linear_num_value_heads {} must be a multiple of linear_num_key_heads {}", path, g.n_v_heads, g.n_k_heads);
   }
+  // Not a transformers field: set by the GGUF mapping (formats/gguf_model.cpp) for files whose
+  // value heads llama.cpp's converter reordered.
+  g.v_heads_tiled = c.get_bool("linear_value_heads_tiled", false);
 
   // MoE.
   hp.n_experts = int(c.has("num_local_experts") ? c.get_int("num_local_experts") : c.get_int("num_experts"));
@@ -210,6 +217,36 @@ Hparams read_hparams(const HfConfig& c) {
         fail("{}: field ple_layer_ids names layer {}, which is not a linear_attention layer", path, id);
       }
       hp.layers[size_t(id - 1)].ple_index = int(k);
+    }
+    // Not a transformers field: the constants a GGUF file states (formats/gguf_model.cpp).
+    if (text.contains("ple_hash_constants")) {
+      const auto& j = text["ple_hash_constants"];
+      if (sorted_ids.size() != 1) fail("{}: field ple_hash_constants holds one PLE layer's constants, not {}", path, sorted_ids.size());
+      NgramHash h;
+      try {
+        h.multipliers = j.at("layer_multipliers").get<std::vector<uint64_t>>();
+        h.head_sizes = j.at("head_vocab_sizes").get<std::vector<int64_t>>();
+        h.head_offsets = j.at("head_offsets").get<std::vector<int64_t>>();
+      } catch (const nlohmann::json::exception& e) {
+        fail("{}: field ple_hash_constants: {}", path, e.what());
+      }
+      if (int(h.multipliers.size()) < s.ngram_size || int(h.head_sizes.size()) < s.n_heads() ||
+          int(h.head_offsets.size()) < s.n_heads())
+        fail("{}: field ple_hash_constants has {} multipliers, {} head sizes and {} offsets; {} n-grams of {} heads need "
+             "{}, {} and {}", path, h.multipliers.size(), h.head_sizes.size(), h.head_offsets.size(), s.ngram_size,
+             s.n_heads(), s.ngram_size, s.n_heads(), s.n_heads());
+      h.multipliers.resize(size_t(s.ngram_size));
+      h.head_sizes.resize(size_t(s.n_heads()));
+      h.head_offsets.resize(size_t(s.n_heads()));
+      constexpr int64_t kMaxRows = int64_t(1) << 40;  // a real table has ~1.8e8 rows
+      for (int i = 0; i < s.n_heads(); ++i) {
+        if (h.head_sizes[size_t(i)] <= 0 || h.head_offsets[size_t(i)] < 0 || h.head_sizes[size_t(i)] > kMaxRows ||
+            h.head_offsets[size_t(i)] > kMaxRows)
+          fail("{}: field ple_hash_constants: head {} has size {} at offset {}", path, i, h.head_sizes[size_t(i)],
+               h.head_offsets[size_t(i)]);
+        h.padded_rows = std::max(h.padded_rows, h.head_offsets[size_t(i)] + h.head_sizes[size_t(i)]);
+      }
+      hp.given_hash = std::move(h);
     }
   }
   return hp;
@@ -368,9 +405,15 @@ class Qwen4Exp final : public Model {
     L.moe.top_k = hp_.top_k;
     L.moe.renormalize = hp_.norm_topk;
     const bool fused = ck.has(p + "experts.gate_up_proj");
+    // GGUF files: llama.cpp's [E, rows, cols] stacks, one expert a contiguous slice of each.
+    const bool stacked = !fused && ck.has(p + "experts.gate_proj");
     for (int e = 0; e < E; ++e) {
       ExpertWeights ew;
-      if (fused) {
+      if (stacked) {
+        ew.gate = ld.expert_in_stack(p + "experts.gate_proj", e, E, I, H, layer);
+        ew.up = ld.expert_in_stack(p + "experts.up_proj", e, E, I, H, layer);
+        ew.down = ld.expert_in_stack(p + "experts.down_proj", e, E, H, I, layer);
+      } else if (fused) {
         const WeightView gate_up =
             ld.expert_view(ck.matrix_in_stack(p + "experts.gate_up_proj", e, E, 2 * I, H), p + "experts.gate_up_proj");
         ew.gate.view = gate_up.rows_slice(0, I);  // gate rows first, then up rows
@@ -404,7 +447,7 @@ class Qwen4Exp final : public Model {
     const int64_t H = hp_.hidden, CH = int64_t(hp_.n_streams) * H;
     w.spec = hp_.ngram;
     w.spec.ple_index = L.spec.ple_index;
-    w.hash = NgramHash::build(w.spec);
+    w.hash = hp_.given_hash ? *hp_.given_hash : NgramHash::build(w.spec);
     w.n_streams = hp_.n_streams;
     w.hidden = H;
     w.ple_dim = hp_.ple_dim;
@@ -441,7 +484,14 @@ class Qwen4Exp final : public Model {
       for (int k = 0; ck.has(fmt::format("{}shard_{}.weight", table, k)); ++k) add_piece(fmt::format("{}shard_{}.weight", table, k));
       if (w.table_shards.empty()) fail("{}: missing tensor {}weight (or its shard_0.weight pieces)", ck.dir(), table);
     }
-    if (rows != w.hash.padded_rows) {
+    if (hp_.given_hash) {
+      // Stated constants: the table must hold every head's range (padded_rows is their end).
+      if (rows < w.hash.padded_rows) {
+        fail("{}: n-gram table {} has {} rows, too few for the stated head ranges (they end at row {})", ck.dir(), table,
+             rows, w.hash.padded_rows);
+      }
+      w.hash.padded_rows = rows;
+    } else if (rows != w.hash.padded_rows) {
       fail("{}: n-gram table {} has {} rows, the config implies {}", ck.dir(), table, rows, w.hash.padded_rows);
     }
     // Cross-check the derived hashing constants with the buffers the checkpoint carries.

@@ -36,6 +36,11 @@ struct WeightLoader {
   Weight expert_matrix(const std::string& name, int64_t rows, int64_t cols, int layer) const {
     return named(be.resident_expert(ck.matrix(name, rows, cols), name), name, layer);
   }
+  // Expert `e` of an [n_experts, rows, cols] stack (GGUF's *_exps tensors), as expert_matrix.
+  Weight expert_in_stack(const std::string& name, int64_t e, int64_t n_experts, int64_t rows, int64_t cols,
+                         int layer) const {
+    return named(be.resident_expert(ck.matrix_in_stack(name, e, n_experts, rows, cols), name), name, layer);
+  }
 
  private:
   static Weight named(const WeightView& view, const std::string& name, int layer) {

@@ -403,10 +403,12 @@ class Backend {
                              const Mat& out) = 0;
   // GatedDeltaNet recurrence over the micro-batch (rows in order). qkv [rows, 2*nk*dk + nv*dv]
   // after the conv; a, b [rows, nv] projections; state [nv, dk*dv] (S[i][j] at i*dv+j) is
-  // advanced in place. out [rows, nv*dv].
+  // advanced in place. out [rows, nv*dv]. Value head h reads key head h / (nv / nk) when the
+  // value heads are grouped by key head (transformers' order), h % nk when `v_heads_tiled`
+  // (the order llama.cpp's converter writes into GGUF files).
   virtual void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
                                 const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv,
-                                const Mat& state, const Mat& out) = 0;
+                                bool v_heads_tiled, const Mat& state, const Mat& out) = 0;
   // Hyper-connections: mixed[t] = mean_c(weight[t, c] * normed[t, c]) over C streams of
   // `hidden` each, and streams[t, c] += inject[t, c] * branch[t].
   virtual void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) = 0;

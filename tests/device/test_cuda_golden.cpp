@@ -518,6 +518,37 @@ TEST(CudaGgufGolden, GptOssFilesMatchTheCpuAtCudaPrecision) {
   }
 }
 
+// qwen4_exp_mm_tiny converted by llama.cpp (GatedDeltaNet value heads in its tiled order, 2 key
+// heads over 4 value heads): refused on CUDA until this test has passed on a GPU, then (with the
+// override) held to the CPU at CUDA's precision and to transformers, at chunk sizes 0, 1 and 5.
+TEST(CudaGgufGolden, Qwen4ExpTiledFileMatchesTheCpuAtCudaPrecision) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string path = fixture("qwen4_exp_mm_tiny") + "/qwen4_exp_mm_tiny-bf16.gguf";
+  ASSERT_TRUE(std::filesystem::exists(path)) << path;
+  auto cuda = make_cuda_backend(0);
+  unsetenv("TURBOSPARK_CUDA_UNVERIFIED");
+  try {
+    (void)load_model(path, *cuda);
+    ADD_FAILURE() << "tiled value heads loaded on CUDA without the override";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tiled order"), std::string::npos) << e.what();
+  }
+  setenv("TURBOSPARK_CUDA_UNVERIFIED", "1", 1);
+  LoadedModel m = load_model(path, *cuda);
+  unsetenv("TURBOSPARK_CUDA_UNVERIFIED");
+  const Golden g = load_golden("qwen4_exp_mm_tiny");
+  for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5)}) {
+    Session s(*m.model, *cuda);
+    const std::vector<float> logits = s.feed(g.tokens, chunk, true);
+    const std::vector<float> want = cpu_at_cuda_precision(path, g.tokens, chunk, cuda->preferred_prefill_batch());
+    ASSERT_EQ(logits.size(), want.size());
+    EXPECT_LT(max_rel_error(logits.data(), want.data(), want.size()), kCudaVsCpuAtItsPrecisionTol) << "chunk " << chunk;
+    EXPECT_LT(max_rel_error(logits.data(), g.logits.data.data(), logits.size()),
+              bound_against_transformers(kCudaLogitTol, want, g.logits.data))
+        << "chunk " << chunk;
+  }
+}
+
 // A Q4_0 GGUF (tools/fixtures/requantize_gguf.py) on CUDA against the CPU backend on the same
 // file in both device layouts: planes (the default; repack.cu rewrites Q4_0 at upload) and
 // TURBOSPARK_CUDA_Q4_0_PLANES=0, ggml's blocks. Decode rows (chunks 1 and 7) quantize their

@@ -75,8 +75,11 @@ TEST(CudaHybridOps, GatedDeltaRuleMatchesCpuAcrossCalls) {
   for (const Heads& hd : {Heads{1, 1, 8, 8}, Heads{2, 4, 8, 8}, Heads{1, 2, 16, 24}, Heads{4, 8, 32, 32},
                           Heads{2, 4, 128, 128}, Heads{1, 1, 200, 40}, Heads{2, 2, 256, 64}, Heads{1, 3, 5, 33}})
     for (int64_t rows : {1, 3, 17, 100})
-      for (cuda::GdnForm form : {cuda::GdnForm::kRecurrent, cuda::GdnForm::kChunked}) {
-      SCOPED_TRACE("nk nv dk dv rows: " + dims({hd.nk, hd.nv, hd.dk, hd.dv, rows}) + " form " + std::to_string(int(form)));
+      for (cuda::GdnForm form : {cuda::GdnForm::kRecurrent, cuda::GdnForm::kChunked})
+        for (bool tiled : {false, true}) {
+      if (tiled && (hd.nk == 1 || hd.nk == hd.nv)) continue;  // the same order either way
+      SCOPED_TRACE("nk nv dk dv rows: " + dims({hd.nk, hd.nv, hd.dk, hd.dv, rows}) + " form " + std::to_string(int(form)) +
+                   (tiled ? " tiled" : ""));
       // The chunked form's triangular solve compounds rounding over a chunk (measured on the CPU
       // reference: 9.4e-6 at chunk 64, tests/unit/test_gated_delta_chunked.cpp).
       const double bound = form == cuda::GdnForm::kChunked ? 5e-5 : 1e-5;
@@ -93,9 +96,9 @@ TEST(CudaHybridOps, GatedDeltaRuleMatchesCpuAcrossCalls) {
         Strided out(rows, int64_t(hd.nv) * hd.dv, 2, 20);
         out.poison();
         cpu().gated_delta_rule(qkv.h(), a.h(), b.h(), a_log.data(), dt_bias.data(), hd.nk, hd.nv, hd.dk, hd.dv,
-                               state.h(), out.h());
-        cuda::gated_delta_rule(qkv.d(), a.d(), b.d(), da_log.get(), ddt.get(), hd.nk, hd.nv, hd.dk, hd.dv, state.d(),
-                               out.d(), stream(), form);
+                               tiled, state.h(), out.h());
+        cuda::gated_delta_rule(qkv.d(), a.d(), b.d(), da_log.get(), ddt.get(), hd.nk, hd.nv, hd.dk, hd.dv, tiled,
+                               state.d(), out.d(), stream(), form);
         EXPECT_LT(normalized_error(out.dev_dense(), out.host_dense()), bound) << "call " << call;
         EXPECT_TRUE(out.dev_pads_poisoned());
         EXPECT_LT(normalized_error(state.dev_dense(), state.host_dense()), bound) << "state, call " << call;
@@ -120,7 +123,8 @@ TEST(CudaHybridOps, GatedDeltaRuleIsChunkInvariant) {
       for (int64_t t = 0; t < rows; t += piece) {
         const int64_t m = std::min<int64_t>(piece, rows - t);
         cuda::gated_delta_rule(qkv.d().rows_slice(t, m), a.d().rows_slice(t, m), b.d().rows_slice(t, m), da_log.get(),
-                               ddt.get(), nk, nv, dk, dv, state.d(), out.d().rows_slice(t, m), stream(), form);
+                               ddt.get(), nk, nv, dk, dv, false, state.d(), out.d().rows_slice(t, m), stream(),
+                               form);
       }
     };
     Strided s_whole(nv, int64_t(dk) * dv, 0, 26), s_steps(nv, int64_t(dk) * dv, 0, 26);
@@ -145,9 +149,11 @@ TEST(CudaHybridOps, GatedDeltaRuleRefusesWhatItCannotHold) {
   REQUIRE_GPU();
   DeviceBuffer<float> buf(size_t(1) << 20);
   Mat m(buf.get(), 1, 4096);
-  EXPECT_THROW(cuda::gated_delta_rule(m, m, m, buf.get(), buf.get(), 1, 1, 300, 8, Mat(buf.get(), 1, 2400), m, stream()),
+  EXPECT_THROW(cuda::gated_delta_rule(m, m, m, buf.get(), buf.get(), 1, 1, 300, 8, false, Mat(buf.get(), 1, 2400), m,
+                                      stream()),
                Error);
-  EXPECT_THROW(cuda::gated_delta_rule(m, m, m, buf.get(), buf.get(), 2, 3, 8, 8, Mat(buf.get(), 3, 64), m, stream()),
+  EXPECT_THROW(cuda::gated_delta_rule(m, m, m, buf.get(), buf.get(), 2, 3, 8, 8, false, Mat(buf.get(), 3, 64), m,
+                                      stream()),
                Error);
 }
 

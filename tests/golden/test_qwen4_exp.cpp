@@ -12,6 +12,7 @@
 #include "backends/cpu/kernels.h"
 #include "core/error.h"
 #include "core/npy.h"
+#include "engine/sampler.h"
 #include "engine/session.h"
 #include "formats/hf_config.h"
 #include "formats/safetensors.h"
@@ -100,6 +101,35 @@ TEST(Qwen4Exp, LanguageModelPrefixFormMatchesGolden) {
   EXPECT_LT(testing::max_rel_error(logits.data(), ref.data.data(), ref.data.size()), 2e-4);
 }
 
+// qwen4_exp_mm_tiny converted by llama.cpp's convert_hf_to_gguf.py (tools/fixtures/
+// make_gguf_fixtures.py): hyper-connection and PLE tensors under llama.cpp's names, (1 + w)
+// norms stored plus one, A_log stored as -exp(A_log), the indexer's q/k split, the n-gram
+// shards joined, and GatedDeltaNet value heads reordered into llama.cpp's tiled order (2 key
+// heads, 4 value heads). The file must give its checkpoint's logits at every chunk size (PLE
+// spans 1, 2, 3, 5 and whole): equal up to A_log's round trip through exp and log (an ulp;
+// measured 1.3e-6 of logits up to 3.8), far below what one misplaced head or norm gives.
+TEST(Qwen4ExpGguf, LlamaCppConvertedFileMatchesItsCheckpoint) {
+  const std::string dir = fixture("qwen4_exp_mm_tiny");
+  auto be = make_cpu_backend(2);
+  LoadedModel st = load_model(dir, *be);
+  LoadedModel gg = load_model(dir + "/qwen4_exp_mm_tiny-bf16.gguf", *be);
+  EXPECT_EQ(gg.model->info().architecture, "Qwen4ExpForCausalLM");
+  EXPECT_EQ(gg.model->n_experts(), st.model->n_experts());
+  const std::vector<int32_t> tokens = golden_tokens("qwen4_exp_mm_tiny");
+  const NpyArray ref = read_npy_f32(dir + "/logits.npy");
+  const int64_t V = st.model->info().vocab_size, T = int64_t(tokens.size());
+  for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(2), int64_t(3), int64_t(5)}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    Session a(*st.model, *be), b(*gg.model, *be);
+    const std::vector<float> want = a.feed(tokens, chunk, true), got = b.feed(tokens, chunk, true);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_LT(testing::max_rel_error(got.data(), want.data(), want.size()), 1e-5);
+    EXPECT_LT(testing::max_rel_error(got.data(), ref.data.data(), ref.data.size()), 2e-4);
+    for (int64_t t = 0; t < T; ++t)
+      EXPECT_EQ(argmax(&got[size_t(t * V)], V), argmax(&want[size_t(t * V)], V)) << "row " << t;
+  }
+}
+
 // QSA past 4k tokens (tools/fixtures/make_ctx4k_golden.py): 4544 tokens of prefill, then 64
 // decode steps, each step's logits against transformers' single forward over all 4608; its QSA
 // layers select 2 of up to 1151 blocks, and the EOS every 509 tokens restarts the n-gram segments.
@@ -169,7 +199,7 @@ TEST(Qwen4ExpBlocks, DeltaRuleIsChunkInvariantAndMatchesNaiveRecurrence) {
     for (int s = 0; s < T; s += piece) {
       const int n = std::min(piece, T - s);
       cpu::gated_delta_rule(pool, Mat(qkv.data() + s * width, n, width), Mat(a.data() + s * nv, n, nv),
-                            Mat(b.data() + s * nv, n, nv), a_log.data(), dt.data(), nk, nv, dk, dv,
+                            Mat(b.data() + s * nv, n, nv), a_log.data(), dt.data(), nk, nv, dk, dv, false,
                             Mat(state.data(), nv, dk * dv), Mat(out.data() + s * nv * dv, n, nv * dv));
     }
     return out;

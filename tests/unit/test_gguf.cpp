@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -90,6 +91,14 @@ struct GgufBuilder {
   }
   GgufBuilder& tensor(TensorSpec t) {
     tensors.push_back(std::move(t));
+    return *this;
+  }
+  template <typename T>
+  GgufBuilder& kv_array(const std::string& key, GgufType elem, const std::vector<T>& values) {
+    Bytes b;
+    b.str(key).put<uint32_t>(uint32_t(GgufType::ARRAY)).put<uint32_t>(uint32_t(elem)).put<uint64_t>(values.size());
+    for (const T& v : values) b.put<T>(v);
+    kvs.push_back(b.data());
     return *this;
   }
 
@@ -688,6 +697,171 @@ TEST(GgufMxfp4, MalformedOrMisplacedBlocksAreRefusedByName) {
       ADD_FAILURE() << "MXFP4 rows of 40 values were accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("not a multiple of the MXFP4 block size 32"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// ---- qwen4exp (llama.cpp's Qwen4-Exp files) -------------------------------------------------
+
+std::vector<uint8_t> f32s(const std::vector<float>& v) {
+  std::vector<uint8_t> b(v.size() * 4);
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+// The metadata llama.cpp's converter writes for a 2-layer Qwen4-Exp (GatedDeltaNet, then QSA;
+// PLE on layer 0), minus what `skip` names, plus the tensors given.
+GgufBuilder qwen4exp_file(const std::string& skip = "", std::vector<TensorSpec> tensors = {}) {
+  GgufBuilder b;
+  const std::string a = "qwen4exp.";
+  auto u32 = [&](const std::string& k, uint32_t v) {
+    if (k != skip) b.kv<uint32_t>(a + k, GgufType::U32, v);
+  };
+  b.kv_str("general.architecture", "qwen4exp");
+  u32("block_count", 2);
+  u32("context_length", 256);
+  u32("embedding_length", 32);
+  u32("attention.head_count", 4);
+  u32("attention.head_count_kv", 2);
+  u32("attention.key_length", 16);
+  u32("attention.value_length", skip == "value_length" ? 8 : 16);
+  u32("expert_count", 16);
+  u32("expert_used_count", 10);
+  u32("expert_feed_forward_length", 16);
+  u32("expert_shared_feed_forward_length", 24);
+  u32("ssm.conv_kernel", 4);
+  u32("ssm.state_size", 8);
+  u32("ssm.group_count", 2);
+  u32("ssm.time_step_rank", 4);
+  u32("ssm.inner_size", 32);
+  u32("rope.dimension_count", 8);
+  u32("hyper_connection.count", 2);
+  u32("hyper_connection.low_rank", 8);
+  u32("attention.indexer.head_count", 2);
+  u32("attention.indexer.key_length", 16);
+  u32("attention.indexer.top_k", 8);
+  u32("ple.ngram_size", 3);
+  u32("ple.heads_per_ngram", 2);
+  u32("ple.conv_kernel", 4);
+  u32("ple.eos_token_id", 3);
+  u32("embedding_length_per_layer_input", 4);
+  b.kv<float>(a + "rope.freq_base", GgufType::F32, 10000.f);
+  b.kv<float>(a + "attention.layer_norm_rms_epsilon", GgufType::F32, 1e-6f);
+  b.kv<uint32_t>("tokenizer.ggml.eos_token_id", GgufType::U32, 7);
+  if (skip == "expert_weights_norm") b.kv<uint8_t>(a + "expert_weights_norm", GgufType::BOOL, 0);
+  b.kv_array<uint8_t>(a + "attention.recurrent_layers", GgufType::BOOL, {1, 0});
+  b.kv_array<uint32_t>(a + "attention.compress_ratios", GgufType::U32, {0, skip == "ratio" ? 0u : 4u});
+  b.kv_array<uint32_t>(a + "ple.layers", GgufType::U32,
+                       skip == "two_ple" ? std::vector<uint32_t>{0, 1} : std::vector<uint32_t>{0});
+  if (skip != "ple.layer_multipliers")
+    b.kv_array<uint64_t>(a + "ple.layer_multipliers", GgufType::U64, {4295158889762567ull, 35454616657218897ull, 3ull});
+  b.kv_array<uint64_t>(a + "ple.head_offsets", GgufType::U64, {0, 97, 198, 301});
+  b.kv_array<uint64_t>(a + "ple.head_vocab_sizes", GgufType::U64, {97, 101, 103, 107});
+  b.tensor({"token_embd.weight", {32, 8}, 0, f32s(std::vector<float>(256, 0.5f))});
+  b.tensor({"output_hc_norm.weight", {4}, 0, f32s({1.f, 1.5f, 0.25f, 2.f})});
+  for (auto& t : tensors) b.tensor(std::move(t));
+  return b;
+}
+
+TEST(Qwen4ExpGgufMapping, ConfigStatesWhatTheFileSays) {
+  TempDir dir;
+  GgufFile g(write_file(dir, "m.gguf", qwen4exp_file().build()));
+  const nlohmann::json c = gguf_hf_config(g);
+  EXPECT_EQ(c["architectures"][0], "Qwen4ExpForCausalLM");
+  EXPECT_EQ(c["model_type"], "qwen4_exp_text");
+  EXPECT_EQ(c["layer_types"], (nlohmann::json{"linear_attention", "qwen_sparse_attention"}));
+  EXPECT_EQ(c["indexer_compress_ratio"], 4);
+  EXPECT_EQ(c["indexer_budget"], 8);
+  EXPECT_EQ(c["indexer_kv_heads"], 1);
+  EXPECT_DOUBLE_EQ(c["rope_parameters"]["partial_rotary_factor"].get<double>(), 0.5);
+  EXPECT_EQ(c["linear_num_key_heads"], 2);
+  EXPECT_EQ(c["linear_num_value_heads"], 4);
+  EXPECT_EQ(c["linear_value_head_dim"], 8);
+  EXPECT_EQ(c["linear_value_heads_tiled"], true);
+  EXPECT_EQ(c["ple_layer_ids"], (nlohmann::json{1}));  // 1-based, as transformers
+  EXPECT_EQ(c["ple_embed_dim"], 16);                   // 4 per head, (3 - 1) * 2 heads
+  EXPECT_EQ(c["ple_hash_constants"]["layer_multipliers"][1], 35454616657218897ull);
+  EXPECT_EQ(c["ple_hash_constants"]["head_offsets"][3], 301);
+  EXPECT_EQ(c["eos_token_id"], (nlohmann::json{3, 7}));  // the PLE's first, then the tokenizer's
+  EXPECT_EQ(c["output_gate_type"], "sigmoid");
+  EXPECT_EQ(c["norm_topk_prob"], true);
+  EXPECT_EQ(c["shared_expert_intermediate_size"], 24);
+  EXPECT_EQ(c["tie_word_embeddings"], false);
+}
+
+// What the format cannot say, or says in a way the model cannot run, is refused by name.
+TEST(Qwen4ExpGgufMapping, WhatCannotBeRunIsRefusedByName) {
+  TempDir dir;
+  const std::pair<const char*, const char*> cases[] = {
+      {"ratio", "layer 1 is an attention layer without a QSA compress ratio"},
+      {"two_ple", "qwen4exp.ple.layers lists 2 layers; llama.cpp's qwen4exp holds one"},
+      {"expert_weights_norm", "qwen4exp.expert_weights_norm false"},
+      {"value_length", "attention.value_length 8 differs from key_length 16"},
+      {"ple.layer_multipliers", "metadata qwen4exp.ple.layer_multipliers is missing"},
+      {"ssm.group_count", "qwen4exp.ssm.group_count"},
+  };
+  for (const auto& [skip, message] : cases) {
+    SCOPED_TRACE(skip);
+    GgufFile g(write_file(dir, std::string(skip) + ".gguf", qwen4exp_file(skip).build()));
+    try {
+      (void)gguf_hf_config(g);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Qwen4ExpGgufMapping, TensorsUndoTheConvertersTransforms) {
+  TempDir dir;
+  std::vector<uint8_t> q(2 * 32 * 2), k(1 * 32 * 2);  // BF16 [32 in, 2 out] and [32 in, 1 out]
+  for (size_t i = 0; i < q.size(); ++i) q[i] = uint8_t(i);
+  for (size_t i = 0; i < k.size(); ++i) k[i] = uint8_t(200 + i % 50);
+  GgufFile g(write_file(dir, "m.gguf",
+                        qwen4exp_file("", {{"blk.0.ssm_a", {2}, 0, f32s({-0.5f, -2.f})},
+                                           {"blk.0.ssm_conv1d.weight", {4, 3}, 0, f32s(std::vector<float>(12, 1.f))},
+                                           {"blk.1.attn_q_norm.weight", {2}, 0, f32s({1.25f, 0.5f})},
+                                           {"blk.1.indexer.q_proj.weight", {32, 2}, 30, q},
+                                           {"blk.1.indexer.k_proj.weight", {32, 1}, 30, k},
+                                           {"blk.0.ffn_gate_exps.weight", {32, 16, 16}, 0, f32s(std::vector<float>(8192))},
+                                           {"per_layer_token_embd.weight", {4, 408}, 0, f32s(std::vector<float>(1632))}})
+                            .build()));
+  std::vector<std::unique_ptr<uint8_t[]>> owned;
+  const std::vector<TensorInfo> ts = gguf_hf_tensors(g, owned);
+  auto find = [&](const std::string& n) -> const TensorInfo& {
+    for (const auto& t : ts)
+      if (t.name == n) return t;
+    throw std::runtime_error("no " + n);
+  };
+  auto f = [](const TensorInfo& t, size_t i) { return reinterpret_cast<const float*>(t.data)[i]; };
+  const TensorInfo& a_log = find("model.layers.0.linear_attn.A_log");
+  EXPECT_NEAR(f(a_log, 0), std::log(0.5f), 1e-7);
+  EXPECT_NEAR(f(a_log, 1), std::log(2.f), 1e-7);
+  EXPECT_EQ(find("model.layers.0.linear_attn.conv1d.weight").shape, (std::vector<int64_t>{3, 1, 4}));
+  const TensorInfo& qn = find("model.layers.1.self_attn.q_norm.weight");
+  EXPECT_EQ(f(qn, 0), 0.25f);  // stored 1 + w
+  EXPECT_EQ(f(qn, 1), -0.5f);
+  EXPECT_EQ(f(find("model.hyper_connection_mixer.hc_norm.weight"), 3), 1.f);
+  const TensorInfo& qk = find("model.layers.1.self_attn.indexer.index_qk_proj.weight");
+  ASSERT_EQ(qk.shape, (std::vector<int64_t>{3, 32}));  // q rows, then k's
+  EXPECT_EQ(std::vector<uint8_t>(qk.data, qk.data + q.size()), q);
+  EXPECT_EQ(std::vector<uint8_t>(qk.data + q.size(), qk.data + q.size() + k.size()), k);
+  EXPECT_EQ(find("model.layers.0.mlp.experts.gate_proj").shape, (std::vector<int64_t>{16, 16, 32}));
+  EXPECT_EQ(find("model.layers.0.ple.ple_embedding.ngram_embedding.weight").shape, (std::vector<int64_t>{408, 4}));
+  EXPECT_EQ(find("lm_head.weight").data, find("model.embed_tokens.weight").data);  // no output.weight: tied
+
+  // A decay rate that -exp() cannot give, and a tensor the architecture does not have.
+  for (const auto& [spec, message] :
+       std::vector<std::pair<TensorSpec, std::string>>{
+           {{"blk.0.ssm_a", {2}, 0, f32s({-0.5f, 0.f})}, "blk.0.ssm_a[1] = 0 where a negative decay rate"},
+           {{"blk.0.attn_norm.weight", {2}, 0, f32s({1.f, 1.f})}, "tensor blk.0.attn_norm.weight (F32) is not supported"},
+           {{"blk.1.indexer.q_proj.weight", {32, 2}, 30, q}, "blk.1.indexer.q_proj.weight without its indexer.k_proj"}}) {
+    GgufFile bad(write_file(dir, "bad.gguf", qwen4exp_file("", {spec}).build()));
+    try {
+      (void)gguf_hf_tensors(bad, owned);
+      ADD_FAILURE() << spec.name << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
     }
   }
 }

@@ -180,8 +180,9 @@ class CpuBackend final : public Backend {
     cpu::causal_conv1d(in, w, kernel, dilation, state, act, out);
   }
   void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
-                        int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out) override {
-    cpu::gated_delta_rule(pool_, qkv, a, b, a_log, dt_bias, n_k_heads, n_v_heads, dk, dv, state, out);
+                        int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled, const Mat& state,
+                        const Mat& out) override {
+    cpu::gated_delta_rule(pool_, qkv, a, b, a_log, dt_bias, n_k_heads, n_v_heads, dk, dv, v_heads_tiled, state, out);
   }
   void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) override {
     cpu::hc_mix(weight, normed, n_streams, mixed);

@@ -89,9 +89,8 @@ static void normalize_qk(const float* qs, const float* ks, int dk, float q_scale
 }
 
 void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
-                      const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state,
-                      const Mat& out) {
-  const int group = n_v_heads / n_k_heads;
+                      const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled,
+                      const Mat& state, const Mat& out) {
   const int64_t key_dim = int64_t(n_k_heads) * dk;
   const float q_scale = 1.f / std::sqrt(float(dk));
   // Value heads are independent: each owns its [dk, dv] state and walks the rows in order.
@@ -99,7 +98,7 @@ void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat&
     std::vector<float> q(static_cast<size_t>(dk)), k(static_cast<size_t>(dk)), kv_mem(static_cast<size_t>(dv));
     for (int64_t h = h0; h < h1; ++h) {
       float* S = state.row(h);
-      const int64_t kh = h / group;
+      const int64_t kh = gdn_key_head(h, n_k_heads, n_v_heads, v_heads_tiled);
       const float A = -std::exp(a_log[h]);
       for (int64_t t = 0; t < qkv.rows; ++t) {
         const float* row = qkv.row(t);
@@ -137,10 +136,9 @@ void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat&
 }
 
 void gated_delta_rule_chunked(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
-                              const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state,
-                              const Mat& out, int chunk) {
+                              const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled,
+                              const Mat& state, const Mat& out, int chunk) {
   TS_CHECK(chunk >= 1, "gated_delta_rule_chunked: chunk {}", chunk);
-  const int group = n_v_heads / n_k_heads;
   const int64_t key_dim = int64_t(n_k_heads) * dk;
   const float q_scale = 1.f / std::sqrt(float(dk));
   pool.parallel_for(n_v_heads, 1, [&](int64_t h0, int64_t h1) {
@@ -149,7 +147,7 @@ void gated_delta_rule_chunked(ThreadPool& pool, const Mat& qkv, const Mat& a, co
     std::vector<float> kk(C * C), qk(C * C);  // [t][s]: beta_t e^{cum_t - cum_s} k_t.k_s (s < t); e^{..} q_t.k_s (s <= t)
     for (int64_t h = h0; h < h1; ++h) {
       float* S = state.row(h);
-      const int64_t kh = h / group;
+      const int64_t kh = gdn_key_head(h, n_k_heads, n_v_heads, v_heads_tiled);
       const float A = -std::exp(a_log[h]);
       for (int64_t c0 = 0; c0 < qkv.rows; c0 += chunk) {
         const int64_t n = std::min<int64_t>(chunk, qkv.rows - c0);

@@ -12,9 +12,13 @@ void unary(const Mat& x, Act act, float pre, float post, const Mat& y);
 void mul_act(const Mat& x, const Mat& gate, Act act);
 void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const Mat& b);
 void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, const Mat& state, Act act, const Mat& out);
+// Key head of value head h: h / (nv / nk) grouped (transformers), h % nk tiled (GGUF files).
+inline int64_t gdn_key_head(int64_t h, int n_k_heads, int n_v_heads, bool v_heads_tiled) {
+  return v_heads_tiled ? h % n_k_heads : h / (n_v_heads / n_k_heads);
+}
 void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
-                      const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state,
-                      const Mat& out);
+                      const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled,
+                      const Mat& state, const Mat& out);
 // The same recurrence in its chunked form (the reference for CUDA's prefill kernel,
 // gated_delta_rule.cu): rows in chunks of `chunk`; within a chunk the per-row updates are
 // solved at once from the state at the chunk's start. With cum_t the running sum of log decays
@@ -24,8 +28,8 @@ void gated_delta_rule(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat&
 //   S   = e^{cum_last} S0 + sum_s e^{cum_last - cum_s} k_s u_s^T
 // Equal to gated_delta_rule up to f32 rounding (tests/unit/test_gated_delta_chunked.cpp).
 void gated_delta_rule_chunked(ThreadPool& pool, const Mat& qkv, const Mat& a, const Mat& b, const float* a_log,
-                              const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state,
-                              const Mat& out, int chunk);
+                              const float* dt_bias, int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled,
+                              const Mat& state, const Mat& out, int chunk);
 void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed);
 void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams);
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out);

@@ -477,8 +477,9 @@ class CudaBackend final : public Backend {
     cuda::causal_conv1d(in, w, kernel, dilation, state, act, out, stream_);
   }
   void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
-                        int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out) override {
-    cuda::gated_delta_rule(qkv, a, b, a_log, dt_bias, n_k_heads, n_v_heads, dk, dv, state, out, stream_);
+                        int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled, const Mat& state,
+                        const Mat& out) override {
+    cuda::gated_delta_rule(qkv, a, b, a_log, dt_bias, n_k_heads, n_v_heads, dk, dv, v_heads_tiled, state, out, stream_);
   }
   void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) override {
     cuda::hc_mix(weight, normed, n_streams, mixed, stream_);

@@ -1,5 +1,6 @@
 // GatedDeltaNet's recurrence (Backend::gated_delta_rule), the recurrent form: rows in order,
-// the state S [dk, dv] per value head in f32. Per row t and value head h (key head h / group):
+// the state S [dk, dv] per value head in f32. Per row t and value head h (key head h / group,
+// or h % n_k_heads for value heads in llama.cpp's tiled order):
 //   q, k  = l2norm(q_t), l2norm(k_t) (eps 1e-6 inside the sqrt), q scaled by 1/sqrt(dk)
 //   decay = exp(-exp(a_log[h]) * softplus(a_t[h] + dt_bias[h])), beta = sigmoid(b_t[h])
 //   S    *= decay;  delta = (v_t - S^T k) * beta;  S += k delta^T;  o_t = S^T q
@@ -27,6 +28,13 @@
 namespace turbospark::cuda {
 namespace {
 
+// The key head value head h reads: h / group (grouped, transformers' order), h % tiled when
+// tiled > 0 (llama.cpp's GGUF order).
+struct KeyHeads {
+  int group = 1, tiled = 0;
+  __device__ int of(int h) const { return tiled > 0 ? h % tiled : h / group; }
+};
+
 constexpr int kThreads = 128;
 constexpr int kParts = 4;                       // lanes per state column
 constexpr int kColumns = kThreads / kParts;     // columns per block
@@ -36,11 +44,11 @@ template <int kPer>
 __global__ void __launch_bounds__(kThreads)
     gated_delta_kernel(const float* __restrict__ qkv, int64_t qkv_stride, const float* __restrict__ a, int64_t a_stride,
                        const float* __restrict__ b, int64_t b_stride, const float* __restrict__ a_log,
-                       const float* __restrict__ dt_bias, int group, int dk, int dv, int64_t key_dim, float* state,
+                       const float* __restrict__ dt_bias, KeyHeads heads, int dk, int dv, int64_t key_dim, float* state,
                        int64_t state_stride, float* out, int64_t out_stride, int64_t rows) {
   __shared__ float q_s[kMaxDk], k_s[kMaxDk];
   __shared__ float red[kWarp];
-  const int h = blockIdx.y, kh = h / group;
+  const int h = blockIdx.y, kh = heads.of(h);
   const int part = threadIdx.x % kParts;
   const int col = blockIdx.x * kColumns + threadIdx.x / kParts;
   const bool live = col < dv;
@@ -145,7 +153,7 @@ struct ChunkSmem {
 __global__ void __launch_bounds__(kChunkThreads)
     gated_delta_chunk_kernel(const float* __restrict__ qkv, int64_t qkv_stride, const float* __restrict__ a,
                              int64_t a_stride, const float* __restrict__ b, int64_t b_stride,
-                             const float* __restrict__ a_log, const float* __restrict__ dt_bias, int group, int dk,
+                             const float* __restrict__ a_log, const float* __restrict__ dt_bias, KeyHeads heads, int dk,
                              int dv, int64_t key_dim, float* state, int64_t state_stride, float* out,
                              int64_t out_stride, int64_t rows, int chunk) {
   extern __shared__ float smem[];
@@ -161,7 +169,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   float* gcum = smem + L.gcum();
   float* tail = smem + L.tail();
   float* beta = smem + L.beta();
-  const int h = blockIdx.y, kh = h / group, j0 = blockIdx.x * kTileV;
+  const int h = blockIdx.y, kh = heads.of(h), j0 = blockIdx.x * kTileV;
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp, n_warps = kChunkThreads / kWarp;
   float* S = state + int64_t(h) * state_stride;
   for (int idx = tid; idx < dk * kTileV; idx += kChunkThreads) {
@@ -293,7 +301,7 @@ bool chunked_from_env() {
 }  // namespace
 
 void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
-                      int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out,
+                      int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled, const Mat& state, const Mat& out,
                       cudaStream_t stream, GdnForm form) {
   TS_CHECK(n_k_heads >= 1 && n_v_heads % n_k_heads == 0, "gated_delta_rule: {} value heads over {} key heads",
            n_v_heads, n_k_heads);
@@ -309,7 +317,7 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
   TS_CHECK(out.rows >= qkv.rows && out.cols >= int64_t(n_v_heads) * dv, "gated_delta_rule: out [{}, {}]", out.rows,
            out.cols);
   if (qkv.rows == 0) return;
-  const int group = n_v_heads / n_k_heads;
+  const KeyHeads heads{n_v_heads / n_k_heads, v_heads_tiled ? n_k_heads : 0};
   const bool chunked = form == GdnForm::kChunked ||
                        (form == GdnForm::kAuto && chunked_from_env() && qkv.rows >= kGdnChunkedMinRows);
   if (chunked) {
@@ -323,7 +331,7 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
                     "gated_delta_rule (chunked): {} bytes of shared memory", smem);
       const dim3 chunk_grid(unsigned(ceil_div(dv, kTileV)), unsigned(n_v_heads));
       gated_delta_chunk_kernel<<<chunk_grid, kChunkThreads, smem, stream>>>(
-          qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias, group, dk, dv, key_dim,
+          qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias, heads, dk, dv, key_dim,
           state.data, state.stride, out.data, out.stride, qkv.rows, chunk);
       TS_CUDA_LAUNCH_CHECK("gated_delta_rule (chunks of {}) rows {} heads {}/{} dk {} dv {}", chunk, qkv.rows,
                            n_k_heads, n_v_heads, dk, dv);
@@ -333,7 +341,7 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
   const dim3 grid(unsigned(ceil_div(dv, kColumns)), unsigned(n_v_heads));
   auto run = [&](auto kernel) {
     kernel<<<grid, kThreads, 0, stream>>>(qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias,
-                                          group, dk, dv, key_dim, state.data, state.stride, out.data, out.stride,
+                                          heads, dk, dv, key_dim, state.data, state.stride, out.data, out.stride,
                                           qkv.rows);
   };
   // Registers per thread: kPer state values. The smallest instance that holds dk.

@@ -79,8 +79,8 @@ void causal_conv1d(const Mat& in, const float* w, int kernel, int dilation, cons
 enum class GdnForm { kAuto, kRecurrent, kChunked };
 constexpr int64_t kGdnChunkedMinRows = 32;
 void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a_log, const float* dt_bias,
-                      int n_k_heads, int n_v_heads, int dk, int dv, const Mat& state, const Mat& out,
-                      cudaStream_t stream, GdnForm form = GdnForm::kAuto);
+                      int n_k_heads, int n_v_heads, int dk, int dv, bool v_heads_tiled, const Mat& state,
+                      const Mat& out, cudaStream_t stream, GdnForm form = GdnForm::kAuto);
 void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed, cudaStream_t stream);
 void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams, cudaStream_t stream);
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out, cudaStream_t stream);

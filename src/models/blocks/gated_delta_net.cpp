@@ -34,7 +34,7 @@ void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDelta
   be.matmul(w.in_a, x, a);
   be.causal_conv1d(qkv, w.conv.data(), p.conv_kernel, 1, state.conv, Act::kSilu, conv);
   be.gated_delta_rule(conv, a, b, w.a_log.data(), w.dt_bias.data(), p.n_k_heads, p.n_v_heads, p.dk, p.dv,
-                      state.recurrent, core);
+                      p.v_heads_tiled, state.recurrent, core);
   // Gated norm per value head: view [rows, nv*dv] as [rows*nv, dv] (rows are contiguous).
   Mat heads(core.data, rows * p.n_v_heads, p.dv);
   be.rmsnorm(heads, w.norm.data(), p.eps, heads);

@@ -18,6 +18,10 @@ struct GatedDeltaNetParams {
   int n_k_heads = 0, n_v_heads = 0, dk = 0, dv = 0, conv_kernel = 0;
   Act gate_act = Act::kSilu;
   float eps = 1e-6f;
+  // Value-head-indexed weights (in_proj_qkv's v rows, in_proj_z, a, b, A_log, dt_bias, the
+  // conv's v channels, out_proj's columns) in llama.cpp's tiled order: value head h reads key
+  // head h % n_k_heads instead of h / (n_v_heads / n_k_heads). Set for GGUF files.
+  bool v_heads_tiled = false;
   int64_t conv_dim() const { return 2 * int64_t(n_k_heads) * dk + int64_t(n_v_heads) * dv; }
   int64_t value_dim() const { return int64_t(n_v_heads) * dv; }
 };
