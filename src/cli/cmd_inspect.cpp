@@ -69,6 +69,16 @@ void add_inspect_command(CLI::App& app) {
         fmt::print("quant      mxfp4 (routed experts), 32 per scale\n");
       }
     }
+    // The capability table: what this model supports beyond its forward pass, and why not.
+    const Capabilities caps = loaded.model->capabilities();
+    fmt::print("capabilities\n");
+    for (const auto& [name, c] : {std::pair<const char*, const Capability&>{"chunked prefill", caps.chunked_prefill},
+                                  {"CUDA decode graphs", caps.decode_graphs},
+                                  {"batched sequences (serve)", caps.batched_sequences},
+                                  {"prefix cache (serve)", caps.prefix_cache},
+                                  {"expert streaming", caps.expert_streaming},
+                                  {"expert speculation", caps.expert_speculation}})
+      fmt::print("  {:<26} {}\n", name, c.on ? "yes" : "no: " + c.why_not);
   });
 }
 

@@ -388,6 +388,12 @@ void add_serve_command(CLI::App& app) {
     }
     if (o->kv_pool_tokens < 0) fail("--kv-pool-tokens must be >= 0 (0: --parallel x --ctx), got {}", o->kv_pool_tokens);
     server::ServeEngine engine(rt, o->parallel, ctx, 0, !o->no_prefix_cache, o->kv_pool_tokens);
+    if (!o->quiet) {
+      // Features the family lacks are said once, not silently skipped (the capability table).
+      const Capabilities caps = model.capabilities();
+      if (!caps.batched_sequences.on) fmt::print(stderr, "serve: sequences step apart: {}\n", caps.batched_sequences.why_not);
+      if (!caps.prefix_cache.on && !o->no_prefix_cache) fmt::print(stderr, "serve: prefix cache off: {}\n", caps.prefix_cache.why_not);
+    }
     Server s{rt, engine, id};
 
     httplib::Server http;

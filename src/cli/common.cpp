@@ -127,20 +127,19 @@ static void configure_expert_streaming(LoadedRuntime& rt, const ExpertCacheFlags
   const ModelInfo& info = model.info();
   const bool asked = f.slots > 0 || f.gb > 0 || !f.store.empty();
   const int k = model.experts_per_token();
-  if ((asked || f.speculate) && k == 0) {
-    fail("{}: {} is a dense model (no routed experts to stream)",
+  const Capabilities caps = model.capabilities();
+  if ((asked || f.speculate) && !caps.expert_streaming.on) {
+    fail("{}: {}",
          f.slots > 0  ? "--expert-cache-slots"
          : f.gb > 0   ? "--expert-cache-gb"
          : asked      ? "--expert-store"
                       : "--expert-speculate",
-         info.architecture);
+         caps.expert_streaming.why_not);
   }
   auto no_speculation = [&](const std::string& why) {
     if (f.speculate) fail("--expert-speculate: {}", why);
   };
-  if (f.speculate && k > 0 && !model.guesses_next_experts())
-    no_speculation(fmt::format("{} does not guess its next layer's experts yet (qwen3_moe and qwen4_exp do)",
-                               info.architecture));
+  if (f.speculate && !caps.expert_speculation.on) no_speculation(caps.expert_speculation.why_not);
   if (f.slots == 0 || k == 0 || info.expert_bytes <= 0) {
     no_speculation("expert streaming is off (give --expert-cache-slots, --expert-cache-gb or --expert-store)");
     return;

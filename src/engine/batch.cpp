@@ -28,7 +28,10 @@ BatchRunner::BatchRunner(const Model& model, Backend& backend, BatchOptions opti
     if (!st) break;
     states_.push_back(std::move(st));
   }
-  batches_ = states_.empty();
+  batches_ = model_.capabilities().batched_sequences.on;
+  TS_CHECK(batches_ == states_.empty(), "{}: the capability table says rows of several sequences {} share a step, "
+           "but it {} sequence state", model_.info().architecture, batches_ ? "may" : "may not",
+           states_.empty() ? "has no" : "has");
   tokens_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   row_seq_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   greedy_dev_ = backend_.alloc_array<int32_t>(max_rows_);

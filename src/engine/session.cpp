@@ -25,6 +25,8 @@ Session::Session(const Model& model, Backend& backend, SessionOptions options)
   if (options_.max_prefill_batch < 0) fail("prefill micro-batch must be >= 1 (0 = the backend's), got {}", options_.max_prefill_batch);
   workspace_ = model_.new_workspace(backend_, options_.max_prefill_batch);
   state_ = model_.new_sequence_state(backend_, max_context_);
+  decode_graphs_on_ = model_.capabilities().decode_graphs.on;
+  TS_CHECK(!decode_graphs_on_ || !state_, "{}: decode graphs with sequence state", model_.info().architecture);
   positions_.resize(size_t(options_.max_prefill_batch));
   tokens_dev_ = backend_.alloc_array<int32_t>(options_.max_prefill_batch);
   positions_dev_ = backend_.alloc_array<int64_t>(options_.max_prefill_batch);
@@ -114,7 +116,7 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
     // position and id were uploaded above): the backend may replay it as a graph. Traces and
     // router captures read activations on the host mid-step, and families with sequence
     // state upload host-computed rows mid-step (PLE), so those run eagerly.
-    const bool replayable = m == 1 && !logits && !router_probs && !trace && !batch.state;
+    const bool replayable = m == 1 && !logits && !router_probs && !trace && decode_graphs_on_;
     // The rows see at most position_ + m positions; a replayed graph is keyed by that bound
     // rounded up to a power of two (from 256), so one graph serves a range of positions.
     const int64_t span_bound =

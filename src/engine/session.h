@@ -53,6 +53,7 @@ class Session {
   KvCache kv_;
   std::unique_ptr<ModelWorkspace> workspace_;
   std::unique_ptr<SequenceState> state_;
+  bool decode_graphs_on_ = true;  // model_.capabilities().decode_graphs
   // Validates tokens and context room, then runs them in micro-batches; each forward's
   // outputs go to logits (when non-null, all rows or the last) or to the greedy id.
   void run(std::span<const int32_t> tokens, int64_t chunk, bool all_logits, std::vector<float>* router_probs,

@@ -35,6 +35,25 @@ struct ModelInfo {
   int64_t routed_weight_bytes = 0;   // every routed expert of every layer
 };
 
+// One feature of the capability table: on, or off with the reason a user is told.
+struct Capability {
+  bool on = true;
+  std::string why_not;  // when off: "<architecture> <reason>", a message's ending
+};
+
+// What a loaded model supports beyond its forward pass (`turbospark inspect` prints it; the
+// README's capability table lists it per family). The engine consults it rather than deciding
+// on its own, and a flag that asks for a feature that is off is refused with its why_not;
+// nothing runs another way in silence.
+struct Capabilities {
+  Capability chunked_prefill;      // a prompt fed in chunks of any size gives the same logits
+  Capability decode_graphs;        // greedy decode steps replayed as CUDA graphs
+  Capability batched_sequences;    // rows of several sequences share one forward (serve)
+  Capability prefix_cache;         // serve reuses earlier requests' full KV blocks
+  Capability expert_streaming;     // routed experts through a bounded cache (--expert-cache-*)
+  Capability expert_speculation;   // the next layer's experts guessed ahead (--expert-speculate)
+};
+
 // KV geometry per layer (n_kv_heads, head_dim); 0 heads for a layer without a KV cache.
 struct KvLayerSpec {
   int n_kv_heads = 0;
@@ -128,6 +147,10 @@ class Model {
   virtual std::unique_ptr<SequenceState> new_sequence_state(Backend& backend, int64_t max_context) const {
     return nullptr;
   }
+  // What that state holds ("" for families without one), for the capability table's reasons.
+  virtual std::string sequence_state() const { return ""; }
+  // The capability table, from the facts above (models/model.cpp).
+  Capabilities capabilities() const;
   virtual void forward(Backend& backend, const ForwardBatch& batch) const = 0;
   // Refuses, by name, token ids this model cannot take beyond the vocabulary range (which the
   // callers check): Gemma 4's multimodal placeholders. Called by Session and BatchRunner on

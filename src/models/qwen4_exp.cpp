@@ -395,6 +395,11 @@ class Qwen4Exp final : public Model {
 
   std::unique_ptr<ModelWorkspace> new_workspace(Backend& be, int64_t R) const override;
   std::unique_ptr<SequenceState> new_sequence_state(Backend& be, int64_t max_context) const override;
+  std::string sequence_state() const override {
+    bool ple = false;
+    for (const auto& L : hp_.layers) ple = ple || L.ple_index >= 0;
+    return ple ? "GatedDeltaNet, convolution and n-gram state" : "GatedDeltaNet and convolution state";
+  }
   void forward(Backend& be, const ForwardBatch& b) const override;
 
  private:

@@ -351,6 +351,20 @@ TEST(Cli, InspectShowsBytesByDtype) {
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_NE(r.out.find("Qwen3MoeForCausalLM"), std::string::npos);
   EXPECT_NE(r.out.find("BF16"), std::string::npos);
+  EXPECT_NE(r.out.find("expert streaming           yes"), std::string::npos) << r.out;
+}
+
+// The capability table names what a family lacks and why.
+TEST(Cli, InspectShowsTheCapabilityTable) {
+  auto r = run_cli("inspect --model " + fixture("qwen4_exp_tiny"));
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("prefix cache (serve)       no: Qwen4ExpForCausalLM reuses no cached prefix: its GatedDeltaNet, "
+                       "convolution and n-gram state is not kept at block boundaries"),
+            std::string::npos)
+      << r.out;
+  r = run_cli("inspect --model " + fixture("qwen3_tiny"));
+  EXPECT_NE(r.out.find("expert streaming           no: Qwen3ForCausalLM is a dense model"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("CUDA decode graphs         yes"), std::string::npos) << r.out;
 }
 
 TEST(BadInput, MissingModelPath) {

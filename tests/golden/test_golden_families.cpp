@@ -108,6 +108,34 @@ INSTANTIATE_TEST_SUITE_P(Gemma4, GoldenFamily,
 namespace turbospark {
 namespace {
 
+// The capability table per family (README "Capabilities"): what each supports beyond its
+// forward pass. The engine consults it (Session's decode graphs, BatchRunner's batching and
+// prefix cache, the expert flags' refusals), so this pins what users are told and get.
+TEST(CapabilityTable, EveryFamilyAsDocumented) {
+  struct Row {
+    const char* fixture;
+    bool graphs_batched_prefix, streaming, speculation;
+  };
+  for (const Row& row : {Row{"qwen3_tiny", true, false, false}, Row{"qwen2_tiny", true, false, false},
+                         Row{"llama_tiny", true, false, false}, Row{"gemma3_tiny", true, false, false},
+                         Row{"qwen3_moe_tiny", true, true, true}, Row{"qwen4_exp_tiny", false, true, true},
+                         Row{"gpt_oss_tiny", true, true, false}, Row{"gemma4_moe_tiny", true, true, false},
+                         Row{"gemma4_dense_tiny", true, false, false}}) {
+    SCOPED_TRACE(row.fixture);
+    LoadedModel m = load_model(fixture(row.fixture));
+    const Capabilities c = m.model->capabilities();
+    EXPECT_TRUE(c.chunked_prefill.on);
+    EXPECT_EQ(c.decode_graphs.on, row.graphs_batched_prefix);
+    EXPECT_EQ(c.batched_sequences.on, row.graphs_batched_prefix);
+    EXPECT_EQ(c.prefix_cache.on, row.graphs_batched_prefix);
+    EXPECT_EQ(c.expert_streaming.on, row.streaming);
+    EXPECT_EQ(c.expert_speculation.on, row.speculation);
+    for (const Capability* x : {&c.decode_graphs, &c.batched_sequences, &c.prefix_cache, &c.expert_streaming,
+                                &c.expert_speculation})
+      if (!x->on) EXPECT_EQ(x->why_not.rfind(m.model->info().architecture + " ", 0), 0u) << x->why_not;
+  }
+}
+
 // GGUF files made from the same checkpoints by llama.cpp's converter (tools/fixtures/
 // make_gguf_fixtures.py): the name mapping and the undone converter transforms (Llama q/k
 // permutation, Gemma's +1 norms) must reproduce transformers' logits. BF16 files are exact

@@ -1,0 +1,31 @@
+#include "models/model.h"
+
+#include <fmt/format.h>
+
+namespace turbospark {
+
+Capabilities Model::capabilities() const {
+  Capabilities c;
+  const std::string& arch = info().architecture;
+  auto off = [&](const std::string& why) { return Capability{false, fmt::format("{} {}", arch, why)}; };
+  const std::string state = sequence_state();
+  if (!state.empty()) {
+    // A step writes the sequence's own recurrent state (and, with n-gram PLE, uploads rows the
+    // host computed from its token context): it runs once per sequence, eagerly.
+    c.decode_graphs = off(fmt::format("runs decode steps eagerly (not as CUDA graphs yet): each step advances its {}{}",
+                                      state, state.find("n-gram") != std::string::npos
+                                                 ? " and uploads the n-gram rows the host computed"
+                                                 : ""));
+    c.batched_sequences = off(fmt::format("runs one forward per sequence: each carries its own {}", state));
+    c.prefix_cache = off(fmt::format("reuses no cached prefix: its {} is not kept at block boundaries", state));
+  }
+  if (experts_per_token() == 0) {
+    c.expert_streaming = off("is a dense model (no routed experts to stream)");
+    c.expert_speculation = c.expert_streaming;
+  } else if (!guesses_next_experts()) {
+    c.expert_speculation = off("does not guess its next layer's experts yet (qwen3_moe and qwen4_exp do)");
+  }
+  return c;
+}
+
+}  // namespace turbospark
