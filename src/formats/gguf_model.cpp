@@ -80,6 +80,29 @@ std::string hf_block_name(const std::string& arch, const std::string& rest) {
   return "";
 }
 
+// Tensors a mapping builds: views into the file, or data it rewrote into `owned` at load.
+class TensorBuilder {
+ protected:
+  TensorBuilder(const GgufFile& g, std::vector<std::unique_ptr<uint8_t[]>>& owned) : g_(g), owned_(owned) {}
+  uint8_t* buffer(size_t n) {
+    owned_.push_back(std::make_unique<uint8_t[]>(n));
+    return owned_.back().get();
+  }
+  TensorInfo info(const std::string& name, DType dtype, std::vector<int64_t> shape, const uint8_t* data, size_t n) const {
+    TensorInfo t;
+    t.name = name;
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.data = data;
+    t.nbytes = n;
+    t.file = &g_.path();
+    return t;
+  }
+
+  const GgufFile& g_;
+  std::vector<std::unique_ptr<uint8_t[]>>& owned_;
+};
+
 // gpt-oss's expert stacks as transformers names them, rebuilt from llama.cpp's: the gate and up
 // stacks [E, I, H] become one gate_up stack with their rows interleaved (even gate, odd up) and
 // the biases likewise [E, 2I]. MXFP4 stacks (ggml blocks of { scale, 16 nibble bytes }) become
@@ -87,9 +110,9 @@ std::string hf_block_name(const std::string& arch, const std::string& rest) {
 // in transformers' order (byte i: values 2i, 2i + 1; ggml: byte j holds j and j + 16); float
 // stacks become [E, in, out] (transformers' x @ W layout, which the model transposes back).
 // A one-time copy into `owned` at load: these experts are resident, not streamed from the file.
-class GptOssExperts {
+class GptOssExperts : TensorBuilder {
  public:
-  GptOssExperts(const GgufFile& g, std::vector<std::unique_ptr<uint8_t[]>>& owned) : g_(g), owned_(owned) {}
+  GptOssExperts(const GgufFile& g, std::vector<std::unique_ptr<uint8_t[]>>& owned) : TensorBuilder(g, owned) {}
 
   void add(const std::string& layer, const std::string& base, const std::string& suffix, const GgufTensor& t) {
     Stack& st = layers_[layer];
@@ -140,20 +163,6 @@ class GptOssExperts {
   int64_t dim(const GgufTensor& t, size_t i) const {
     if (t.dims.size() != 3) fail("{}: {}: dims {} where [in, out, experts] is expected", g_.path(), t.name, t.dims_str());
     return t.dims[i];
-  }
-  uint8_t* buffer(size_t n) {
-    owned_.push_back(std::make_unique<uint8_t[]>(n));
-    return owned_.back().get();
-  }
-  TensorInfo info(const std::string& name, DType dtype, std::vector<int64_t> shape, const uint8_t* data, size_t n) {
-    TensorInfo t;
-    t.name = name;
-    t.dtype = dtype;
-    t.shape = std::move(shape);
-    t.data = data;
-    t.nbytes = n;
-    t.file = &g_.path();
-    return t;
   }
   TensorInfo as_is(const std::string& name, const GgufTensor& t, std::vector<int64_t> shape) {
     return info(name, t.dtype, std::move(shape), t.data, t.nbytes);
@@ -218,8 +227,6 @@ class GptOssExperts {
     out.push_back(info(name, DType::F32, {E, 2 * I}, reinterpret_cast<const uint8_t*>(dst), size_t(E * 2 * I) * 4));
   }
 
-  const GgufFile& g_;
-  std::vector<std::unique_ptr<uint8_t[]>>& owned_;
   std::map<std::string, Stack> layers_;
 };
 
@@ -236,9 +243,9 @@ class GptOssExperts {
 //  - GatedDeltaNet value heads were reordered from grouped to tiled in every value-head-indexed
 //    tensor: kept as stored (no copy, any quant type) and the model runs them tiled
 //    (config linear_value_heads_tiled).
-class Qwen4ExpTensors {
+class Qwen4ExpTensors : TensorBuilder {
  public:
-  Qwen4ExpTensors(const GgufFile& g, std::vector<std::unique_ptr<uint8_t[]>>& owned) : g_(g), owned_(owned) {
+  Qwen4ExpTensors(const GgufFile& g, std::vector<std::unique_ptr<uint8_t[]>>& owned) : TensorBuilder(g, owned) {
     if (g.has("qwen4exp.ple.layers")) {
       const auto layers = g.get_int_arr("qwen4exp.ple.layers");
       if (layers.size() == 1) ple_layer_ = layers[0];
@@ -338,20 +345,6 @@ class Qwen4ExpTensors {
   }
 
  private:
-  uint8_t* buffer(size_t n) {
-    owned_.push_back(std::make_unique<uint8_t[]>(n));
-    return owned_.back().get();
-  }
-  TensorInfo info(const std::string& name, DType dtype, std::vector<int64_t> shape, const uint8_t* data, size_t n) const {
-    TensorInfo t;
-    t.name = name;
-    t.dtype = dtype;
-    t.shape = std::move(shape);
-    t.data = data;
-    t.nbytes = n;
-    t.file = &g_.path();
-    return t;
-  }
   TensorInfo as_is(const std::string& name, const GgufTensor& t) const {
     return info(name, t.dtype, std::vector<int64_t>(t.dims.rbegin(), t.dims.rend()), t.data, t.nbytes);
   }
@@ -382,8 +375,6 @@ class Qwen4ExpTensors {
     return info(name, t.dtype, {t.dims[1], 1, t.dims[0]}, t.data, t.nbytes);
   }
 
-  const GgufFile& g_;
-  std::vector<std::unique_ptr<uint8_t[]>>& owned_;
   int64_t ple_layer_ = -1;
   std::map<std::string, const GgufTensor*> index_q_, index_k_;
 };

@@ -621,6 +621,12 @@ TEST(GgufErrors, BlockCountPastTheTensorsRefusedByName) {
   }
 }
 
+const TensorInfo& tensor_named(const std::vector<TensorInfo>& ts, const std::string& name) {
+  for (const auto& t : ts)
+    if (t.name == name) return t;
+  throw std::runtime_error("no tensor " + name);
+}
+
 TEST(GgufMxfp4, GptOssStacksRepackIntoTransformersPlanes) {
   TempDir dir;
   GgufFile g(write_file(dir, "m.gguf", gpt_oss_layer(true).build()));
@@ -628,11 +634,7 @@ TEST(GgufMxfp4, GptOssStacksRepackIntoTransformersPlanes) {
   EXPECT_THROW(g.weight("blk.0.ffn_gate_exps.weight"), Error);
   std::vector<std::unique_ptr<uint8_t[]>> owned;
   const std::vector<TensorInfo> ts = gguf_hf_tensors(g, owned);
-  auto find = [&](const std::string& n) -> const TensorInfo& {
-    for (const auto& t : ts)
-      if (t.name == n) return t;
-    throw std::runtime_error("no " + n);
-  };
+  auto find = [&](const std::string& n) -> const TensorInfo& { return tensor_named(ts, n); };
   const std::string p = "model.layers.0.mlp.experts.";
   const TensorInfo& blocks = find(p + "gate_up_proj_blocks");
   const TensorInfo& scales = find(p + "gate_up_proj_scales");
@@ -828,11 +830,7 @@ TEST(Qwen4ExpGgufMapping, TensorsUndoTheConvertersTransforms) {
                             .build()));
   std::vector<std::unique_ptr<uint8_t[]>> owned;
   const std::vector<TensorInfo> ts = gguf_hf_tensors(g, owned);
-  auto find = [&](const std::string& n) -> const TensorInfo& {
-    for (const auto& t : ts)
-      if (t.name == n) return t;
-    throw std::runtime_error("no " + n);
-  };
+  auto find = [&](const std::string& n) -> const TensorInfo& { return tensor_named(ts, n); };
   auto f = [](const TensorInfo& t, size_t i) { return reinterpret_cast<const float*>(t.data)[i]; };
   const TensorInfo& a_log = find("model.layers.0.linear_attn.A_log");
   EXPECT_NEAR(f(a_log, 0), std::log(0.5f), 1e-7);
