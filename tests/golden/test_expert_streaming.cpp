@@ -29,6 +29,8 @@ struct StreamCase {
   const char* file;  // inside the fixture folder; "" = the folder itself (safetensors)
   bool streams;      // false: the family keeps its experts in memory it owns (served in place)
 };
+// Test names in ctest then carry the case, not its bytes (CMakeLists.txt labels some slow).
+void PrintTo(const StreamCase& c, std::ostream* os) { *os << c.fixture << "/" << c.file; }
 
 std::string model_path(const StreamCase& c) { return testing::fixture_model(c.fixture, c.file); }
 using testing::bitwise_equal;
@@ -94,7 +96,10 @@ INSTANTIATE_TEST_SUITE_P(
                       StreamCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-bf16.gguf", true},
                       StreamCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q8_0.gguf", true},
                       StreamCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q4_0.gguf", true},
-                      StreamCase{"qwen4_exp_tiny", "", true}, StreamCase{"gemma4_moe_tiny", "", true},
+                      StreamCase{"qwen4_exp_tiny", "", true},
+                      // llama.cpp's qwen4exp file: Q8_0 expert stacks, tiled GatedDeltaNet heads.
+                      StreamCase{"qwen4_exp_mm_tiny", "qwen4_exp_mm_tiny-q8_0.gguf", true},
+                      StreamCase{"gemma4_moe_tiny", "", true},
                       StreamCase{"gpt_oss_mxfp4_tiny", "", true}, StreamCase{"gpt_oss_tiny", "", false}),
     [](const auto& info) {
       std::string n = std::string(info.param.fixture) + "_" + info.param.file;
