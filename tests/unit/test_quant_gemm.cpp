@@ -141,50 +141,5 @@ TEST(QuantGemm, RefusesFormatsWithoutTiledKernel) {
   EXPECT_THROW(cpu::quant_gemm::matmul(nullptr, w, Mat(x.data(), 1, 32), Mat(y.data(), 1, 1), true), Error);
 }
 
-// quant_matmul_jobs (a decode token's experts in one dispatch) gives each job exactly what
-// quant_matmul gives it alone: mixed formats and shapes, ragged row counts around its 8-row
-// pieces, 0, 1, 3 and 15 activation rows (row kernels) and 17 (quant_matmul's tiled path).
-TEST(QuantMatmulJobs, EachJobEqualsItsOwnQuantMatmulBitForBit) {
-  std::mt19937 rng(77);
-  struct Shape {
-    DType t;
-    int64_t rows, cols, tokens;
-  };
-  const std::vector<Shape> shapes = {{DType::Q4_0, 37, 64, 1},  {DType::Q8_0, 8, 32, 3},   {DType::Q4_K, 61, 256, 1},
-                                     {DType::Q6_K, 5, 512, 15}, {DType::Q5_1, 100, 96, 0}, {DType::Q5_K, 24, 256, 17},
-                                     {DType::Q4_1, 1, 32, 2}};
-  std::vector<std::vector<uint8_t>> weights;
-  std::vector<std::vector<float>> xs, ys, want;
-  for (const Shape& s : shapes) {
-    weights.push_back(random_rows(s.t, s.rows, s.cols, rng));
-    xs.push_back(random_normal(size_t(s.tokens * s.cols), rng));
-    ys.emplace_back(size_t(s.tokens * s.rows), NAN);
-    want.emplace_back(size_t(s.tokens * s.rows), NAN);
-  }
-  for (int threads : {1, 2, 5}) {
-    ThreadPool pool(threads);
-    std::vector<cpu::QuantMatmulJob> jobs;
-    for (size_t i = 0; i < shapes.size(); ++i) {
-      const Shape& s = shapes[i];
-      const WeightView w{s.t, weights[i].data(), s.rows, s.cols, row_bytes(s.t, s.cols)};
-      cpu::quant_matmul(pool, w, Mat(xs[i].data(), s.tokens, s.cols), Mat(want[i].data(), s.tokens, s.rows));
-      std::fill(ys[i].begin(), ys[i].end(), NAN);
-      jobs.push_back({w, Mat(xs[i].data(), s.tokens, s.cols), Mat(ys[i].data(), s.tokens, s.rows)});
-    }
-    cpu::quant_matmul_jobs(pool, jobs);
-    for (size_t i = 0; i < shapes.size(); ++i) {
-      SCOPED_TRACE("threads " + std::to_string(threads) + " job " + std::to_string(i));
-      ASSERT_EQ(ys[i].size(), want[i].size());
-      for (size_t k = 0; k < ys[i].size(); ++k) ASSERT_EQ(bits(ys[i][k]), bits(want[i][k])) << "element " << k;
-    }
-  }
-  // A job that does not fit is refused by name, as quant_matmul refuses it.
-  ThreadPool pool(2);
-  const WeightView w{DType::Q4_0, weights[0].data(), 37, 64, row_bytes(DType::Q4_0, 64)};
-  std::vector<float> x(32), y(37);
-  const cpu::QuantMatmulJob bad{w, Mat(x.data(), 1, 32), Mat(y.data(), 1, 37)};
-  EXPECT_THROW(cpu::quant_matmul_jobs(pool, std::span<const cpu::QuantMatmulJob>(&bad, 1)), Error);
-}
-
 }  // namespace
 }  // namespace turbospark

@@ -229,7 +229,6 @@ class CpuBackend final : public Backend {
     }
     for (int64_t r = 0; r < T; ++r) std::memset(out.row(r), 0, size_t(out.cols) * 4);
     const int64_t inter = experts.empty() ? 0 : experts[0].gate.rows();
-    if (moe_experts_grouped(experts, x, out, inter)) return;
     ensure_scratch(T * (hidden + 5 * inter + hidden));
     // Streaming: the experts this micro-batch uses, in the order they are computed, so the
     // provider can load the next ones while this one runs (the routing read above is the
@@ -295,77 +294,6 @@ class CpuBackend final : public Backend {
         for (int64_t c = 0; c < hidden; ++c) dst[c] += wgt * src[c];
       }
     }
-  }
-
-  // moe_experts for a few tokens over resident ggml-quantized experts: every used expert's gate
-  // and up products in one dispatch of the pool, then every down product in a second
-  // (cpu::quant_matmul_jobs), instead of three dispatches per expert; the same arithmetic, and
-  // the outputs summed in the same order, so bit for bit the per-expert loop's result. False
-  // (nothing done) where it does not apply: streamed experts, CpuPrecision's rounding, other
-  // formats, prefill-sized micro-batches. Held bit for bit to the per-expert loop by
-  // ExpertStreaming.LogitsBitwiseEqualResidentAtEverySlotBudget (streamed experts take the loop)
-  // on the Q8_0 and Q4_0 GGUFs at chunks 1 and 3, and QuantMatmulJobs.* per product.
-  bool moe_experts_grouped(const std::vector<ExpertWeights>& experts, const Mat& x, const Mat& out, int64_t inter) {
-    const int64_t T = x.rows, hidden = x.cols;
-    if (provider_ || precision_.gemm_above_rows > 0 || precision_.nudge_seed != 0 || T >= 16) return false;
-    auto ggml = [](const Weight& w) {
-      return is_quantized(w.view.dtype) && w.view.dtype != DType::MXFP4 && w.view.dtype != DType::INT4_AFFINE;
-    };
-    int64_t pairs = 0;
-    for (size_t e = 0; e < experts.size(); ++e) {
-      if (by_expert_[e].empty()) continue;
-      const ExpertWeights& ew = experts[e];
-      if (!ggml(ew.gate) || !ggml(ew.up) || !ggml(ew.down) || ew.gate_up_interleaved) return false;
-      pairs += int64_t(by_expert_[e].size());
-    }
-    // Per used expert: its rows' inputs [n, hidden], gate and up [n, inter], output [n, hidden].
-    ensure_scratch(pairs * (2 * hidden + 2 * inter));
-    auto& slices = grouped_slices_;
-    auto& jobs = grouped_jobs_;
-    slices.clear();
-    jobs.clear();
-    float* at = scratch_.data();
-    for (size_t e = 0; e < experts.size(); ++e) {
-      const auto& rows = by_expert_[e];
-      if (rows.empty()) continue;
-      const int64_t n = int64_t(rows.size());
-      GroupedSlice s{e, Mat(at, n, hidden), Mat(at + n * hidden, n, inter), Mat(at + n * (hidden + inter), n, inter),
-              Mat(at + n * (hidden + 2 * inter), n, hidden)};
-      at += n * (2 * hidden + 2 * inter);
-      for (int64_t i = 0; i < n; ++i) std::memcpy(s.xs.row(i), x.row(rows[size_t(i)].first), size_t(hidden) * 4);
-      jobs.push_back({experts[e].gate.view, s.xs, s.gate});
-      jobs.push_back({experts[e].up.view, s.xs, s.up});
-      slices.push_back(s);
-    }
-    cpu::quant_matmul_jobs(pool_, jobs);
-    jobs.clear();
-    for (const GroupedSlice& s : slices) {
-      const ExpertWeights& ew = experts[s.expert];
-      if (ew.gate_bias) cpu::add_bias(s.gate, ew.gate_bias);
-      if (ew.up_bias) cpu::add_bias(s.up, ew.up_bias);
-      if (ew.glu_limit > 0) {
-        cpu::clamped_swiglu(s.gate, s.up, ew.glu_alpha, ew.glu_limit, s.gate);
-      } else if (ew.act == Act::kSilu) {
-        cpu::swiglu(s.gate, s.up, s.gate);
-      } else {
-        cpu::unary(s.gate, ew.act, 1.f, 1.f, s.gate);
-        cpu::mul_act(s.gate, s.up, Act::kIdentity);
-      }
-      jobs.push_back({ew.down.view, s.gate, s.y});
-    }
-    cpu::quant_matmul_jobs(pool_, jobs);
-    for (const GroupedSlice& s : slices) {
-      const ExpertWeights& ew = experts[s.expert];
-      if (ew.down_bias) cpu::add_bias(s.y, ew.down_bias);
-      const auto& rows = by_expert_[s.expert];
-      for (int64_t i = 0; i < s.y.rows; ++i) {
-        float* dst = out.row(rows[size_t(i)].first);
-        const float* src = s.y.row(i);
-        const float wgt = rows[size_t(i)].second;
-        for (int64_t c = 0; c < hidden; ++c) dst[c] += wgt * src[c];
-      }
-    }
-    return true;
   }
 
   void set_expert_provider(ExpertProvider* provider) override { provider_ = provider; }
@@ -557,12 +485,6 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   std::vector<float> scratch_;  // gathered expert inputs and FFN intermediates, grown once
   std::vector<std::vector<std::pair<int32_t, float>>> by_expert_;  // moe_experts: (token, weight) per expert
-  struct GroupedSlice {  // moe_experts_grouped: one used expert's scratch
-    size_t expert;
-    Mat xs, gate, up, y;
-  };
-  std::vector<GroupedSlice> grouped_slices_;
-  std::vector<cpu::QuantMatmulJob> grouped_jobs_;
   uint64_t nudge_calls_ = 0;
 };
 

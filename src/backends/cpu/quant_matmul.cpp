@@ -12,7 +12,6 @@
 #include "backends/cpu/quant_matmul.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -764,59 +763,6 @@ void quant_matmul(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
     return;
   }
   pool.parallel_for(w.rows, 8, [&](int64_t b, int64_t e) { matmul_rows(f, w, xq_data, xq_stride, x.rows, y, b, e); });
-}
-
-void quant_matmul_jobs(ThreadPool& pool, std::span<const QuantMatmulJob> jobs) {
-  struct Prepared {
-    Format f;
-    int64_t stride = 0, offset = 0;  // quantized activations: bytes per row, start in the scratch
-  };
-  thread_local std::vector<Prepared> prep;
-  thread_local std::vector<uint8_t> xq;
-  prep.clear();
-  int64_t bytes = 0, rows = 0;
-  for (const QuantMatmulJob& j : jobs) {
-    Prepared p{format_of<true>(j.w, "quant_matmul_jobs")};
-    check_shapes(j.w, j.x, j.y, p.f, "quant_matmul_jobs");
-    if (j.x.rows >= kTiledMinTokens) {  // quant_matmul's tiled kernel: run it as it would
-      quant_matmul(pool, j.w, j.x, j.y);
-      p.stride = -1;
-    } else {
-      p.stride = act_row_bytes(p.f, j.w.cols);
-      p.offset = bytes;
-      bytes += p.stride * j.x.rows;
-      if (j.x.rows > 0) rows += j.w.rows;
-    }
-    prep.push_back(p);
-  }
-  if (rows == 0) return;
-  if (int64_t(xq.size()) < bytes) xq.resize(size_t(bytes));
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    if (prep[i].stride < 0) continue;
-    for (int64_t t = 0; t < jobs[i].x.rows; ++t)
-      quantize_act_row<true>(prep[i].f, jobs[i].x.row(t), xq.data() + prep[i].offset + t * prep[i].stride, jobs[i].w.cols);
-  }
-  // Pieces of 8-row multiples, about four per worker over all jobs' rows.
-  const int64_t piece = std::max<int64_t>(8, (rows / (4 * int64_t(pool.size())) + 7) / 8 * 8);
-  thread_local std::vector<std::array<int64_t, 3>> pieces;  // job, first row, end row
-  pieces.clear();
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    if (prep[i].stride < 0 || jobs[i].x.rows == 0) continue;
-    for (int64_t r = 0; r < jobs[i].w.rows; r += piece) pieces.push_back({int64_t(i), r, std::min(jobs[i].w.rows, r + piece)});
-  }
-  // The workers read the caller's thread_local buffers through these (a thread_local named
-  // inside the lambda would be each worker's own, empty one).
-  const uint8_t* xq_data = xq.data();
-  const std::vector<std::array<int64_t, 3>>& all_pieces = pieces;
-  const std::vector<Prepared>& prepared = prep;
-  pool.parallel_for(int64_t(all_pieces.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) {
-      const auto [i, r0, r1] = all_pieces[size_t(k)];
-      const QuantMatmulJob& j = jobs[size_t(i)];
-      const Prepared& p = prepared[size_t(i)];
-      matmul_rows(p.f, j.w, xq_data + p.offset, p.stride, j.x.rows, j.y, r0, r1);
-    }
-  });
 }
 
 void ref::quant_matmul(const WeightView& w, const Mat& x, const Mat& y) {

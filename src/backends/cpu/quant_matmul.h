@@ -24,7 +24,6 @@
 #pragma once
 
 #include <cstdint>
-#include <span>
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
@@ -36,16 +35,6 @@ namespace turbospark::cpu {
 // block size), y.cols == w.rows, y.rows == x.rows, rows of x and y may be strided. Throws
 // Error naming the dtype or the shapes when they do not fit.
 void quant_matmul(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat& y);
-
-// Several products at once, each exactly as quant_matmul computes it (bit for bit): a decode
-// token's routed experts. Jobs of few rows (decode) share one dispatch of the pool over all
-// their weight rows instead of one dispatch each (on many cores, waking the pool three times
-// per expert cost more than the experts' arithmetic); jobs of more rows run one by one.
-struct QuantMatmulJob {
-  WeightView w;
-  Mat x, y;
-};
-void quant_matmul_jobs(ThreadPool& pool, std::span<const QuantMatmulJob> jobs);
 
 // out[t, :] = dequantized row ids[t] of `table` ([vocab, dim], any quantized or float
 // dtype), times `scale`. Throws Error naming an id outside [0, vocab).
