@@ -429,10 +429,10 @@ void qwen4exp_config(const GgufFile& g, int64_t layers, nlohmann::json& c) {
   c["linear_value_heads_tiled"] = true;
 
   // Layer types: recurrent layers are GatedDeltaNet; the others QSA, whose compress ratio the
-  // file must state. llama.cpp's converter writes 0 for layers its config names
-  // qwen_sparse_attention rather than full_attention (what transformers >= 5.17 renames them to
-  // on load), and llama.cpp then runs them as dense attention, which differs from QSA once the
-  // context passes the indexer's budget: refused here rather than guessed.
+  // file must state. llama.cpp's converter writes 0 for layers its config names other than
+  // full_attention (transformers 5.17 renames them qwen_sparse_attention on load, later versions
+  // indexed_attention), and llama.cpp then runs them as dense attention, which differs from QSA
+  // once the context passes the indexer's budget: refused here rather than guessed.
   std::vector<bool> recurrent;
   if (g.has(a + "attention.recurrent_layers")) {
     for (const auto& v : g.find_value(a + "attention.recurrent_layers")->as_array(path + ": " + a + "attention.recurrent_layers"))
@@ -460,8 +460,8 @@ void qwen4exp_config(const GgufFile& g, int64_t layers, nlohmann::json& c) {
     if (r <= 0)
       fail("{}: layer {} is an attention layer without a QSA compress ratio ({}attention.compress_ratios[{}] = {}); "
            "Qwen4-Exp has no dense attention layers. llama.cpp's converter writes 0 when its config names the QSA "
-           "layers qwen_sparse_attention (transformers >= 5.17 renames full_attention so): convert from config.json "
-           "as released", path, i, a, i, r);
+           "layers other than full_attention (transformers renames them qwen_sparse_attention or indexed_attention on "
+           "load): convert from config.json as released", path, i, a, i, r);
     if (ratio && r != ratio) fail("{}: QSA layers with compress ratios {} and {}: Qwen4-Exp has one", path, ratio, r);
     ratio = r;
     types.push_back("qwen_sparse_attention");

@@ -106,7 +106,8 @@ Hparams read_hparams(const HfConfig& c) {
   a.norm_eps = hp.eps;
   hp.inv_freq = rope_inv_freq_default(c.rope_theta(10000.0), a.rotary_dim);  // uploaded into attn at load
 
-  // Layer types ("full_attention" is the real checkpoint's name for QSA layers).
+  // Layer types: a QSA layer is "qwen_sparse_attention" (transformers 5.17), "indexed_attention"
+  // (what later transformers save) or "full_attention" (the released checkpoints' name).
   std::vector<std::string> types;
   if (text.contains("layer_types") && text["layer_types"].is_array()) {
     for (const auto& t : text["layer_types"]) types.push_back(t.get<std::string>());
@@ -123,7 +124,7 @@ Hparams read_hparams(const HfConfig& c) {
     const std::string& t = types[size_t(i)];
     if (t == "linear_attention") {
       hp.layers[size_t(i)].mixer = MixerKind::kLinear;
-    } else if (t == "qwen_sparse_attention" || t == "full_attention") {
+    } else if (t == "qwen_sparse_attention" || t == "indexed_attention" || t == "full_attention") {
       hp.layers[size_t(i)].mixer = MixerKind::kSparseAttention;
       any_sparse = true;
     } else {

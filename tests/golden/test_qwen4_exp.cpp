@@ -308,6 +308,28 @@ TEST(Qwen4Exp, NanBlockScoreIsReportedByLayer) {
   EXPECT_NO_THROW(ok.feed(golden_tokens("qwen4_exp_tiny"), 0, true));
 }
 
+// The three names a QSA layer goes by (transformers 5.17, later transformers, the released
+// checkpoints) load the same model.
+TEST(Qwen4ExpConfig, QsaLayerNamesOfEveryTransformersVersionLoadAlike) {
+  const std::vector<int32_t> tokens = golden_tokens("qwen4_exp_tiny");
+  const NpyArray ref = read_npy_f32(fixture("qwen4_exp_tiny") + "/logits.npy");
+  auto be = make_cpu_backend(2);
+  for (const char* name : {"indexed_attention", "full_attention"}) {
+    SCOPED_TRACE(name);
+    testing::TempDir tmp;
+    testing::copy_fixture("qwen4_exp_tiny", tmp.path / "m");
+    const auto path = (tmp.path / "m" / "config.json").string();
+    auto cfg = testing::read_json(path);
+    for (auto& t : cfg["layer_types"])
+      if (t == "qwen_sparse_attention") t = name;
+    std::ofstream(path) << cfg.dump();
+    LoadedModel m = load_model((tmp.path / "m").string(), *be);
+    Session s(*m.model, *be);
+    const std::vector<float> logits = s.feed(tokens, 0, true);
+    EXPECT_LT(testing::max_rel_error(logits.data(), ref.data.data(), ref.data.size()), 2e-4);
+  }
+}
+
 // Malformed configs: one line naming the field.
 void expect_config_error(const std::function<void(nlohmann::json&)>& edit, const std::string& needle) {
   testing::TempDir tmp;
