@@ -768,8 +768,10 @@ class CudaBackend final : public Backend {
     report_progress();
   }
 
+  // Every tenth of the weights, for loads of 256 MiB or more (a tiny model's ten lines said
+  // nothing; end_weights' summary line is printed for every load).
   void report_progress() {
-    if (uploaded_ < next_report_ || total_expected_ <= 0) return;
+    if (uploaded_ < next_report_ || total_expected_ < (int64_t(256) << 20)) return;
     next_report_ = uploaded_ + std::max<int64_t>(total_expected_ / 10, 1);
     const double s = std::chrono::duration<double>(Clock::now() - upload_start_).count();
     const double pct = 100.0 * double(uploaded_) / double(total_expected_);
