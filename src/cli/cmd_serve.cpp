@@ -391,8 +391,10 @@ void add_serve_command(CLI::App& app) {
     if (!o->quiet) {
       // Features the family lacks are said once, not silently skipped (the capability table).
       const Capabilities caps = model.capabilities();
-      if (!caps.batched_sequences.on) fmt::print(stderr, "serve: sequences step apart: {}\n", caps.batched_sequences.why_not);
-      if (!caps.prefix_cache.on && !o->no_prefix_cache) fmt::print(stderr, "serve: prefix cache off: {}\n", caps.prefix_cache.why_not);
+      if (!caps.batched_sequences.on)
+        fmt::print(stderr, "serve: sequences step apart: {}\n", caps.batched_sequences.why_not);
+      if (!caps.prefix_cache.on && !o->no_prefix_cache)
+        fmt::print(stderr, "serve: prefix cache off: {}\n", caps.prefix_cache.why_not);
     }
     Server s{rt, engine, id};
 

@@ -319,7 +319,7 @@ class Qwen4ExpTensors : TensorBuilder {
     if (rest == "ssm_conv1d.weight") return out.push_back(conv(p + "linear_attn.conv1d.weight", t)), true;
     if (rest == "ple_conv1d.weight") return out.push_back(conv(p + "ple.conv1d.weight", t)), true;
     if (rest == "indexer.q_proj.weight" || rest == "indexer.k_proj.weight") {
-      (rest[8] == 'q' ? index_q_ : index_k_)[layer] = &t;
+      (rest.starts_with("indexer.q") ? index_q_ : index_k_)[layer] = &t;
       return true;
     }
     return false;
