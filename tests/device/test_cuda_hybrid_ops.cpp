@@ -207,9 +207,11 @@ struct QsaCase {
 // Feeds `context` positions in micro-batches of `chunk` rows to both backends and compares
 // each micro-batch's selections (as sets per row, with their counts) and the key tables.
 // Counts the rows that had more complete blocks than they keep (where the top-k decided) and
-// those whose selected set differs between the backends.
+// those whose selected set differs between the backends. The GPU also selects every
+// micro-batch a second time through the serial torch.topk emulation alone: on the same scores
+// the threshold path must pick exactly its sets (`threshold` counts the rows it picked).
 struct QsaCounts {
-  int decided = 0, differ = 0;
+  int decided = 0, differ = 0, threshold = 0;
 };
 QsaCounts run_qsa(const QsaCase& c, cuda::QsaScores scores) {
   cuda::DeviceScratch spill;
@@ -252,11 +254,28 @@ QsaCounts run_qsa(const QsaCase& c, cuda::QsaScores scores) {
     for (int64_t t = 0; t < m; ++t) pos[size_t(t)] = start + t;
     DeviceBuffer<int64_t> dpos(pos);
     std::vector<int32_t> sel(size_t(m * max_sel), -7), counts(size_t(m), -7);
-    DeviceBuffer<int32_t> dsel(sel), dcounts(counts);
+    DeviceBuffer<int32_t> dsel(sel), dcounts(counts), serial_sel(sel), serial_counts(counts);
+    DeviceBuffer<int32_t> threshold_rows(std::vector<int32_t>{0});
     cpu().qsa_select(hv, iq.h(), ik.h(), pos.data(), sel.data(), counts.data(), max_sel);
-    cuda::qsa_select(dv, iq.d(), ik.d(), dpos.get(), dsel.get(), dcounts.get(), max_sel, stream(), &spill, scores);
+    cuda::qsa_select(dv, iq.d(), ik.d(), dpos.get(), dsel.get(), dcounts.get(), max_sel, stream(), &spill, scores,
+                     cuda::QsaTopK::kAuto, threshold_rows.get());
+    // Again through the emulation alone (storing and pooling the same keys a second time is
+    // idempotent).
+    cuda::qsa_select(dv, iq.d(), ik.d(), dpos.get(), serial_sel.get(), serial_counts.get(), max_sel, stream(), &spill,
+                     scores, cuda::QsaTopK::kSerial);
     sync();
     const std::vector<int32_t> got_sel = dsel.download(), got_counts = dcounts.download();
+    const std::vector<int32_t> ser_sel = serial_sel.download(), ser_counts = serial_counts.download();
+    n.threshold += threshold_rows.download()[0];
+    for (int64_t t = 0; t < m; ++t) {
+      EXPECT_EQ(got_counts[size_t(t)], ser_counts[size_t(t)]) << "row " << start + t;
+      if (got_counts[size_t(t)] != ser_counts[size_t(t)]) continue;
+      std::vector<int32_t> a(got_sel.begin() + t * max_sel, got_sel.begin() + t * max_sel + got_counts[size_t(t)]);
+      std::vector<int32_t> b(ser_sel.begin() + t * max_sel, ser_sel.begin() + t * max_sel + ser_counts[size_t(t)]);
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      EXPECT_EQ(a, b) << "row " << start + t << ": the threshold path and the emulation picked other blocks";
+    }
     for (int64_t t = 0; t < m; ++t) {
       EXPECT_EQ(got_counts[size_t(t)], counts[size_t(t)]) << "row " << start + t;
       if (got_counts[size_t(t)] != counts[size_t(t)]) continue;
@@ -283,21 +302,33 @@ TEST(CudaHybridOps, QsaSelectMatchesCpuTiesIncluded) {
   for (const QsaCase& c : {QsaCase{1, 16, 8, 4, 2, 40, 1}, QsaCase{1, 16, 8, 4, 2, 40, 3},
                            QsaCase{1, 16, 8, 4, 2, 40, 40}, QsaCase{2, 16, 16, 8, 2, 100, 7},
                            QsaCase{4, 64, 32, 4, 3, 300, 64}, QsaCase{1, 32, 32, 1, 5, 200, 17},
-                           QsaCase{2, 128, 64, 16, 4, 1000, 250}, QsaCase{1, 16, 16, 2, 1, 700, 700}}) {
-    // Scores in shared memory and spilled to global memory (long contexts) select alike.
-    for (cuda::QsaScores scores : {cuda::QsaScores::kShared, cuda::QsaScores::kGlobal}) {
-      SCOPED_TRACE(c.name() + (scores == cuda::QsaScores::kGlobal ? " (scores in global memory)" : ""));
+                           QsaCase{2, 128, 64, 16, 4, 1000, 250}, QsaCase{1, 16, 16, 2, 1, 700, 700},
+                           // A budget near the count of positive blocks: the cutoff falls in the
+                           // zeros' tie for most rows.
+                           QsaCase{1, 16, 16, 2, 40, 200, 5}}) {
+    // Scores in shared memory, spilled to global memory (long contexts) and scored across the
+    // GPU (steps of a few rows) select alike.
+    for (cuda::QsaScores scores : {cuda::QsaScores::kShared, cuda::QsaScores::kGlobal, cuda::QsaScores::kSplit}) {
+      SCOPED_TRACE(c.name() + (scores == cuda::QsaScores::kGlobal  ? " (scores in global memory)"
+                               : scores == cuda::QsaScores::kSplit ? " (split scoring)"
+                                                                   : ""));
       const QsaCounts one = run_qsa(c, scores);
       n.decided += one.decided;
       n.differ += one.differ;
+      n.threshold += one.threshold;
     }
   }
   EXPECT_GT(n.decided, 1000);  // rows whose selection the top-k (not "keep every block") decided
+  // Both ways of picking ran often: the threshold path (no tie at the cutoff: several index
+  // heads) and the emulation (ties at relu 0: one index head).
+  EXPECT_GT(n.threshold, 300);
+  EXPECT_GT(n.decided - n.threshold, 150);
   // The block keys and dot products differ by ulps between the backends, so a relu'd dot within
   // ~1e-7 of zero may land on the other side and legitimately change a tie: allowed in 1 row of
   // 500. A tie broken the wrong way is systematic: it changes a large share of the rows.
   EXPECT_LE(n.differ, n.decided / 500) << n.differ << " of " << n.decided << " rows selected other blocks";
-  std::printf("[ measured ] QSA selections differing from the CPU: %d of %d decided rows\n", n.differ, n.decided);
+  std::printf("[ measured ] QSA selections differing from the CPU: %d of %d decided rows (%d by threshold)\n", n.differ,
+              n.decided, n.threshold);
 }
 
 // A NaN in a query row's index q makes its block scores NaN: the flag goes up (and stays 0 for
@@ -305,7 +336,9 @@ TEST(CudaHybridOps, QsaSelectMatchesCpuTiesIncluded) {
 TEST(CudaHybridOps, QsaSelectFlagsNanScores) {
   REQUIRE_GPU();
   const int d = 16, ratio = 4, context = 12;
-  for (bool poison : {false, true}) {
+  cuda::DeviceScratch spill;
+  for (bool poison : {false, true})
+    for (cuda::QsaScores scores : {cuda::QsaScores::kShared, cuda::QsaScores::kSplit}) {
     Strided raw_table(context, d, 0, 61), block_table(context / ratio + 1, d, 0, 62);
     const std::vector<float> k_norm = random_floats(d, 63), inv_freq = random_floats(d / 2, 64, 0.f, 1.f);
     DeviceBuffer<float> dk_norm(k_norm), dinv(inv_freq);
@@ -331,9 +364,11 @@ TEST(CudaHybridOps, QsaSelectFlagsNanScores) {
     DeviceBuffer<int64_t> dpos(pos);
     DeviceBuffer<int32_t> sel(static_cast<size_t>(context * (ratio + ratio - 1)));
     DeviceBuffer<int32_t> counts(static_cast<size_t>(context));
-    cuda::qsa_select(v, iq.d(), ik.d(), dpos.get(), sel.get(), counts.get(), ratio + ratio - 1, stream());
+    cuda::qsa_select(v, iq.d(), ik.d(), dpos.get(), sel.get(), counts.get(), ratio + ratio - 1, stream(), &spill,
+                     scores);
     sync();
-    EXPECT_EQ(flag.download()[0], poison ? 1 : 0) << "poisoned " << poison;
+    EXPECT_EQ(flag.download()[0], poison ? 1 : 0)
+        << "poisoned " << poison << (scores == cuda::QsaScores::kSplit ? " (split scoring)" : "");
   }
 }
 

@@ -86,11 +86,19 @@ void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_s
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out, cudaStream_t stream);
 // Where qsa_select keeps a row's block scores: shared memory when max_context / ratio blocks fit
 // (kAuto), else global memory from `spill`; kShared / kGlobal insist (for tests).
-enum class QsaScores { kAuto, kShared, kGlobal };
+// Where qsa_select scores: kAuto splits steps of up to 16 rows across the GPU (needs `spill`)
+// and gives longer ones a CTA per row with the scores in shared memory when they fit, else in
+// `spill`; the others force one way (tests run each).
+enum class QsaScores { kAuto, kShared, kGlobal, kSplit };
+// kSerial: every row's top-k through the serial torch.topk emulation, never the threshold path.
+// `threshold_rows`, when given, counts the rows the threshold path picked (tests compare the two
+// paths and check that both ran).
+enum class QsaTopK { kAuto, kSerial };
 class DeviceScratch;
 void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
                 int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream,
-                DeviceScratch* spill = nullptr, QsaScores scores = QsaScores::kAuto);
+                DeviceScratch* spill = nullptr, QsaScores scores = QsaScores::kAuto,
+                QsaTopK top_k = QsaTopK::kAuto, int32_t* threshold_rows = nullptr);
 // With `scratch` of attention_selected_scratch_floats() floats (non-zero for steps of a few rows,
 // decode), the selection is split into pieces run in parallel and combined.
 void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,

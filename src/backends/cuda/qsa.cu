@@ -9,12 +9,19 @@
 //     (which blocks: from positions[0] / ratio up to (positions[n-1] + 1) / ratio, read on the
 //     device; the grid covers the most a micro-batch of n rows can complete, ceil(n / r) + 1);
 //  3. select: a block per query row scores its complete blocks, sum over index heads of
-//     relu(q_h . k_b) / sqrt(d) (a warp per key block), then one thread picks the top
-//     budget / ratio blocks with torch.topk's CPU tie-breaking (ops/topk_like_torch.h: the
-//     goldens' selections hinge on ties at relu 0) and the block writes their positions plus
-//     the incomplete tail. The scores live in shared memory, 8 bytes per key block, while
-//     max_context / ratio blocks fit (28k on the H200); past that in global memory (the
-//     backend's spill scratch), a grid of kSpillBlocks walking the rows.
+//     relu(q_h . k_b) / sqrt(d) (a warp per key block), then picks the top budget / ratio
+//     blocks as torch.topk does on the CPU, ties included (ops/topk_like_torch.h: the goldens'
+//     selections hinge on ties at relu 0), and writes their positions plus the incomplete tail.
+//     The pick: a radix select (four 8-bit passes, every thread) finds the k-th largest score;
+//     when every block scoring that much is taken, no tie straddles the cutoff and the set is
+//     exactly the blocks at or above it, whatever algorithm chose them. Only when a tie does
+//     straddle it (or a score is NaN) does one thread replay torch's sequence of swaps
+//     (O(n_blocks log k) dependent shared-memory steps; before the threshold path every row
+//     took it, and the QSA indexer was 0.95 ms of a 3.83 ms decode step at 16k context on the
+//     Flash-Next shape, top-128 of 1024 blocks in two layers, H100). The scores live in
+//     shared memory, 8 bytes per key block, while max_context / ratio blocks fit (28k on the
+//     H200); past that in global memory (the backend's spill scratch), a grid of kSpillBlocks
+//     walking the rows.
 // attention_selected: a block per (row, head); a warp per selected key for the q.k products
 // (bf16 pool rows as exact floats), the softmax over the block, then a thread per output dim
 // summing p_i v_i over the selection. Steps of up to kSplitMaxRows rows (decode) split each
@@ -29,10 +36,7 @@
 // differs (lanes), within f32 rounding.
 //
 // Bound: the selection's scoring reads n_blocks x d floats per row and head (at decode, a few
-// hundred KB at 32k context); the top-k is serial on one thread, O(n_blocks log k) shared
-// memory steps: fine at the tiny and Flash-Next shapes' block counts, the first thing to
-// parallelise (a threshold search that skips the emulation when no tie straddles the cutoff)
-// once a long-context benchmark says it costs.
+// hundred KB at 32k context) on one SM per row; the threshold pick reads the scores five times.
 #include <algorithm>
 
 #include "backends/cuda/common.cuh"
@@ -48,7 +52,8 @@ constexpr int kThreads = 128;
 constexpr int kSelectThreads = 256;
 constexpr int64_t kSpillBlocks = 264;  // two per SM on the H200: rows beyond walk the grid
 constexpr int kSplitKeys = 64;         // attention_selected: selected keys per piece
-constexpr int64_t kSplitMaxRows = 16;  // steps of up to this many rows take the split path
+constexpr int64_t kSplitMaxRows = 16;  // steps of up to this many rows take the split paths
+constexpr int kScoreKeysPerCta = 16;   // split scoring: key blocks per CTA (two per warp)
 
 __global__ void __launch_bounds__(kThreads)
     qsa_store_kernel(const float* __restrict__ raw, int64_t raw_stride, const int64_t* __restrict__ positions,
@@ -95,40 +100,173 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Order-preserving unsigned key of a non-NaN score: a > b exactly when key(a) > key(b), with
+// -0 and +0 one key (they tie under the `>` the emulation compares with).
+__device__ __forceinline__ uint32_t score_key(float x) {
+  const uint32_t u = __float_as_uint(x == 0.f ? 0.f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Inclusive prefix sum over the block (kSelectThreads threads); `warp_totals` is kWarp ints of
+// shared memory. Contains __syncthreads.
+__device__ __forceinline__ int block_inclusive_scan(int v, int* warp_totals) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int o = 1; o < kWarp; o <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += up;
+  }
+  __syncthreads();  // warp_totals may still be read by a previous call
+  if (lane == kWarp - 1) warp_totals[warp] = v;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) v += warp_totals[w];
+  return v;
+}
+
+// The k-th largest key among scored[0, n) (1 <= k <= n), by four 8-bit radix passes whose
+// histograms have a bin per thread. Returns the key; `*taken_at_key` = how many elements equal
+// to it the top k take, `*at_key` = how many there are. Every thread gets the results.
+__device__ uint32_t radix_kth_key(const ScoredIndex* scored, int n, int k, int* taken_at_key, int* at_key,
+                                  int* hist, int* warp_totals, int* found) {
+  static_assert(kSelectThreads == 256, "a histogram bin per thread");
+  uint32_t prefix = 0, mask = 0;
+  int want = k, equal = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    hist[threadIdx.x] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += kSelectThreads) {
+      const uint32_t key = score_key(scored[i].score);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1);
+    }
+    __syncthreads();
+    // Thread t holds bin 255 - t: the inclusive scan counts the elements at or above its bin.
+    const int bin = kSelectThreads - 1 - int(threadIdx.x), count = hist[bin];
+    const int at_or_above = block_inclusive_scan(count, warp_totals), above = at_or_above - count;
+    if (above < want && want <= at_or_above) {  // exactly one bin
+      found[0] = bin;
+      found[1] = above;
+      found[2] = count;
+    }
+    __syncthreads();
+    prefix |= uint32_t(found[0]) << shift;
+    mask |= 0xffu << shift;
+    want -= found[1];
+    equal = found[2];
+    __syncthreads();  // `found` is written again by the next pass
+  }
+  *taken_at_key = want;
+  *at_key = equal;
+  return prefix;
+}
+
+// The relu'd score of key block `blk` against a row's index q (n_heads x d), by one warp;
+// lane 0's value is the score, already scaled by 1 / sqrt(d).
+__device__ __forceinline__ float block_score(const float* q, const float* __restrict__ kb, int n_heads, int d,
+                                             int lane) {
+  float s = 0.f;
+  for (int h = 0; h < n_heads; ++h) {
+    float dot = 0.f;
+    for (int i = lane; i < d; i += kWarp) dot += q[int64_t(h) * d + i] * kb[i];
+    dot = warp_sum(dot);
+    s += dot < 0.f ? 0.f : dot;  // std::max(dot, 0.f), as the CPU: a NaN stays NaN
+  }
+  return s * (1.f / sqrtf(float(d)));
+}
+
+// Split scoring (steps of a few rows: decode): a CTA per (kScoreKeysPerCta key blocks, row),
+// the grid walking the blocks, each CTA with the row's index q in shared memory. One CTA per
+// row would leave a decode step's scoring on one SM (Flash-Next shape at 16k context: 1024
+// blocks x 8 heads x 128 dims in 0.35 ms per layer on an H100).
+__global__ void __launch_bounds__(kSelectThreads)
+    qsa_score_kernel(const float* __restrict__ index_q, int64_t q_stride, const int64_t* __restrict__ positions,
+                     const float* __restrict__ block_keys, int64_t bk_stride, int n_heads, int d, int ratio,
+                     ScoredIndex* scores, int64_t scores_stride, int32_t* nan_score) {
+  extern __shared__ float q_s[];  // [n_heads * d]
+  const int64_t t = blockIdx.y;
+  const int n_blocks = int((positions[t] + 1) / ratio);
+  if (int64_t(blockIdx.x) * kScoreKeysPerCta >= n_blocks) return;  // uniform across the CTA
+  const float* q = index_q + t * q_stride;
+  for (int i = threadIdx.x; i < n_heads * d; i += kSelectThreads) q_s[i] = q[i];
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = kSelectThreads / kWarp;
+  ScoredIndex* out = scores + t * scores_stride;
+  for (int first = blockIdx.x * kScoreKeysPerCta; first < n_blocks; first += gridDim.x * kScoreKeysPerCta) {
+    const int last = min(n_blocks, first + kScoreKeysPerCta);
+    for (int blk = first + warp; blk < last; blk += n_warps) {
+      const float s = block_score(q_s, block_keys + int64_t(blk) * bk_stride, n_heads, d, lane);
+      if (lane == 0) {
+        out[blk] = ScoredIndex{s, blk};
+        if (isnan(s) && nan_score) *nan_score = 1;
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kSelectThreads)
     qsa_select_kernel(const float* __restrict__ index_q, int64_t q_stride, const int64_t* __restrict__ positions,
                       const float* __restrict__ block_keys, int64_t bk_stride, int n_heads, int d, int ratio,
                       int block_topk, int32_t* selected, int32_t* counts, int max_selected, int32_t* nan_score,
-                      int64_t rows, ScoredIndex* spill, int64_t spill_stride) {
+                      int64_t rows, ScoredIndex* spill, int64_t spill_stride, bool scores_ready,
+                      bool serial_top_k, int32_t* threshold_rows) {
   extern __shared__ ScoredIndex smem_scored[];  // [n_blocks], unless they spill to global memory
+  __shared__ int hist[kSelectThreads], warp_totals[kWarp], found[3], any_nan;
   ScoredIndex* scored = spill ? spill + int64_t(blockIdx.x) * spill_stride : smem_scored;
   for (int64_t t = blockIdx.x; t < rows; t += gridDim.x) {
     const int64_t p = positions[t];
     const int n_blocks = int((p + 1) / ratio);
     const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = kSelectThreads / kWarp;
-    const float* q = index_q + t * q_stride;
-    const float inv_sqrt = 1.f / sqrtf(float(d));
-    for (int blk = warp; blk < n_blocks; blk += n_warps) {
-      const float* kb = block_keys + int64_t(blk) * bk_stride;
-      float s = 0.f;
-      for (int h = 0; h < n_heads; ++h) {
-        float dot = 0.f;
-        for (int i = lane; i < d; i += kWarp) dot += q[int64_t(h) * d + i] * kb[i];
-        dot = warp_sum(dot);
-        s += dot < 0.f ? 0.f : dot;  // std::max(dot, 0.f), as the CPU: a NaN stays NaN
-      }
-      if (lane == 0) {
-        scored[blk] = ScoredIndex{s * inv_sqrt, blk};
-        if (isnan(s) && nan_score) *nan_score = 1;
+    if (threadIdx.x == 0) any_nan = 0;
+    __syncthreads();
+    if (scores_ready) {  // qsa_score_kernel wrote them (and raised nan_score)
+      bool nan_here = false;
+      for (int i = threadIdx.x; i < n_blocks; i += kSelectThreads) nan_here |= isnan(scored[i].score);
+      if (nan_here) any_nan = 1;
+    } else {
+      const float* q = index_q + t * q_stride;
+      for (int blk = warp; blk < n_blocks; blk += n_warps) {
+        const float s = block_score(q, block_keys + int64_t(blk) * bk_stride, n_heads, d, lane);
+        if (lane == 0) {
+          scored[blk] = ScoredIndex{s, blk};
+          if (isnan(s)) {
+            any_nan = 1;
+            if (nan_score) *nan_score = 1;
+          }
+        }
       }
     }
     __syncthreads();
     const int keep = block_topk < n_blocks ? block_topk : n_blocks;
-    if (threadIdx.x == 0) select_top_k_like_torch(scored, n_blocks, keep);
-    __syncthreads();
     int32_t* sel = selected + t * max_selected;
-    for (int i = threadIdx.x; i < keep * ratio; i += kSelectThreads) {
-      sel[i] = int32_t(int64_t(scored[i / ratio].index) * ratio + i % ratio);
+    // The threshold path: the k-th largest score T by radix select; when every block scoring T
+    // is taken (no tie straddles the cutoff) the top k are exactly the blocks scoring >= T,
+    // whichever algorithm picks them, and they are written in block order. Otherwise (a tie
+    // at the cutoff, or a NaN) torch.topk's choice among the tied blocks is emulated serially.
+    bool threshold = false;
+    if (!serial_top_k && keep > 0 && keep < n_blocks && !any_nan) {
+      int taken_at_key = 0, at_key = 0;
+      const uint32_t kth = radix_kth_key(scored, n_blocks, keep, &taken_at_key, &at_key, hist, warp_totals, found);
+      threshold = taken_at_key == at_key;
+      if (threshold && threshold_rows && threadIdx.x == 0) atomicAdd(threshold_rows, 1);
+      if (threshold) {
+        // Each thread compacts a contiguous range, so the blocks land in ascending order.
+        const int per = (n_blocks + kSelectThreads - 1) / kSelectThreads;
+        const int lo = min(n_blocks, int(threadIdx.x) * per), hi = min(n_blocks, lo + per);
+        int mine = 0;
+        for (int i = lo; i < hi; ++i) mine += score_key(scored[i].score) >= kth;
+        int at = block_inclusive_scan(mine, warp_totals) - mine;
+        for (int i = lo; i < hi; ++i) {
+          if (score_key(scored[i].score) < kth) continue;
+          for (int j = 0; j < ratio; ++j) sel[at * ratio + j] = int32_t(int64_t(i) * ratio + j);
+          ++at;
+        }
+      }
+    }
+    if (!threshold) {
+      if (threadIdx.x == 0) select_top_k_like_torch(scored, n_blocks, keep);
+      __syncthreads();
+      for (int i = threadIdx.x; i < keep * ratio; i += kSelectThreads) {
+        sel[i] = int32_t(int64_t(scored[i / ratio].index) * ratio + i % ratio);
+      }
     }
     const int64_t tail_start = int64_t(n_blocks) * ratio;
     const int tail = int(p + 1 - tail_start);
@@ -271,7 +409,7 @@ void allow_smem(Kernel kernel, size_t bytes, const char* what) {
 
 void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
                 int32_t* selected, int32_t* counts, int max_selected, cudaStream_t stream, DeviceScratch* spill,
-                QsaScores scores) {
+                QsaScores scores, QsaTopK top_k, int32_t* threshold_rows) {
   const int d = qsa.head_dim, r = qsa.ratio;
   const int64_t n = index_q.rows;
   TS_CHECK(d >= 1 && r >= 1 && qsa.n_heads >= 1 && qsa.block_topk >= 0 && qsa.rotary_dim % 2 == 0 &&
@@ -295,10 +433,32 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
       qsa.raw_keys.data, qsa.raw_keys.stride, positions, n, r, qsa.k_norm, qsa.inv_freq, qsa.rotary_dim, qsa.eps,
       qsa.block_keys.data, qsa.block_keys.stride, d);
   TS_CUDA_LAUNCH_CHECK("qsa_select complete {} blocks of {} x {}", max_complete, r, d);
-  // Every row sees at most block_keys.rows complete blocks (the table's length): their scores
-  // go to shared memory when they fit, else to `spill` (a slice per block of a grid that walks
-  // the rows), which long contexts need (262144 positions at ratio 4: 512 KiB of scores).
+  // Every row sees at most block_keys.rows complete blocks (the table's length). Steps of a few
+  // rows (decode) score them across the GPU into `spill`, a row each, then select a CTA per row;
+  // longer steps score and select in one CTA per row, the scores in shared memory when they fit,
+  // else in `spill` (a slice per CTA of a grid that walks the rows), which long contexts need
+  // (262144 positions at ratio 4: 512 KiB of scores).
+  const bool serial = top_k == QsaTopK::kSerial;
   const size_t smem = size_t(qsa.block_keys.rows) * sizeof(ScoredIndex);
+  if (scores == QsaScores::kSplit || (scores == QsaScores::kAuto && spill && n <= kSplitMaxRows)) {
+    TS_CHECK(spill, "qsa_select: split scoring needs a scratch buffer");
+    auto* buf = static_cast<ScoredIndex*>(spill->get(size_t(n) * smem, stream, "qsa scores"));
+    const size_t q_bytes = size_t(qsa.n_heads) * size_t(d) * 4;
+    allow_smem(qsa_score_kernel, q_bytes, "qsa_select scoring (a row's index q)");
+    const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>(ceil_div(qsa.block_keys.rows, kScoreKeysPerCta),
+                                                                    kSpillBlocks / n));
+    qsa_score_kernel<<<dim3(unsigned(per_row), unsigned(n)), kSelectThreads, q_bytes, stream>>>(
+        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, buf,
+        qsa.block_keys.rows, qsa.nan_score);
+    TS_CUDA_LAUNCH_CHECK("qsa_select scores rows {} heads {} dim {} blocks up to {}", n, qsa.n_heads, d,
+                         qsa.block_keys.rows);
+    qsa_select_kernel<<<unsigned(n), kSelectThreads, 0, stream>>>(
+        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
+        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, true, serial,
+        threshold_rows);
+    TS_CUDA_LAUNCH_CHECK("qsa_select rows {} (split scoring)", n);
+    return;
+  }
   cudaFuncAttributes attr = {};
   TS_CUDA_CHECK(cudaFuncGetAttributes(&attr, qsa_select_kernel), "qsa_select attributes");
   int device = 0, limit = 0;
@@ -309,7 +469,7 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
     allow_smem(qsa_select_kernel, smem, "qsa_select (scores of max_context / ratio key blocks)");
     qsa_select_kernel<<<unsigned(n), kSelectThreads, smem, stream>>>(
         index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
-        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, nullptr, 0);
+        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, nullptr, 0, false, serial, threshold_rows);
   } else {
     TS_CHECK(spill, "qsa_select: {} key blocks' scores ({} bytes) exceed shared memory and no spill buffer was given",
              qsa.block_keys.rows, smem);
@@ -317,7 +477,8 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
     auto* buf = static_cast<ScoredIndex*>(spill->get(size_t(grid) * smem, stream, "qsa scores"));
     qsa_select_kernel<<<unsigned(grid), kSelectThreads, 0, stream>>>(
         index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
-        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows);
+        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, false, serial,
+        threshold_rows);
   }
   TS_CUDA_LAUNCH_CHECK("qsa_select rows {} heads {} dim {} blocks up to {}", n, qsa.n_heads, d, qsa.block_keys.rows);
 }
