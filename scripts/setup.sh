@@ -45,8 +45,9 @@ sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 need_pkgs=()
 command -v python3 >/dev/null || need_pkgs+=(python3 python3-pip)
 # chromium + chromium-driver: the chat page's browser test (tests/server/test_page.py); clang and its
-# runtime libraries: the ASan/UBSan build and the libFuzzer harnesses (scripts/sanitize.sh).
-for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev libcpp-httplib-dev libxxhash-dev chromium chromium-driver clang libclang-rt-14-dev; do
+# runtime libraries: the ASan/UBSan build and the libFuzzer harnesses (scripts/sanitize.sh);
+# ccache: build-cuda compiles the same library as build, and takes it from the cache.
+for p in build-essential cmake pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libgtest-dev liburing-dev libcpp-httplib-dev libxxhash-dev ccache chromium chromium-driver clang libclang-rt-14-dev; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" = "install ok installed" ] || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -91,18 +92,26 @@ build_step() {  # build_step WHAT LOG COMMAND...
   exit 1
 }
 
-# One configure + build into DIR, then the binary must be there.
-build_tree() {  # build_tree DIR CMAKE_ARGS...
-  local dir=$1
-  shift
-  build_step "configure of $dir" "$dir/setup-configure.log" cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@"
-  build_step "build of $dir" "$dir/setup-build.log" cmake --build "$dir" -j"$(nproc)"
+# One configure + build into DIR (TARGETS, or everything when empty), then the binary must be
+# there. Through ccache where it is installed: the CPU library's objects are the same in both
+# trees, so build-cuda compiles only what CUDA changes (10 minutes less on 2 cores).
+launcher=()
+if command -v ccache >/dev/null; then launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+build_tree() {  # build_tree DIR "TARGETS" CMAKE_ARGS...
+  local dir=$1 targets=$2
+  shift 2
+  build_step "configure of $dir" "$dir/setup-configure.log" cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release \
+    "${launcher[@]}" "$@"
+  # shellcheck disable=SC2086  # TARGETS is a list of words
+  build_step "build of $dir" "$dir/setup-build.log" cmake --build "$dir" -j"$(nproc)" ${targets:+--target $targets}
   test -x "$dir/turbospark" || { echo "setup: $dir/turbospark is missing after the build" >&2; exit 1; }
 }
 
-build_tree build
+build_tree build ""
 if [ "$cuda" -eq 1 ]; then
-  build_tree build-cuda -DTURBOSPARK_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc"
+  # What the GPU machines run (tests/device/run.sh); the CPU test tiers are build's.
+  build_tree build-cuda "turbospark turbospark_device_tests make_random_checkpoint" -DTURBOSPARK_CUDA=ON \
+    -DCMAKE_CUDA_COMPILER="$nvcc"
   # The GPU machines' image lacks fmt, pcre2, liburing and cpp-httplib (with brotli): the binaries travel with these copies
   # (tests/device/run.sh puts build-cuda/lib on the library path).
   mkdir -p build-cuda/lib
