@@ -26,7 +26,6 @@ Session::Session(const Model& model, Backend& backend, SessionOptions options)
   workspace_ = model_.new_workspace(backend_, options_.max_prefill_batch);
   state_ = model_.new_sequence_state(backend_, max_context_);
   decode_graphs_on_ = model_.capabilities().decode_graphs.on;
-  TS_CHECK(!decode_graphs_on_ || !state_, "{}: decode graphs with sequence state", model_.info().architecture);
   positions_.resize(size_t(options_.max_prefill_batch));
   tokens_dev_ = backend_.alloc_array<int32_t>(options_.max_prefill_batch);
   positions_dev_ = backend_.alloc_array<int64_t>(options_.max_prefill_batch);
@@ -89,6 +88,9 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
   batch.workspace = workspace_.get();
   batch.state = state_.get();
   batch.trace = trace ? &trace : nullptr;
+  // prepare_step / finish_step run here, around the step, so that a replayed step (which runs
+  // no host code of forward) still gets its host work and checks.
+  batch.host_work_apart = true;
   for (int i = 0; i < L; ++i) batch.kv.push_back(kv_.layer(i));
   for (int64_t start = 0; start < n; start += step) {
     const int64_t m = std::min(step, n - start);
@@ -112,10 +114,11 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
       std::fill(chunk_router.begin(), chunk_router.end(), 0.f);
       batch.router_probs = chunk_router.data();
     }
+    model_.prepare_step(backend_, batch);
     // A one-row greedy step reads and writes the same buffers whatever its position (the
-    // position and id were uploaded above): the backend may replay it as a graph. Traces and
-    // router captures read activations on the host mid-step, and families with sequence
-    // state upload host-computed rows mid-step (PLE), so those run eagerly.
+    // position, the id and prepare_step's rows were uploaded above): the backend may replay
+    // it as a graph. Traces and router captures read activations on the host mid-step, so
+    // those run eagerly.
     const bool replayable = m == 1 && !logits && !router_probs && !trace && decode_graphs_on_;
     // The rows see at most position_ + m positions; a replayed graph is keyed by that bound
     // rounded up to a power of two (from 256), so one graph serves a range of positions.
@@ -127,6 +130,7 @@ void Session::run(std::span<const int32_t> tokens, int64_t chunk, bool all_logit
     } else {
       model_.forward(backend_, batch);
     }
+    model_.finish_step(backend_, batch);
     if (greedy_id) *greedy_id = greedy_host_;
     if (router_probs && E > 0) {
       for (int l = 0; l < L; ++l) {

@@ -10,12 +10,9 @@ Capabilities Model::capabilities() const {
   auto off = [&](const std::string& why) { return Capability{false, fmt::format("{} {}", arch, why)}; };
   const std::string state = sequence_state();
   if (!state.empty()) {
-    // A step writes the sequence's own recurrent state (and, with n-gram PLE, uploads rows the
-    // host computed from its token context): it runs once per sequence, eagerly.
-    c.decode_graphs = off(fmt::format("runs decode steps eagerly (not as CUDA graphs yet): each step advances its {}{}",
-                                      state, state.find("n-gram") != std::string::npos
-                                                 ? " and uploads the n-gram rows the host computed"
-                                                 : ""));
+    // A step writes the sequence's own recurrent state, in place in backend memory, so its
+    // decode steps replay as graphs (the n-gram rows the host computes are uploaded before
+    // the replay: Model::prepare_step); it runs once per sequence.
     c.batched_sequences = off(fmt::format("runs one forward per sequence: each carries its own {}", state));
     c.prefix_cache = off(fmt::format("reuses no cached prefix: its {} is not kept at block boundaries", state));
   }

@@ -105,6 +105,9 @@ struct ForwardBatch {
   ModelWorkspace* workspace = nullptr;
   SequenceState* state = nullptr;       // null for families without recurrent state
   const TraceHook* trace = nullptr;
+  // Set by a caller that runs Model::prepare_step before forward (outside any recorded step)
+  // and Model::finish_step after the step has completed; otherwise forward runs both itself.
+  bool host_work_apart = false;
 
   // Hands an activation to the trace hook, when one is set.
   void emit(const char* name, int layer, const Mat& value) const {
@@ -152,6 +155,14 @@ class Model {
   // The capability table, from the facts above (models/model.cpp).
   Capabilities capabilities() const;
   virtual void forward(Backend& backend, const ForwardBatch& batch) const = 0;
+  // The host work of a step that no recorded step (CUDA graph) can hold, apart from forward's
+  // device work (ForwardBatch::host_work_apart): prepare_step before it, ordered with the
+  // queued work (Qwen4-Exp: the n-gram rows computed from the carried token context, gathered
+  // from the mapped table and uploaded), finish_step once the step has completed (its checks
+  // of what the step wrote, such as a NaN flag). A replayed decode step runs no host code of
+  // forward, so Session calls these around every step.
+  virtual void prepare_step(Backend& backend, const ForwardBatch& batch) const { (void)backend, (void)batch; }
+  virtual void finish_step(Backend& backend, const ForwardBatch& batch) const { (void)backend, (void)batch; }
   // Refuses, by name, token ids this model cannot take beyond the vocabulary range (which the
   // callers check): Gemma 4's multimodal placeholders. Called by Session and BatchRunner on
   // every step's tokens before it runs, so a replayed step graph (which runs no host code of

@@ -273,6 +273,10 @@ struct Workspace : ModelWorkspace {
   QsaScratch qsa;
   FfnScratch ffn;
   PleScratch ple;
+  // Each PLE layer's gathered n-gram rows [capacity, ple_dim]: prepare_step uploads every
+  // layer's before the step's device work runs (a replayed step graph reads them there).
+  std::vector<Mat> ple_emb;
+  std::shared_ptr<float> ple_storage;
 };
 
 struct State : SequenceState {
@@ -402,6 +406,8 @@ class Qwen4Exp final : public Model {
     return ple ? "GatedDeltaNet, convolution and n-gram state" : "GatedDeltaNet and convolution state";
   }
   void forward(Backend& be, const ForwardBatch& b) const override;
+  void prepare_step(Backend& be, const ForwardBatch& b) const override;
+  void finish_step(Backend& be, const ForwardBatch& b) const override;
 
  private:
   void load_moe(const WeightLoader& ld, const std::string& p, int layer, Layer& L) const {
@@ -541,10 +547,18 @@ std::unique_ptr<ModelWorkspace> Qwen4Exp::new_workspace(Backend& be, int64_t R) 
       {&ws->gdn.core, vdim}, {&ws->gdn.a, nv}, {&ws->gdn.b, nv}, {&ws->qsa.q_gate, 2 * qw}, {&ws->qsa.q, qw},
       {&ws->qsa.gate, qw}, {&ws->qsa.k, kvw}, {&ws->qsa.v, kvw}, {&ws->qsa.attn, qw}, {&ws->qsa.index_qk, iw},
       {&ws->qsa.index_q, iw - hp_.qsa.head_dim}, {&ws->qsa.index_k, hp_.qsa.head_dim}, {&ws->ffn.gate, inter}, {&ws->ffn.up, inter},
-      {&ws->ffn.router_logits, hp_.n_experts}, {&ws->ple.emb, std::max<int64_t>(hp_.ple_dim, 1)},
-      {&ws->ple.key, CH}, {&ws->ple.query, CH}, {&ws->ple.gated, CH}, {&ws->ple.normed, CH}, {&ws->ple.conv, CH},
+      {&ws->ffn.router_logits, hp_.n_experts}, {&ws->ple.key, CH}, {&ws->ple.query, CH}, {&ws->ple.gated, CH}, {&ws->ple.normed, CH}, {&ws->ple.conv, CH},
       {&ws->ple.value, H}});
   ws->ffn.allocate_routing(be, R, hp_.top_k);
+  int n_ple = 0;
+  for (const LayerSpec& spec : hp_.layers) n_ple += spec.ple_index >= 0;
+  if (n_ple > 0) {
+    Arena arena;
+    for (int k = 0; k < n_ple; ++k) arena.plan(R, hp_.ple_dim);
+    arena.allocate(be);
+    for (int k = 0; k < n_ple; ++k) ws->ple_emb.push_back(arena.take(R, hp_.ple_dim));
+    ws->ple_storage = arena.storage();
+  }
   const int max_sel = hp_.qsa.max_selected();
   ws->qsa.selected = be.alloc_array<int32_t>(R * max_sel);
   ws->qsa.counts = be.alloc_array<int32_t>(R);
@@ -600,6 +614,7 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
   const int64_t n = b.n, H = hp_.hidden;
   const int C = hp_.n_streams;
   auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
+  if (!b.host_work_apart) prepare_step(be, b);
   Mat streams = ws.streams.rows_slice(0, n), mixed = ws.mixed.rows_slice(0, n), branch = ws.branch.rows_slice(0, n);
   Mat inject = ws.inject.rows_slice(0, n);
   // The residual starts as the embedding repeated in every stream.
@@ -611,7 +626,7 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, streams);
     if (L.spec.ple_index >= 0) {
-      ple_layer(be, L.ple, b.host_tokens, streams, st.ple[size_t(i)], ws.ple);
+      ple_layer(be, L.ple, ws.ple_emb[size_t(L.spec.ple_index)].rows_slice(0, n), streams, st.ple[size_t(i)], ws.ple);
       trace("ple", i, streams);
     }
     hc_gated_residual(be, L.attn_hc, streams, ws.hc, mixed, &inject);
@@ -649,8 +664,25 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
   be.matmul(lm_head_, out, logits);
   trace("lm_head", hp_.n_layers, logits);
   download_outputs(be, b, logits);
-  // After the step's own download (the queue has drained there): a NaN block score would have
-  // picked the attended tokens by accident, so the run stops naming the first such layer.
+  if (!b.host_work_apart) finish_step(be, b);
+}
+
+void Qwen4Exp::prepare_step(Backend& be, const ForwardBatch& b) const {
+  auto& ws = *static_cast<Workspace*>(b.workspace);
+  auto& st = *static_cast<State*>(b.state);
+  TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
+  for (int i = 0; i < hp_.n_layers; ++i) {
+    const Layer& L = layers_[size_t(i)];
+    if (L.spec.ple_index < 0) continue;
+    ple_gather(be, L.ple, b.host_tokens, b.n, st.ple[size_t(i)], ws.ple,
+               ws.ple_emb[size_t(L.spec.ple_index)].rows_slice(0, b.n));
+  }
+}
+
+void Qwen4Exp::finish_step(Backend& be, const ForwardBatch& b) const {
+  auto& st = *static_cast<State*>(b.state);
+  // After the step (the queue has drained there): a NaN block score would have picked the
+  // attended tokens by accident, so the run stops naming the first such layer.
   if (hp_.qsa.ratio > 0) {
     be.download_bytes(st.qsa_nan_host.data(), st.qsa_nan.data(), int64_t(st.qsa_nan_host.size()) * 4);
     for (int i = 0; i < hp_.n_layers; ++i) {

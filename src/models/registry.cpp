@@ -32,20 +32,6 @@ void check_family_runs_on(const FamilyEntry& family, const std::string& backend,
   }
 }
 
-void check_config_runs_on(const HfConfig& config, const std::string& backend) {
-  // GatedDeltaNet value heads in llama.cpp's tiled order (qwen4exp GGUF files; set by
-  // gguf_hf_config): the GPU kernels take that order too, not yet device-tested. With one key
-  // head, or as many as value heads, both orders are the same.
-  const int64_t nk = config.get_int("linear_num_key_heads", 1), nv = config.get_int("linear_num_value_heads", 1);
-  if (backend != "cpu" && config.get_bool("linear_value_heads_tiled", false) && nk > 1 && nv > nk &&
-      !cuda_unverified_allowed()) {
-    fail("{}: GatedDeltaNet value heads in llama.cpp's tiled order (qwen4exp GGUF files) are not supported on --device "
-         "{} yet (they run on --device cpu; TURBOSPARK_CUDA_UNVERIFIED=1 runs the GPU kernels' tiled form, which has "
-         "not passed the device tests yet)",
-         config.path(), backend);
-  }
-}
-
 const std::vector<FamilyEntry>& families() {
   static const std::vector<FamilyEntry> kFamilies = {
       // model_type, architecture, factory, runs on CUDA (false: its CUDA kernels exist but have
@@ -82,7 +68,6 @@ LoadedModel load_model(const std::string& model_dir, Backend& backend) {
          arch.empty() ? "<none>" : arch, type.empty() ? "<none>" : type, known);
   }
   check_family_runs_on(*entry, backend.name(), config.path());
-  check_config_runs_on(config, backend.name());
   LoadedModel loaded;
   loaded.checkpoint = gguf_checkpoint ? gguf_checkpoint : std::make_shared<Checkpoint>(model_dir);
   const bool routed = config.has("num_experts") || config.has("num_local_experts");

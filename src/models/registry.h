@@ -25,9 +25,6 @@ bool cuda_unverified_allowed();
 // Throws naming the family and the backend when `family` may not run on `backend` (a GPU
 // backend, its kernels unverified, no TURBOSPARK_CUDA_UNVERIFIED=1); `path` leads the message.
 void check_family_runs_on(const FamilyEntry& family, const std::string& backend, const std::string& path);
-// The same gate for a checkpoint's layout within a verified family: refused by name where only
-// the CPU has been verified on it (today: GatedDeltaNet value heads in llama.cpp's tiled order).
-void check_config_runs_on(const HfConfig& config, const std::string& backend);
 
 // Loads config.json and the safetensors checkpoint in `model_dir` and builds the family's
 // model, its weights and parameters resident on `backend` (which the model must not

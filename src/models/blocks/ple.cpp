@@ -88,9 +88,10 @@ void ngram_row_ids(const NgramHashSpec& spec, const NgramHash& hash, const int32
   context.assign(hist.end() - ctx, hist.end());
 }
 
-void ple_layer(Backend& be, const PleWeights& w, const int32_t* tokens, const Mat& streams, PleState& state,
-               PleScratch& s) {
-  const int64_t rows = streams.rows, H = w.hidden;
+void ple_gather(Backend& be, const PleWeights& w, const int32_t* tokens, int64_t rows, PleState& state,
+                PleScratch& s, const Mat& emb) {
+  TS_CHECK(emb.rows == rows && emb.cols == w.ple_dim, "ple_gather: {} rows into [{}, {}] (PLE dim {})", rows, emb.rows,
+           emb.cols, w.ple_dim);
   const int heads = w.spec.n_heads();
   ngram_row_ids(w.spec, w.hash, tokens, rows, state.context, s.ids);
   // The table stays in the mapped checkpoint (the real one is ~90 GiB): its rows are
@@ -98,7 +99,6 @@ void ple_layer(Backend& be, const PleWeights& w, const int32_t* tokens, const Ma
   // the widened `emb` buffer, and the upload is ordered with the queued work: a single-row
   // buffer would let every token of a micro-batch read the last token's n-grams on a queued
   // backend (the seed's PLE lesson).
-  Mat emb = s.emb.rows_slice(0, rows);
   s.host_emb.resize(size_t(rows * emb.cols));
   for (int64_t t = 0; t < rows; ++t) {
     for (int h = 0; h < heads; ++h) {
@@ -109,6 +109,12 @@ void ple_layer(Backend& be, const PleWeights& w, const int32_t* tokens, const Ma
     }
   }
   be.upload(emb, s.host_emb.data());
+}
+
+void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& streams, PleState& state,
+               PleScratch& s) {
+  const int64_t rows = streams.rows, H = w.hidden;
+  TS_CHECK(emb.rows == rows, "ple_layer: {} gathered rows for {} streams rows", emb.rows, rows);
   Mat key = s.key.rows_slice(0, rows), query = s.query.rows_slice(0, rows), value = s.value.rows_slice(0, rows);
   Mat gated = s.gated.rows_slice(0, rows), normed = s.normed.rows_slice(0, rows), conv = s.conv.rows_slice(0, rows);
   be.matmul(w.key, emb, key);

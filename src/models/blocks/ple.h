@@ -61,15 +61,21 @@ struct PleState {
 };
 
 struct PleScratch {
-  Mat emb;                      // [rows, ple_dim]
   Mat key, query, gated, normed, conv;  // [rows, C*H]
   Mat value;                    // [rows, H]
   std::vector<int64_t> ids;     // [rows, n_heads] host: computed from the host token context
   std::vector<float> host_emb;  // [rows, ple_dim] host staging of the gathered table rows
 };
 
-// streams += PLE(streams, tokens)
-void ple_layer(Backend& be, const PleWeights& w, const int32_t* tokens, const Mat& streams, PleState& state,
+// The host half of a PLE layer: the n-gram row ids of `rows` tokens from the carried context
+// (which it advances), their table rows gathered on the host and uploaded into `emb`
+// ([rows, ple_dim] backend memory, a row per token). Host work no recorded step can hold: a
+// decode step replayed as a graph runs it before the replay (Model::prepare_step).
+void ple_gather(Backend& be, const PleWeights& w, const int32_t* tokens, int64_t rows, PleState& state,
+                PleScratch& s, const Mat& emb);
+
+// The device half: streams += PLE(streams), from the rows ple_gather uploaded into `emb`.
+void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& streams, PleState& state,
                PleScratch& s);
 
 }  // namespace turbospark
