@@ -29,9 +29,6 @@ BatchRunner::BatchRunner(const Model& model, Backend& backend, BatchOptions opti
     states_.push_back(std::move(st));
   }
   batches_ = model_.capabilities().batched_sequences.on;
-  TS_CHECK(batches_ == states_.empty(), "{}: the capability table says rows of several sequences {} share a step, "
-           "but it {} sequence state", model_.info().architecture, batches_ ? "may" : "may not",
-           states_.empty() ? "has no" : "has");
   tokens_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   row_seq_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   greedy_dev_ = backend_.alloc_array<int32_t>(max_rows_);
@@ -78,6 +75,17 @@ void BatchRunner::step(std::span<const BatchRow> rows, std::vector<float>* logit
   backend_.upload_array<int32_t>(row_seq_dev_, row_seq_);
   backend_.upload_array<int64_t>(positions_dev_, positions_);
   if (batches_) {
+    // Families with sequence state: the step's runs of one sequence, each with its state.
+    runs_.clear();
+    for (int64_t t0 = 0; !states_.empty() && t0 < n;) {
+      int64_t t1 = t0 + 1;
+      while (t1 < n && rows[size_t(t1)].seq == rows[size_t(t0)].seq) ++t1;
+      TS_CHECK(std::none_of(runs_.begin(), runs_.end(), [&](const SequenceRun& r) {
+                 return r.state == states_[size_t(rows[size_t(t0)].seq)].get();
+               }), "{}: sequence {}'s rows are split within a step", info.architecture, rows[size_t(t0)].seq);
+      runs_.push_back({t0, t1 - t0, states_[size_t(rows[size_t(t0)].seq)].get()});
+      t0 = t1;
+    }
     forward(rows, 0, nullptr, logits ? logits->data() : nullptr, greedy ? greedy->data() : nullptr);
     return;
   }
@@ -106,6 +114,7 @@ void BatchRunner::forward(std::span<const BatchRow> rows, int64_t first_row, Seq
   ForwardBatch b;
   b.workspace = workspace_.get();
   b.state = state;
+  if (!state) b.runs = runs_;
   b.tokens = tokens_dev_.data() + first_row;
   b.positions = positions_dev_.data() + first_row;
   b.host_tokens = tokens_.data() + first_row;
@@ -131,7 +140,7 @@ void BatchRunner::forward(std::span<const BatchRow> rows, int64_t first_row, Seq
   }
   if (logits) {
     b.logits = logits;
-  } else if (!state && int64_t(wanted_.size()) == n) {
+  } else if (!state && states_.empty() && int64_t(wanted_.size()) == n) {
     // A decode-only step (see decode_graphs_): replayable, keyed by its row count.
     b.greedy_ids = graph_greedy_.data();
     b.greedy_ids_backend = greedy_dev_.data();

@@ -2,8 +2,9 @@
 // carries its sequence and position; the sequences share one paged KV pool (engine/kv_cache.h)
 // and each has its own block table row. The weight matmuls see every row of the step at once;
 // attention and the cache writes index by row. A family with recurrent state per sequence
-// (qwen4_exp: GatedDeltaNet, QSA keys, the PLE n-gram context) runs one forward per sequence
-// of the step instead, each with its own state slot: same rows in, same outputs out.
+// (qwen4_exp: GatedDeltaNet, QSA keys, the PLE n-gram context) keeps a state slot per
+// sequence and gets the step's rows as runs of one sequence (ForwardBatch::runs): its
+// per-sequence ops run once per run, the rest over every row at once.
 //
 // Rows of one sequence must be consecutive and in position order within a step; a sequence's
 // positions must follow what its cache holds (the caller tracks that, as Session does).
@@ -52,12 +53,12 @@ class BatchRunner {
   void release(int seq);
   // Prefix caching (KvCache::attach_prefix / register_prefix), for families without recurrent
   // state (their state at a block boundary is not kept): off otherwise, attaching nothing.
-  bool caches_prefixes() const { return batches_; }
+  bool caches_prefixes() const { return batches_ && states_.empty(); }
   int64_t attach_prefix(int seq, std::span<const int32_t> tokens, int64_t max_tokens) {
-    return batches_ ? kv_.attach_prefix(seq, tokens, max_tokens) : 0;
+    return caches_prefixes() ? kv_.attach_prefix(seq, tokens, max_tokens) : 0;
   }
   void register_prefix(int seq, std::span<const int32_t> tokens) {
-    if (batches_) kv_.register_prefix(seq, tokens);
+    if (caches_prefixes()) kv_.register_prefix(seq, tokens);
   }
 
   // Runs `rows` (at most max_rows()). With `logits`, it receives [wanted rows, vocab] in row
@@ -77,6 +78,7 @@ class BatchRunner {
   KvCache kv_;
   std::unique_ptr<ModelWorkspace> workspace_;
   std::vector<std::unique_ptr<SequenceState>> states_;  // per sequence (stateful families)
+  std::vector<SequenceRun> runs_;                        // the step's, for stateful families
   BackendArray<int32_t> tokens_dev_, row_seq_dev_, greedy_dev_;
   BackendArray<int64_t> positions_dev_;
   std::vector<int32_t> tokens_, row_seq_;

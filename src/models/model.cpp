@@ -10,10 +10,11 @@ Capabilities Model::capabilities() const {
   auto off = [&](const std::string& why) { return Capability{false, fmt::format("{} {}", arch, why)}; };
   const std::string state = sequence_state();
   if (!state.empty()) {
-    // A step writes the sequence's own recurrent state, in place in backend memory, so its
-    // decode steps replay as graphs (the n-gram rows the host computes are uploaded before
-    // the replay: Model::prepare_step); it runs once per sequence.
-    c.batched_sequences = off(fmt::format("runs one forward per sequence: each carries its own {}", state));
+    // A step writes each sequence's own recurrent state, in place in backend memory, so decode
+    // steps replay as graphs (the n-gram rows the host computes are uploaded before the
+    // replay: Model::prepare_step) and rows of several sequences share a forward (its per-
+    // sequence ops run once per sequence: ForwardBatch::runs). What a cached prefix would need
+    // is that state at the prefix's end.
     c.prefix_cache = off(fmt::format("reuses no cached prefix: its {} is not kept at block boundaries", state));
   }
   if (experts_per_token() == 0) {

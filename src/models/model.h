@@ -76,6 +76,15 @@ class SequenceState {
   virtual void reset() = 0;  // back to an empty sequence
 };
 
+// Rows [first, first + rows) of a micro-batch, all of one sequence, and that sequence's state:
+// a family with sequence state runs rows of several sequences in one forward as such runs
+// (ForwardBatch::runs), its per-sequence ops (convolutions, recurrences, QSA's key tables,
+// PLE's n-gram context) once per run, everything row-wise over every row at once.
+struct SequenceRun {
+  int64_t first = 0, rows = 0;
+  SequenceState* state = nullptr;
+};
+
 // Names an intermediate activation for dump-and-diff against the reference (llama.cpp's
 // cb(cur, name, il)). Called with the backend's view; a null hook costs nothing.
 using TraceHook = std::function<void(const char* name, int layer, const Mat& value)>;
@@ -104,6 +113,10 @@ struct ForwardBatch {
   float* router_probs = nullptr;
   ModelWorkspace* workspace = nullptr;
   SequenceState* state = nullptr;       // null for families without recurrent state
+  // Rows of several sequences (BatchRunner), for families with state: consecutive runs
+  // covering [0, n), each with its sequence's state (`state` stays null). Empty: every row
+  // belongs to `state`.
+  std::span<const SequenceRun> runs;
   const TraceHook* trace = nullptr;
   // Set by a caller that runs Model::prepare_step before forward (outside any recorded step)
   // and Model::finish_step after the step has completed; otherwise forward runs both itself.
@@ -123,6 +136,20 @@ struct ForwardBatch {
                "logit row {} of a micro-batch of {} rows (ascending, in range)", logit_rows[i], n);
   }
 };
+
+// A micro-batch's runs: b.runs (checked to cover its rows in order, each with a state), or one
+// run of every row over b.state.
+inline std::vector<SequenceRun> sequence_runs(const ForwardBatch& b) {
+  if (b.runs.empty()) return {SequenceRun{0, b.n, b.state}};
+  int64_t next = 0;
+  for (const SequenceRun& r : b.runs) {
+    TS_CHECK(r.first == next && r.rows > 0 && r.state, "sequence run [{}, +{}) after row {} (state {})", r.first,
+             r.rows, next, r.state != nullptr);
+    next += r.rows;
+  }
+  TS_CHECK(next == b.n, "sequence runs cover {} of {} rows", next, b.n);
+  return {b.runs.begin(), b.runs.end()};
+}
 
 class Model {
  public:

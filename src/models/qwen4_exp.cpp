@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#include <utility>
 
 #include "core/error.h"
 #include "formats/hf_config.h"
@@ -277,6 +279,7 @@ struct Workspace : ModelWorkspace {
   // layer's before the step's device work runs (a replayed step graph reads them there).
   std::vector<Mat> ple_emb;
   std::shared_ptr<float> ple_storage;
+  Mat exit_rows;  // [capacity, C*H]: the wanted rows' streams, rows of several sequences
 };
 
 struct State : SequenceState {
@@ -541,7 +544,7 @@ std::unique_ptr<ModelWorkspace> Qwen4Exp::new_workspace(Backend& be, int64_t R) 
   const int64_t inter = std::max(hp_.moe_inter, hp_.shared_inter);
   const int64_t conv_dim = hp_.gdn.conv_dim(), vdim = hp_.gdn.value_dim(), nv = hp_.gdn.n_v_heads;
   ws->storage = allocate_mats(be, R, {
-      {&ws->streams, CH}, {&ws->mixed, H}, {&ws->branch, H}, {&ws->inject, C}, {&ws->shared_out, H},
+      {&ws->streams, CH}, {&ws->exit_rows, CH}, {&ws->mixed, H}, {&ws->branch, H}, {&ws->inject, C}, {&ws->shared_out, H},
       {&ws->shared_gate, 1}, {&ws->logits, hp_.vocab}, {&ws->hc.normed, CH}, {&ws->hc.low, hp_.hc_rank},
       {&ws->hc.gate, CH}, {&ws->gdn.qkv, conv_dim}, {&ws->gdn.qkv_conv, conv_dim}, {&ws->gdn.z, vdim},
       {&ws->gdn.core, vdim}, {&ws->gdn.a, nv}, {&ws->gdn.b, nv}, {&ws->qsa.q_gate, 2 * qw}, {&ws->qsa.q, qw},
@@ -609,8 +612,16 @@ std::unique_ptr<SequenceState> Qwen4Exp::new_sequence_state(Backend& be, int64_t
 
 void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
   auto& ws = *static_cast<Workspace*>(b.workspace);
-  auto& st = *static_cast<State*>(b.state);
   TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
+  const std::vector<SequenceRun> runs = sequence_runs(b);
+  // Each block's runs: rows of one sequence and its part of that sequence's state.
+  auto layer_runs = [&](auto member, int i) {
+    using Part = std::remove_cvref_t<decltype((std::declval<State&>().*member)[0])>;
+    std::vector<StateRows<const Part>> out;
+    for (const SequenceRun& r : runs)
+      out.push_back({r.first, r.rows, &(static_cast<State*>(r.state)->*member)[size_t(i)]});
+    return out;
+  };
   const int64_t n = b.n, H = hp_.hidden;
   const int C = hp_.n_streams;
   auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
@@ -626,16 +637,17 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, streams);
     if (L.spec.ple_index >= 0) {
-      ple_layer(be, L.ple, ws.ple_emb[size_t(L.spec.ple_index)].rows_slice(0, n), streams, st.ple[size_t(i)], ws.ple);
+      ple_layer(be, L.ple, ws.ple_emb[size_t(L.spec.ple_index)].rows_slice(0, n), streams,
+                layer_runs(&State::ple, i), ws.ple);
       trace("ple", i, streams);
     }
     hc_gated_residual(be, L.attn_hc, streams, ws.hc, mixed, &inject);
     trace("hyper_connection", i, mixed);
     if (L.spec.mixer == MixerKind::kLinear) {
-      gated_delta_net(be, hp_.gdn, L.gdn, mixed, st.gdn[size_t(i)], ws.gdn, branch);
+      gated_delta_net(be, hp_.gdn, L.gdn, mixed, layer_runs(&State::gdn, i), ws.gdn, branch);
       trace("gdn", i, branch);
     } else {
-      qsa_index(be, hp_.attn, hp_.qsa, L.attn, mixed, b.positions, st.qsa[size_t(i)], ws.qsa);
+      qsa_index(be, hp_.attn, hp_.qsa, L.attn, mixed, b.positions, layer_runs(&State::qsa, i), ws.qsa);
       trace("qsa_indexer", i, mixed);
       qsa_attention(be, hp_.attn, hp_.qsa, L.attn, mixed, b.positions, b.kv[size_t(i)], ws.qsa, branch);
       trace("attention", i, branch);
@@ -655,8 +667,13 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     be.hc_inject(streams, branch, inject, C);
     trace("hyper_connection", i, streams);
   }
-  TS_CHECK(b.logit_rows.empty(), "qwen4_exp: one sequence a forward (its recurrent state), so no logit_rows");
   Mat last_streams = b.all_logits ? streams : streams.rows_slice(n - 1, 1);
+  if (!b.logit_rows.empty()) {
+    // Rows of several sequences: each wanted row's streams gathered, one row each.
+    last_streams = ws.exit_rows.rows_slice(0, int64_t(b.logit_rows.size()));
+    for (size_t k = 0; k < b.logit_rows.size(); ++k)
+      be.copy(streams.rows_slice(b.logit_rows[k], 1), last_streams.rows_slice(int64_t(k), 1));
+  }
   Mat out = mixed.rows_slice(0, last_streams.rows);
   hc_gated_residual(be, exit_mixer_, last_streams, ws.hc, out, nullptr);
   trace("hyper_connection", hp_.n_layers, out);
@@ -669,21 +686,24 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
 
 void Qwen4Exp::prepare_step(Backend& be, const ForwardBatch& b) const {
   auto& ws = *static_cast<Workspace*>(b.workspace);
-  auto& st = *static_cast<State*>(b.state);
   TS_CHECK(b.n > 0 && b.n <= ws.capacity, "micro-batch of {} rows exceeds the workspace ({})", b.n, ws.capacity);
-  for (int i = 0; i < hp_.n_layers; ++i) {
-    const Layer& L = layers_[size_t(i)];
-    if (L.spec.ple_index < 0) continue;
-    ple_gather(be, L.ple, b.host_tokens, b.n, st.ple[size_t(i)], ws.ple,
-               ws.ple_emb[size_t(L.spec.ple_index)].rows_slice(0, b.n));
+  for (const SequenceRun& r : sequence_runs(b)) {
+    auto& st = *static_cast<State*>(r.state);
+    for (int i = 0; i < hp_.n_layers; ++i) {
+      const Layer& L = layers_[size_t(i)];
+      if (L.spec.ple_index < 0) continue;
+      ple_gather(be, L.ple, b.host_tokens + r.first, r.rows, st.ple[size_t(i)], ws.ple,
+                 ws.ple_emb[size_t(L.spec.ple_index)].rows_slice(r.first, r.rows));
+    }
   }
 }
 
 void Qwen4Exp::finish_step(Backend& be, const ForwardBatch& b) const {
-  auto& st = *static_cast<State*>(b.state);
   // After the step (the queue has drained there): a NaN block score would have picked the
   // attended tokens by accident, so the run stops naming the first such layer.
-  if (hp_.qsa.ratio > 0) {
+  if (hp_.qsa.ratio <= 0) return;
+  for (const SequenceRun& r : sequence_runs(b)) {
+    auto& st = *static_cast<State*>(r.state);
     be.download_bytes(st.qsa_nan_host.data(), st.qsa_nan.data(), int64_t(st.qsa_nan_host.size()) * 4);
     for (int i = 0; i < hp_.n_layers; ++i) {
       if (st.qsa_nan_host[size_t(i)]) fail("layer {}: QSA indexer produced a NaN block score", i);

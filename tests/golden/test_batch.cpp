@@ -142,7 +142,7 @@ INSTANTIATE_TEST_SUITE_P(Families, BatchInvariance,
                          ::testing::Values(BatchCase{"qwen3_tiny", ""}, BatchCase{"qwen3_moe_tiny", ""},
                                            BatchCase{"llama_tiny", ""}, BatchCase{"gemma3_tiny", ""},
                                            BatchCase{"gpt_oss_tiny", ""}, BatchCase{"gemma4_moe_tiny", ""},
-                                           BatchCase{"qwen4_exp_tiny", ""},
+                                           BatchCase{"qwen4_exp_tiny", ""}, BatchCase{"qwen4_exp_hc4_tiny", ""},
                                            // Quantized matmuls take the tiled kernel from 16
                                            // rows and the row kernel below; both follow one
                                            // accumulation contract (quant_contract.h), so a row

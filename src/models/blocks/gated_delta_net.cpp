@@ -23,7 +23,8 @@ GatedDeltaNetWeights GatedDeltaNetWeights::load(const WeightLoader& ld, const st
 }
 
 void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDeltaNetWeights& w, const Mat& x,
-                     const GatedDeltaNetState& state, GatedDeltaNetScratch& s, const Mat& out) {
+                     std::span<const StateRows<const GatedDeltaNetState>> runs, GatedDeltaNetScratch& s,
+                     const Mat& out) {
   const int64_t rows = x.rows;
   Mat qkv = s.qkv.rows_slice(0, rows), conv = s.qkv_conv.rows_slice(0, rows);
   Mat z = s.z.rows_slice(0, rows), core = s.core.rows_slice(0, rows);
@@ -32,9 +33,14 @@ void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDelta
   be.matmul(w.in_z, x, z);
   be.matmul(w.in_b, x, b);
   be.matmul(w.in_a, x, a);
-  be.causal_conv1d(qkv, w.conv.data(), p.conv_kernel, 1, state.conv, Act::kSilu, conv);
-  be.gated_delta_rule(conv, a, b, w.a_log.data(), w.dt_bias.data(), p.n_k_heads, p.n_v_heads, p.dk, p.dv,
-                      p.v_heads_tiled, state.recurrent, core);
+  for (const auto& r : runs) {
+    const Mat run_conv = conv.rows_slice(r.first, r.rows);
+    be.causal_conv1d(qkv.rows_slice(r.first, r.rows), w.conv.data(), p.conv_kernel, 1, r.state->conv, Act::kSilu,
+                     run_conv);
+    be.gated_delta_rule(run_conv, a.rows_slice(r.first, r.rows), b.rows_slice(r.first, r.rows), w.a_log.data(),
+                        w.dt_bias.data(), p.n_k_heads, p.n_v_heads, p.dk, p.dv, p.v_heads_tiled, r.state->recurrent,
+                        core.rows_slice(r.first, r.rows));
+  }
   // Gated norm per value head: view [rows, nv*dv] as [rows*nv, dv] (rows are contiguous).
   Mat heads(core.data, rows * p.n_v_heads, p.dv);
   be.rmsnorm(heads, w.norm.data(), p.eps, heads);

@@ -5,8 +5,10 @@
 // recurrent form token by token, which is the chunked reference's exact math.
 #pragma once
 
+#include <span>
 #include <vector>
 
+#include "models/blocks/state_rows.h"
 #include "models/weights.h"
 #include "ops/backend.h"
 
@@ -52,7 +54,9 @@ struct GatedDeltaNetScratch {
   Mat a, b;           // [rows, nv]
 };
 
+// out = GatedDeltaNet(x); `runs` cover x's rows, each advancing its sequence's state.
 void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDeltaNetWeights& w, const Mat& x,
-                     const GatedDeltaNetState& state, GatedDeltaNetScratch& s, const Mat& out);
+                     std::span<const StateRows<const GatedDeltaNetState>> runs, GatedDeltaNetScratch& s,
+                     const Mat& out);
 
 }  // namespace turbospark

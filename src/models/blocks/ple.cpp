@@ -111,8 +111,8 @@ void ple_gather(Backend& be, const PleWeights& w, const int32_t* tokens, int64_t
   be.upload(emb, s.host_emb.data());
 }
 
-void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& streams, PleState& state,
-               PleScratch& s) {
+void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& streams,
+               std::span<const StateRows<const PleState>> runs, PleScratch& s) {
   const int64_t rows = streams.rows, H = w.hidden;
   TS_CHECK(emb.rows == rows, "ple_layer: {} gathered rows for {} streams rows", emb.rows, rows);
   Mat key = s.key.rows_slice(0, rows), query = s.query.rows_slice(0, rows), value = s.value.rows_slice(0, rows);
@@ -127,7 +127,10 @@ void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& stre
   for (int c = 0; c < w.n_streams; ++c) {
     be.rmsnorm(gated.cols_slice(c * H, H), w.norm_conv.data() + c * H, w.eps, normed.cols_slice(c * H, H), 1.f);
   }
-  be.causal_conv1d(normed, w.conv.data(), w.conv_kernel, w.spec.ngram_size, state.conv, Act::kSilu, conv);
+  for (const auto& r : runs) {
+    be.causal_conv1d(normed.rows_slice(r.first, r.rows), w.conv.data(), w.conv_kernel, w.spec.ngram_size,
+                     r.state->conv, Act::kSilu, conv.rows_slice(r.first, r.rows));
+  }
   be.add(streams, gated);
   be.add(streams, conv);
 }

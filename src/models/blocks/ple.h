@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
+#include "models/blocks/state_rows.h"
 #include "ops/backend.h"
 
 namespace turbospark {
@@ -74,8 +76,9 @@ struct PleScratch {
 void ple_gather(Backend& be, const PleWeights& w, const int32_t* tokens, int64_t rows, PleState& state,
                 PleScratch& s, const Mat& emb);
 
-// The device half: streams += PLE(streams), from the rows ple_gather uploaded into `emb`.
-void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& streams, PleState& state,
-               PleScratch& s);
+// The device half: streams += PLE(streams), from the rows ple_gather uploaded into `emb`;
+// `runs` cover the rows, each advancing its sequence's conv state.
+void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& streams,
+               std::span<const StateRows<const PleState>> runs, PleScratch& s);
 
 }  // namespace turbospark

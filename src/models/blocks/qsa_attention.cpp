@@ -5,7 +5,7 @@
 namespace turbospark {
 
 void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w, const Mat& x,
-               const int64_t* positions, const QsaState& state, QsaScratch& s) {
+               const int64_t* positions, std::span<const StateRows<const QsaState>> runs, QsaScratch& s) {
   const int64_t rows = x.rows;
   const int id = qp.head_dim;
   // Queries normed and rotated at their positions; keys stored raw (pooled, normed and
@@ -23,8 +23,6 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
   be.copy(ik, ik_rows);
 
   QsaView view;
-  view.raw_keys = state.raw_keys;
-  view.block_keys = state.block_keys;
   view.k_norm = w.index_k_norm.data();
   view.inv_freq = p.inv_freq.data();
   view.rotary_dim = p.rotary_dim;
@@ -33,11 +31,16 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
   view.n_heads = qp.n_heads;
   view.head_dim = id;
   view.eps = p.norm_eps;
-  view.nan_score = state.nan_score;
   const int max_sel = qp.max_selected();
   TS_CHECK(s.selected.size() >= rows * max_sel && s.counts.size() >= rows, "QSA selection buffers hold {} rows, need {}",
            s.counts.size(), rows);
-  be.qsa_select(view, iq_rows, ik_rows, positions, s.selected.data(), s.counts.data(), max_sel);
+  for (const auto& r : runs) {
+    view.raw_keys = r.state->raw_keys;
+    view.block_keys = r.state->block_keys;
+    view.nan_score = r.state->nan_score;
+    be.qsa_select(view, iq_rows.rows_slice(r.first, r.rows), ik_rows.rows_slice(r.first, r.rows), positions + r.first,
+                  s.selected.data() + r.first * max_sel, s.counts.data() + r.first, max_sel);
+  }
 }
 
 void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w,

@@ -6,7 +6,10 @@
 // o_proj.
 #pragma once
 
+#include <span>
+
 #include "models/blocks/attention.h"
+#include "models/blocks/state_rows.h"
 
 namespace turbospark {
 
@@ -41,9 +44,10 @@ struct QsaScratch {
   BackendArray<int32_t> counts;    // [rows]
 };
 
-// The indexer: fills s.selected / s.counts for every row of x.
+// The indexer: fills s.selected / s.counts for every row of x; `runs` cover x's rows, each
+// selecting from (and adding its keys to) its sequence's key tables.
 void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w, const Mat& x,
-               const int64_t* positions, const QsaState& state, QsaScratch& s);
+               const int64_t* positions, std::span<const StateRows<const QsaState>> runs, QsaScratch& s);
 
 // The gated attention over the positions qsa_index selected.
 void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w,
