@@ -434,6 +434,69 @@ TEST(CudaGraphs, BatchedDecodeStepsReplayAsGraphs) {
   });
 }
 
+// Qwen4-Exp rows of several sequences in one step (ForwardBatch::runs: each sequence's
+// GatedDeltaNet, QSA and PLE state advanced by its own rows) give each sequence the logits it
+// gets alone on the GPU: one step of four prompts' prefill, then decode steps of every
+// sequence's row, then a step mixing a prefill chunk of a fifth sequence with decode rows.
+// Within kCudaVsCpuAtItsPrecisionTol, not bit for bit: the matmuls' kernels depend on the row
+// count (GEMV below a few rows).
+TEST(CudaBatch, Qwen4ExpSequencesInOneStepMatchEachAlone) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const char* name : {"qwen4_exp_tiny", "qwen4_exp_mm_tiny"}) {
+    SCOPED_TRACE(name);
+    auto be = make_cuda_backend(0);
+    LoadedModel m = load_model(fixture(name), *be);
+    const int64_t V = m.model->info().vocab_size;
+    const std::vector<int32_t> g = load_golden(name).tokens;
+    constexpr int kSeqs = 5, kDecode = 4;
+    const int64_t lengths[kSeqs] = {7, 20, 12, 33, 9};
+    std::vector<std::vector<int32_t>> feed(kSeqs);       // prompt, then the alone run's greedy ids
+    std::vector<std::vector<std::vector<float>>> alone(kSeqs);  // logits after the prompt and each decode row
+    for (int s = 0; s < kSeqs; ++s) {
+      for (int64_t i = 0; i < lengths[s]; ++i) feed[size_t(s)].push_back(g[size_t(i + 5 * s) % g.size()]);
+      Session one(*m.model, *be);
+      alone[size_t(s)].push_back(one.feed(feed[size_t(s)]));
+      for (int k = 0; k < kDecode; ++k) {
+        const std::vector<float>& last = alone[size_t(s)].back();
+        const int32_t next = int32_t(std::max_element(last.begin(), last.end()) - last.begin());
+        feed[size_t(s)].push_back(next);
+        alone[size_t(s)].push_back(one.feed(std::vector<int32_t>{next}));
+      }
+    }
+    BatchOptions o;
+    o.n_seqs = kSeqs;
+    o.max_context = 128;
+    BatchRunner r(*m.model, *be, o);
+    ASSERT_TRUE(r.batches_sequences());
+    std::vector<int64_t> fed(kSeqs, 0);
+    int compared = 0;
+    auto run_step = [&](const std::vector<std::pair<int, int64_t>>& plan) {  // (sequence, rows)
+      std::vector<BatchRow> rows;
+      for (const auto& [s, n] : plan) {
+        ASSERT_TRUE(r.reserve(s, fed[size_t(s)] + n));
+        for (int64_t i = 0; i < n; ++i)
+          rows.push_back({s, feed[size_t(s)][size_t(fed[size_t(s)] + i)], fed[size_t(s)] + i, i == n - 1});
+      }
+      std::vector<float> logits;
+      r.step(rows, &logits, nullptr);
+      ASSERT_EQ(logits.size(), plan.size() * size_t(V));
+      for (size_t k = 0; k < plan.size(); ++k) {
+        const int s = plan[k].first;
+        fed[size_t(s)] += plan[k].second;
+        const std::vector<float>& want = alone[size_t(s)][size_t(fed[size_t(s)] - lengths[s])];
+        EXPECT_LT(max_rel_error(logits.data() + int64_t(k) * V, want.data(), size_t(V)), kCudaVsCpuAtItsPrecisionTol)
+            << "sequence " << s << " after " << fed[size_t(s)] << " tokens";
+        ++compared;
+      }
+    };
+    run_step({{0, lengths[0]}, {1, lengths[1]}, {2, lengths[2]}, {3, lengths[3]}});  // four prompts, one step
+    for (int k = 0; k < 2; ++k) run_step({{0, 1}, {1, 1}, {2, 1}, {3, 1}});          // decode rows
+    run_step({{0, 1}, {4, lengths[4]}, {1, 1}, {2, 1}});  // a prompt among decode rows
+    run_step({{4, 1}, {3, 1}, {0, 1}});
+    EXPECT_EQ(compared, 4 + 8 + 4 + 3);
+  }
+}
+
 // The long-prompt goldens (tools/fixtures/make_long_goldens.py): 160 tokens cross the
 // 64-row micro-batch boundary and the GEMV/GEMM switch several times.
 class CudaLongGolden : public ::testing::TestWithParam<std::string> {};
