@@ -14,6 +14,7 @@
 #include "cli/common.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "engine/batch.h"
 #include "engine/sampler.h"
 #include "engine/router_stats.h"
 #include "engine/session.h"
@@ -24,7 +25,7 @@ void add_bench_command(CLI::App& app) {
   struct Opts {
     std::string model, device = "auto", router_stats;
     int64_t prompt = 128, decode = 32, ubatch = 0;
-    int threads = 0, repeat = 3, warmup = 1;
+    int threads = 0, repeat = 3, warmup = 1, sequences = 1;
     bool no_membw = false, profile = false, random_decode = false;
     ExpertCacheFlags experts;
   };
@@ -53,12 +54,17 @@ void add_bench_command(CLI::App& app) {
                   "MoE: in one extra run, count how often each expert of each layer is picked over the prompt and over "
                   "the decode steps; print a summary of each and write the decode steps' histogram as CSV "
                   "layer,expert,count,share (what an expert cache sees)");
+  cmd->add_option("--sequences", o->sequences,
+                  "Also decode this many sequences at once (continuous batching, as serve runs them): each reads "
+                  "the prompt, then every step decodes one token of each; prints the aggregate tok/s")
+      ->capture_default_str();
   add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
     using Clock = std::chrono::steady_clock;
     if (o->prompt < 1 || o->decode < 1) fail("bench: --prompt and --decode must be >= 1");
     if (o->warmup < 0) fail("bench: --warmup must be >= 0, got {}", o->warmup);
     if (o->ubatch < 0) fail("bench: --ubatch must be >= 1 (0 = the backend's), got {}", o->ubatch);
+    if (o->sequences < 1) fail("bench: --sequences must be >= 1, got {}", o->sequences);
     LoadedRuntime rt = load_runtime(o->model, o->device, o->threads, false, o->experts);
     const Model& model = *rt.model.model;
     const ModelInfo& info = model.info();
@@ -108,6 +114,44 @@ void add_bench_command(CLI::App& app) {
       return v[v.size() / 2];
     };
     const double pf = median(prefill_tps), dc = median(decode_tps);
+    // Batched decode: --sequences sequences in one BatchRunner, each prefilled with the prompt
+    // (untimed), then `decode` steps of one row per sequence, timed; the median over repeats.
+    std::vector<double> batch_tps;
+    if (o->sequences > 1) {
+      BatchOptions bo;
+      bo.n_seqs = o->sequences;
+      bo.max_context = o->prompt + o->decode + 1;
+      bo.pool_tokens = o->sequences * ((bo.max_context + 255) / 256 * 256);  // whole KV blocks each
+      bo.max_rows = std::max<int64_t>(o->sequences, rt.backend->preferred_prefill_batch());
+      BatchRunner runner(model, *rt.backend, bo);
+      std::vector<BatchRow> rows;
+      std::vector<int32_t> ids;
+      std::mt19937 batch_rng(13);
+      for (int r = 0; r < std::max(1, o->repeat) + o->warmup; ++r) {
+        std::vector<int32_t> next(size_t(o->sequences));
+        for (int s = 0; s < o->sequences; ++s) {
+          runner.release(s);
+          if (!runner.reserve(s, o->prompt + o->decode)) fail("bench: the KV pool holds fewer than {} sequences", s + 1);
+          for (int64_t c = 0; c < o->prompt; c += runner.max_rows()) {
+            const int64_t m = std::min(runner.max_rows(), o->prompt - c);
+            rows.clear();
+            for (int64_t t = 0; t < m; ++t) rows.push_back({s, prompt[size_t(c + t)], c + t, c + t == o->prompt - 1});
+            runner.step(rows, nullptr, &ids);
+          }
+          next[size_t(s)] = ids.empty() ? 0 : ids[0];
+        }
+        auto t0 = Clock::now();
+        for (int64_t i = 0; i < o->decode; ++i) {
+          rows.clear();
+          for (int s = 0; s < o->sequences; ++s) rows.push_back({s, next[size_t(s)], o->prompt + i, true});
+          runner.step(rows, nullptr, &ids);
+          for (int s = 0; s < o->sequences; ++s) next[size_t(s)] = o->random_decode ? pick(batch_rng) : ids[size_t(s)];
+        }
+        const double t = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (r >= o->warmup) batch_tps.push_back(double(o->sequences * o->decode) / t);
+      }
+      for (int s = 0; s < o->sequences; ++s) runner.release(s);
+    }
     // Per-block profile: the CPU backend runs ops eagerly, so the wall time between two trace
     // marks is the cost of the block named by the later mark. A GPU backend queues its work, so
     // each mark waits for the queue first: the profile run is eager (no graphs) and pays one
@@ -166,6 +210,11 @@ void add_bench_command(CLI::App& app) {
     fmt::print("prefill      {:.1f} tok/s  ({} tokens, median of {})\n", pf, o->prompt, prefill_tps.size());
     fmt::print("decode       {:.2f} tok/s  ({} tokens after the prompt, median of {})\n", dc, o->decode, decode_tps.size());
     fmt::print("decode bw    {:.2f} GB/s of weights\n", gbs);
+    if (!batch_tps.empty()) {
+      const double bt = median(batch_tps);
+      fmt::print("decode x {:<3} {:.2f} tok/s  ({} sequences at once, {:.2f} tok/s each, {:.2f}x one; median of {})\n",
+                 o->sequences, bt, o->sequences, bt / o->sequences, bt / dc, batch_tps.size());
+    }
     if (rt.experts && decode_tokens > 0) {
       fmt::print("experts      {:.2f} MiB read from disk per decode token, {:.1f}% cache hits while decoding\n",
                  double(decode_read) / double(decode_tokens) / (1 << 20),

@@ -208,6 +208,19 @@ TEST(Cli, BenchRouterStatsSummarizesPromptAndDecode) {
   EXPECT_EQ(per_layer, (std::map<int64_t, int64_t>{{0, 5 * k}, {2, 5 * k}}));  // the decode steps' picks
 }
 
+// bench --sequences N decodes N sequences at once through the batch runner (Qwen4-Exp with a
+// state slot per sequence) and prints their aggregate rate beside the single-sequence one.
+TEST(Cli, BenchSequencesDecodesSeveralAtOnce) {
+  for (const char* name : {"qwen3_moe_tiny", "qwen4_exp_tiny"}) {
+    auto r = run_cli("bench --model " + fixture(name) + " --prompt 5 --decode 4 --repeat 1 --no-membw --sequences 3");
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    EXPECT_NE(r.out.find("decode x 3"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("(3 sequences at once"), std::string::npos) << r.out;
+  }
+  expect_one_line_error(run_cli("bench --model " + fixture("qwen3_moe_tiny") + " --sequences 0"),
+                        "--sequences must be >= 1");
+}
+
 // bench's untimed warm-up runs (the prompt and one decode step each) go before the timed ones:
 // the streamed expert cache's whole-bench acquire count grows by one such run per warm-up.
 TEST(Cli, BenchWarmupRunsThePromptAndOneDecodeStepUntimed) {
