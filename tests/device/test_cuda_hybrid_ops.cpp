@@ -267,23 +267,22 @@ QsaCounts run_qsa(const QsaCase& c, cuda::QsaScores scores) {
     const std::vector<int32_t> got_sel = dsel.download(), got_counts = dcounts.download();
     const std::vector<int32_t> ser_sel = serial_sel.download(), ser_counts = serial_counts.download();
     n.threshold += threshold_rows.download()[0];
+    // Row t's selection as a sorted set.
+    auto row_set = [&](const std::vector<int32_t>& all, int64_t t, int32_t count) {
+      std::vector<int32_t> v(all.begin() + t * max_sel, all.begin() + t * max_sel + count);
+      std::sort(v.begin(), v.end());
+      return v;
+    };
     for (int64_t t = 0; t < m; ++t) {
       EXPECT_EQ(got_counts[size_t(t)], ser_counts[size_t(t)]) << "row " << start + t;
       if (got_counts[size_t(t)] != ser_counts[size_t(t)]) continue;
-      std::vector<int32_t> a(got_sel.begin() + t * max_sel, got_sel.begin() + t * max_sel + got_counts[size_t(t)]);
-      std::vector<int32_t> b(ser_sel.begin() + t * max_sel, ser_sel.begin() + t * max_sel + ser_counts[size_t(t)]);
-      std::sort(a.begin(), a.end());
-      std::sort(b.begin(), b.end());
-      EXPECT_EQ(a, b) << "row " << start + t << ": the threshold path and the emulation picked other blocks";
+      EXPECT_EQ(row_set(got_sel, t, got_counts[size_t(t)]), row_set(ser_sel, t, ser_counts[size_t(t)]))
+          << "row " << start + t << ": the threshold path and the emulation picked other blocks";
     }
     for (int64_t t = 0; t < m; ++t) {
       EXPECT_EQ(got_counts[size_t(t)], counts[size_t(t)]) << "row " << start + t;
       if (got_counts[size_t(t)] != counts[size_t(t)]) continue;
-      std::vector<int32_t> want(sel.begin() + t * max_sel, sel.begin() + t * max_sel + counts[size_t(t)]);
-      std::vector<int32_t> got(got_sel.begin() + t * max_sel, got_sel.begin() + t * max_sel + counts[size_t(t)]);
-      std::sort(want.begin(), want.end());
-      std::sort(got.begin(), got.end());
-      n.differ += got != want;
+      n.differ += row_set(got_sel, t, counts[size_t(t)]) != row_set(sel, t, counts[size_t(t)]);
       n.decided += (start + t + 1) / c.ratio > c.block_topk;
     }
   }
