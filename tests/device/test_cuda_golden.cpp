@@ -438,8 +438,11 @@ TEST(CudaGraphs, BatchedDecodeStepsReplayAsGraphs) {
 // GatedDeltaNet, QSA and PLE state advanced by its own rows) give each sequence the logits it
 // gets alone on the GPU: one step of four prompts' prefill, then decode steps of every
 // sequence's row, then a step mixing a prefill chunk of a fifth sequence with decode rows.
-// Within kCudaVsCpuAtItsPrecisionTol, not bit for bit: the matmuls' kernels depend on the row
-// count (GEMV below a few rows).
+// Not bit for bit: a step's rows go through other matmul kernels than the same rows alone (GEMM
+// tiles for a step of 76 rows, GEMV for a 7-token prompt), the kind of difference chunk sizes make,
+// which the goldens hold to kCudaLogitTol; so is this. A wrong state slot or a run fed another
+// sequence's rows moves the logits by O(1). Measured on an H100 (2026-12-06): worst 0.0061, in
+// the four-prompt step; 18 of 19 comparisons within 5e-3.
 TEST(CudaBatch, Qwen4ExpSequencesInOneStepMatchEachAlone) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (const char* name : {"qwen4_exp_tiny", "qwen4_exp_mm_tiny"}) {
@@ -470,6 +473,7 @@ TEST(CudaBatch, Qwen4ExpSequencesInOneStepMatchEachAlone) {
     ASSERT_TRUE(r.batches_sequences());
     std::vector<int64_t> fed(kSeqs, 0);
     int compared = 0;
+    double worst = 0;
     auto run_step = [&](const std::vector<std::pair<int, int64_t>>& plan) {  // (sequence, rows)
       std::vector<BatchRow> rows;
       for (const auto& [s, n] : plan) {
@@ -484,8 +488,9 @@ TEST(CudaBatch, Qwen4ExpSequencesInOneStepMatchEachAlone) {
         const int s = plan[k].first;
         fed[size_t(s)] += plan[k].second;
         const std::vector<float>& want = alone[size_t(s)][size_t(fed[size_t(s)] - lengths[s])];
-        EXPECT_LT(max_rel_error(logits.data() + int64_t(k) * V, want.data(), size_t(V)), kCudaVsCpuAtItsPrecisionTol)
-            << "sequence " << s << " after " << fed[size_t(s)] << " tokens";
+        const double err = max_rel_error(logits.data() + int64_t(k) * V, want.data(), size_t(V));
+        worst = std::max(worst, err);
+        EXPECT_LT(err, kCudaLogitTol) << "sequence " << s << " after " << fed[size_t(s)] << " tokens";
         ++compared;
       }
     };
@@ -494,6 +499,7 @@ TEST(CudaBatch, Qwen4ExpSequencesInOneStepMatchEachAlone) {
     run_step({{0, 1}, {4, lengths[4]}, {1, 1}, {2, 1}});  // a prompt among decode rows
     run_step({{4, 1}, {3, 1}, {0, 1}});
     EXPECT_EQ(compared, 4 + 8 + 4 + 3);
+    std::printf("[ measured ] %s: rows of several sequences in one step vs each alone, worst %.3g\n", name, worst);
   }
 }
 
