@@ -391,8 +391,6 @@ void add_serve_command(CLI::App& app) {
     if (!o->quiet) {
       // Features the family lacks are said once, not silently skipped (the capability table).
       const Capabilities caps = model.capabilities();
-      if (!caps.batched_sequences.on)
-        fmt::print(stderr, "serve: sequences step apart: {}\n", caps.batched_sequences.why_not);
       if (!caps.prefix_cache.on && !o->no_prefix_cache)
         fmt::print(stderr, "serve: prefix cache off: {}\n", caps.prefix_cache.why_not);
     }
@@ -460,9 +458,7 @@ void add_serve_command(CLI::App& app) {
       http.stop();
     });
     fmt::print(stderr, "turbospark serve: listening on http://{}:{} (model '{}', {} slots of {} tokens, steps of up to {} "
-               "rows{}{})\n", o->host, port, id, o->parallel, ctx, engine.step_rows(),
-               engine.batches_sequences() ? "" : fmt::format(", {} runs a forward per sequence (its recurrent state)",
-                                                               model.info().architecture),
+               "rows{})\n", o->host, port, id, o->parallel, ctx, engine.step_rows(),
                o->api_key.empty() ? "" : ", API key required");
     std::fflush(stderr);
     const bool ok = http.listen_after_bind();

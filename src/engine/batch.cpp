@@ -28,7 +28,10 @@ BatchRunner::BatchRunner(const Model& model, Backend& backend, BatchOptions opti
     if (!st) break;
     states_.push_back(std::move(st));
   }
-  batches_ = model_.capabilities().batched_sequences.on;
+  // Every family batches (those with sequence state through ForwardBatch::runs); one that
+  // could not would say so in its capability table and need a runner that steps apart.
+  TS_CHECK(model_.capabilities().batched_sequences.on, "{}: rows of several sequences cannot share a step: {}",
+           model_.info().architecture, model_.capabilities().batched_sequences.why_not);
   tokens_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   row_seq_dev_ = backend_.alloc_array<int32_t>(max_rows_);
   greedy_dev_ = backend_.alloc_array<int32_t>(max_rows_);
@@ -74,54 +77,35 @@ void BatchRunner::step(std::span<const BatchRow> rows, std::vector<float>* logit
   backend_.upload_array<int32_t>(tokens_dev_, tokens_);
   backend_.upload_array<int32_t>(row_seq_dev_, row_seq_);
   backend_.upload_array<int64_t>(positions_dev_, positions_);
-  if (batches_) {
-    // Families with sequence state: the step's runs of one sequence, each with its state.
-    runs_.clear();
-    for (int64_t t0 = 0; !states_.empty() && t0 < n;) {
-      int64_t t1 = t0 + 1;
-      while (t1 < n && rows[size_t(t1)].seq == rows[size_t(t0)].seq) ++t1;
-      TS_CHECK(std::none_of(runs_.begin(), runs_.end(), [&](const SequenceRun& r) {
-                 return r.state == states_[size_t(rows[size_t(t0)].seq)].get();
-               }), "{}: sequence {}'s rows are split within a step", info.architecture, rows[size_t(t0)].seq);
-      runs_.push_back({t0, t1 - t0, states_[size_t(rows[size_t(t0)].seq)].get()});
-      t0 = t1;
-    }
-    forward(rows, 0, nullptr, logits ? logits->data() : nullptr, greedy ? greedy->data() : nullptr);
-    return;
-  }
-  // One forward per run of one sequence's rows, each with its own state.
-  int64_t out = 0;
-  for (int64_t t0 = 0; t0 < n;) {
+  // Families with sequence state: the step's runs of one sequence, each with its state.
+  runs_.clear();
+  for (int64_t t0 = 0; !states_.empty() && t0 < n;) {
     int64_t t1 = t0 + 1;
     while (t1 < n && rows[size_t(t1)].seq == rows[size_t(t0)].seq) ++t1;
-    const std::span<const BatchRow> run = rows.subspan(size_t(t0), size_t(t1 - t0));
-    for (int64_t t = t0; t + 1 < t1; ++t)
-      TS_CHECK(!rows[size_t(t)].want, "{}: only a sequence's last row of a step can be wanted (recurrent state)",
-               info.architecture);
-    forward(run, t0, states_[size_t(run.front().seq)].get(), logits ? logits->data() + out * V : nullptr,
-            greedy ? greedy->data() + out : nullptr);
-    out += run.back().want;
+    SequenceState* state = states_[size_t(rows[size_t(t0)].seq)].get();
+    TS_CHECK(std::none_of(runs_.begin(), runs_.end(), [&](const SequenceRun& r) { return r.state == state; }),
+             "{}: sequence {}'s rows are split within a step", info.architecture, rows[size_t(t0)].seq);
+    runs_.push_back({t0, t1 - t0, state});
     t0 = t1;
   }
+  forward(rows, logits ? logits->data() : nullptr, greedy ? greedy->data() : nullptr);
 }
 
-void BatchRunner::forward(std::span<const BatchRow> rows, int64_t first_row, SequenceState* state, float* logits,
-                          int32_t* greedy) {
+void BatchRunner::forward(std::span<const BatchRow> rows, float* logits, int32_t* greedy) {
   const int64_t n = int64_t(rows.size());
   wanted_.clear();
   for (int64_t t = 0; t < n; ++t)
     if (rows[size_t(t)].want) wanted_.push_back(t);
   ForwardBatch b;
   b.workspace = workspace_.get();
-  b.state = state;
-  if (!state) b.runs = runs_;
-  b.tokens = tokens_dev_.data() + first_row;
-  b.positions = positions_dev_.data() + first_row;
-  b.host_tokens = tokens_.data() + first_row;
+  b.runs = runs_;
+  b.tokens = tokens_dev_.data();
+  b.positions = positions_dev_.data();
+  b.host_tokens = tokens_.data();
   b.n = n;
   for (int i = 0; i < kv_.n_layers(); ++i) {
     KvLayerView v = kv_.layer(i);
-    v.row_seq = row_seq_dev_.data() + first_row;
+    v.row_seq = row_seq_dev_.data();
     b.kv.push_back(v);
   }
   if (wanted_.empty()) {
@@ -132,15 +116,10 @@ void BatchRunner::forward(std::span<const BatchRow> rows, int64_t first_row, Seq
     model_.forward(backend_, b);
     return;
   }
-  if (state) {
-    // One sequence: its last row (checked by step()).
-    b.all_logits = false;
-  } else {
-    b.logit_rows = wanted_;
-  }
+  b.logit_rows = wanted_;
   if (logits) {
     b.logits = logits;
-  } else if (!state && states_.empty() && int64_t(wanted_.size()) == n) {
+  } else if (states_.empty() && int64_t(wanted_.size()) == n) {
     // A decode-only step (see decode_graphs_): replayable, keyed by its row count.
     b.greedy_ids = graph_greedy_.data();
     b.greedy_ids_backend = greedy_dev_.data();

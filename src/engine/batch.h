@@ -39,8 +39,6 @@ class BatchRunner {
  public:
   BatchRunner(const Model& model, Backend& backend, BatchOptions options);
 
-  // Whether rows of different sequences share a forward (false: one forward per sequence).
-  bool batches_sequences() const { return batches_; }
   int64_t max_rows() const { return max_rows_; }
   int64_t max_context() const { return max_context_; }
   int n_seqs() const { return kv_.n_seqs(); }
@@ -53,7 +51,7 @@ class BatchRunner {
   void release(int seq);
   // Prefix caching (KvCache::attach_prefix / register_prefix), for families without recurrent
   // state (their state at a block boundary is not kept): off otherwise, attaching nothing.
-  bool caches_prefixes() const { return batches_ && states_.empty(); }
+  bool caches_prefixes() const { return states_.empty(); }
   int64_t attach_prefix(int seq, std::span<const int32_t> tokens, int64_t max_tokens) {
     return caches_prefixes() ? kv_.attach_prefix(seq, tokens, max_tokens) : 0;
   }
@@ -67,14 +65,12 @@ class BatchRunner {
   void step(std::span<const BatchRow> rows, std::vector<float>* logits, std::vector<int32_t>* greedy);
 
  private:
-  void forward(std::span<const BatchRow> rows, int64_t first_row, SequenceState* state, float* logits,
-               int32_t* greedy);
+  void forward(std::span<const BatchRow> rows, float* logits, int32_t* greedy);
 
   const Model& model_;
   Backend& backend_;
   int64_t max_context_;
   int64_t max_rows_;
-  bool batches_;
   KvCache kv_;
   std::unique_ptr<ModelWorkspace> workspace_;
   std::vector<std::unique_ptr<SequenceState>> states_;  // per sequence (stateful families)

@@ -133,7 +133,6 @@ class ServeEngine {
   int64_t context() const { return ctx_; }
   int parallel() const { return int(slots_.size()); }
   int64_t step_rows() const { return runner_.max_rows(); }
-  bool batches_sequences() const { return runner_.batches_sequences(); }
   ServeMetrics metrics();  // a snapshot
   std::string prometheus();
 
