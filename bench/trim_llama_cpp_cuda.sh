@@ -9,6 +9,8 @@
 #
 #   bench/trim_llama_cpp_cuda.sh OUT.tar.xz
 #
+#   LLAMA_WITH_SERVER=1 bench/trim_llama_cpp_cuda.sh OUT.tar.xz   # llama-server too
+#
 # Kept: the top-level CMake files, cmake/, src/, include/, common/, vendor/, licenses, ggml/
 # minus the backends this build does not use, and tools/llama-bench with a tools/CMakeLists.txt
 # that adds only it. Configure it with -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TESTS=OFF
@@ -34,5 +36,13 @@ cp -r "$src"/ggml/{CMakeLists.txt,cmake,include} "$stage/llama.cpp/ggml/"
   (cd "$stage/llama.cpp/ggml/src" && tar xf -)
 cp -r "$src/tools/llama-bench" "$stage/llama.cpp/tools/"
 echo 'add_subdirectory(llama-bench)' >"$stage/llama.cpp/tools/CMakeLists.txt"
+if [[ "${LLAMA_WITH_SERVER:-0}" == 1 ]]; then
+  # llama-server (the serving peer of bench/serve_bench.py) and what it links: the web UI's
+  # assets target and mtmd. Configure with -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF.
+  cp -r "$src"/tools/{server,ui,mtmd} "$stage/llama.cpp/tools/"
+  mkdir -p "$stage/llama.cpp/scripts" && cp "$src/scripts/ui-assets.cmake" "$stage/llama.cpp/scripts/"
+  printf 'add_subdirectory(ui)\nadd_subdirectory(mtmd)\nadd_subdirectory(server)\n' \
+    >>"$stage/llama.cpp/tools/CMakeLists.txt"
+fi
 tar cJf "$out" -C "$stage" llama.cpp
 echo "$out: $(du -h "$out" | cut -f1)" >&2

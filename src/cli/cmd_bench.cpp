@@ -117,6 +117,8 @@ void add_bench_command(CLI::App& app) {
     // Batched decode: --sequences sequences in one BatchRunner, each prefilled with the prompt
     // (untimed), then `decode` steps of one row per sequence, timed; the median over repeats.
     std::vector<double> batch_tps;
+    std::map<std::string, double> batch_blocks;
+    const bool queued = rt.backend->name() != "cpu";
     if (o->sequences > 1) {
       BatchOptions bo;
       bo.n_seqs = o->sequences;
@@ -127,6 +129,7 @@ void add_bench_command(CLI::App& app) {
       std::vector<BatchRow> rows;
       std::vector<int32_t> ids;
       std::mt19937 batch_rng(13);
+      std::vector<int32_t> next_profile;  // the last repeat's first decode ids
       for (int r = 0; r < std::max(1, o->repeat) + o->warmup; ++r) {
         std::vector<int32_t> next(size_t(o->sequences));
         for (int s = 0; s < o->sequences; ++s) {
@@ -140,6 +143,7 @@ void add_bench_command(CLI::App& app) {
           }
           next[size_t(s)] = ids.empty() ? 0 : ids[0];
         }
+        next_profile = next;
         auto t0 = Clock::now();
         for (int64_t i = 0; i < o->decode; ++i) {
           rows.clear();
@@ -150,6 +154,27 @@ void add_bench_command(CLI::App& app) {
         const double t = std::chrono::duration<double>(Clock::now() - t0).count();
         if (r >= o->warmup) batch_tps.push_back(double(o->sequences * o->decode) / t);
       }
+      // --profile: the batched decode steps once more, eagerly, timed per block (below).
+      if (o->profile) {
+        Clock::time_point last;
+        runner.trace = [&](const char* name, int, const Mat&) {
+          if (queued) rt.backend->synchronize();
+          auto now = Clock::now();
+          if (std::strcmp(name, "embedding") != 0)
+            batch_blocks[name == std::string("layer_in") ? "residual (other)" : name] +=
+                std::chrono::duration<double>(now - last).count();
+          last = now;
+        };
+        for (int64_t i = 0; i < o->decode; ++i) {
+          rows.clear();
+          for (int s = 0; s < o->sequences; ++s) rows.push_back({s, next_profile[size_t(s)], o->prompt + i, true});
+          if (queued) rt.backend->synchronize();
+          last = Clock::now();
+          runner.step(rows, nullptr, &ids);
+          for (int s = 0; s < o->sequences; ++s) next_profile[size_t(s)] = ids[size_t(s)];
+        }
+        runner.trace = nullptr;
+      }
       for (int s = 0; s < o->sequences; ++s) runner.release(s);
     }
     // Per-block profile: the CPU backend runs ops eagerly, so the wall time between two trace
@@ -158,7 +183,6 @@ void add_bench_command(CLI::App& app) {
     // host round trip per block, so its ms/token are above the timed runs'; the shares are
     // what it is for.
     std::map<std::string, double> prefill_blocks, decode_blocks;
-    const bool queued = rt.backend->name() != "cpu";
     if (o->profile) {
       std::map<std::string, double>* into = nullptr;
       Clock::time_point last;
@@ -228,19 +252,22 @@ void add_bench_command(CLI::App& app) {
       fmt::print("decode {} (histogram: {})\n", decode_routes->summary(), o->router_stats);
     }
     if (o->profile) {
-      auto table = [&](const char* title, const std::map<std::string, double>& blocks, double tokens) {
+      auto table = [&](const std::string& title, const std::map<std::string, double>& blocks, double tokens,
+                       const char* unit = "token") {
         double total = 0;
         for (const auto& [k, v] : blocks) total += v;
         std::vector<std::pair<double, std::string>> rows;
         for (const auto& [k, v] : blocks) rows.emplace_back(v, k);
         std::sort(rows.rbegin(), rows.rend());
-        fmt::print("{} profile ({:.0f} tokens, {:.2f} ms/token):\n", title, tokens, 1e3 * total / tokens);
+        fmt::print("{} profile ({:.0f} {}s, {:.2f} ms/{}):\n", title, tokens, unit, 1e3 * total / tokens, unit);
         for (const auto& [v, k] : rows) {
-          fmt::print("  {:<18} {:8.3f} ms/token {:5.1f}%\n", k, 1e3 * v / tokens, 100 * v / std::max(total, 1e-12));
+          fmt::print("  {:<18} {:8.3f} ms/{} {:5.1f}%\n", k, 1e3 * v / tokens, unit, 100 * v / std::max(total, 1e-12));
         }
       };
       table("prefill", prefill_blocks, double(o->prompt));
       table("decode", decode_blocks, double(o->decode));
+      if (!batch_blocks.empty())
+        table(fmt::format("decode x {}", o->sequences), batch_blocks, double(o->decode), "step");
     }
     if (!o->no_membw && rt.backend->name() != "cpu") {
       const double peak = rt.backend->copy_bandwidth_gbs();

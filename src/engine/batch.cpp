@@ -103,9 +103,16 @@ void BatchRunner::forward(std::span<const BatchRow> rows, float* logits, int32_t
   b.positions = positions_dev_.data();
   b.host_tokens = tokens_.data();
   b.n = n;
+  b.trace = trace ? &trace : nullptr;
+  // Leading rows alone of their sequence in this step (decode rows: serve puts them first).
+  int64_t lone = 0;
+  while (lone < n && (lone == 0 || rows[size_t(lone - 1)].seq != rows[size_t(lone)].seq) &&
+         (lone + 1 == n || rows[size_t(lone + 1)].seq != rows[size_t(lone)].seq))
+    ++lone;
   for (int i = 0; i < kv_.n_layers(); ++i) {
     KvLayerView v = kv_.layer(i);
     v.row_seq = row_seq_dev_.data();
+    v.lone_rows = lone;
     b.kv.push_back(v);
   }
   if (wanted_.empty()) {
@@ -119,11 +126,11 @@ void BatchRunner::forward(std::span<const BatchRow> rows, float* logits, int32_t
   b.logit_rows = wanted_;
   if (logits) {
     b.logits = logits;
-  } else if (states_.empty() && int64_t(wanted_.size()) == n) {
+  } else if (states_.empty() && int64_t(wanted_.size()) == n && !trace) {
     // A decode-only step (see decode_graphs_): replayable, keyed by its row count.
     b.greedy_ids = graph_greedy_.data();
     b.greedy_ids_backend = greedy_dev_.data();
-    backend_.run_step(decode_graphs_[n], [&] { model_.forward(backend_, b); });
+    backend_.run_step(decode_graphs_[n + (lone << 32)], [&] { model_.forward(backend_, b); });
     std::copy_n(graph_greedy_.data(), n, greedy);
     return;
   } else {

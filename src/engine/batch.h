@@ -64,6 +64,9 @@ class BatchRunner {
   // NaN). Non-finite logits are returned as they are: the caller fails that row's request.
   void step(std::span<const BatchRow> rows, std::vector<float>* logits, std::vector<int32_t>* greedy);
 
+  // Optional per-activation hook (as Session::trace); while set, steps run eagerly (no graphs).
+  TraceHook trace;
+
  private:
   void forward(std::span<const BatchRow> rows, float* logits, int32_t* greedy);
 
@@ -84,7 +87,7 @@ class BatchRunner {
   // same buffers whatever the rows' sequences and positions, which live in the device buffers
   // above: the backend may replay them as graphs, one per row count. Their ids land in
   // graph_greedy_ (allocated once: a captured download keeps its host address) and are copied
-  // out after each step.
+  // out after each step. Keyed by row count + (lone rows << 32) (KvLayerView::lone_rows).
   std::map<int64_t, std::unique_ptr<StepGraph>> decode_graphs_;
   std::vector<int32_t> graph_greedy_;
 };

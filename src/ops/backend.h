@@ -154,6 +154,11 @@ struct KvLayerView {
   // replayed step graph keeps the choice it was captured with, so the caller keys its graphs
   // by the bound (Session rounds it up to a power of two).
   int64_t span_bound = 0;
+  // Host-known count of leading rows that are each the only row of their sequence in this
+  // call (the decode rows of a continuous-batching step), or 0 when unknown. A hint only: a
+  // backend may run them with its one-query-per-row kernel and the rest with its tiled one.
+  // Graphs are captured with the choice, so callers that replay key them by it too.
+  int64_t lone_rows = 0;
 
   int64_t block_floats() const { return int64_t(block_size) * n_kv_heads * head_dim; }
   int seq_of(int64_t row) const { return row_seq ? row_seq[row] : 0; }

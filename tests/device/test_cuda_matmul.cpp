@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -672,8 +673,28 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   cases.push_back({f16, q40, 9, 8, 3, 96, 64, GluKind::kSilu, true, false});
   cases.push_back({f16, q40, 9, 8, 33, 96, 64, GluKind::kSilu, true, false});
   cases.push_back({q8, mx, 64, 8, 500, 64, 64, GluKind::kGelu, false, true});
+  // Grouped sizes (more than kMoeDecodeMaxRows rows) run through both grouped kernels: the
+  // 128-row tiles and the few-rows-per-expert one (moe_grouped_small_kernel), whichever the
+  // default would pick.
+  cases.push_back({q40p, q40p, 128, 8, 64, 256, 128, GluKind::kSilu, false, false});  // serve-like: ~4 a expert
+  cases.push_back({q40p, q40p, 16, 8, 40, 96, 64, GluKind::kSilu, false, false});     // 20 a expert: 3 passes
   uint32_t seed = 1000;
-  for (const MoeCase& c : cases) run_moe_case(mm, c, seed += 100);
+  int small = 0;
+  for (const MoeCase& c : cases) {
+    seed += 100;
+    if (c.rows <= cuda::kMoeDecodeMaxRows) {
+      run_moe_case(mm, c, seed);
+      continue;
+    }
+    for (const char* mode : {"0", "1"}) {
+      SCOPED_TRACE(std::string("TURBOSPARK_CUDA_MOE_SMALL=") + mode);
+      setenv("TURBOSPARK_CUDA_MOE_SMALL", mode, 1);
+      small += mode[0] == '1' && cuda::moe_small_groups(c.rows * c.k, c.n_experts, c.hidden, c.inter);
+      run_moe_case(mm, c, seed);
+    }
+    unsetenv("TURBOSPARK_CUDA_MOE_SMALL");
+  }
+  EXPECT_GT(small, 20) << "cases that ran the few-rows-per-expert kernel";
 }
 
 // BF16 experts run in float on the CPU backend: agree with it (decode and prefill). For Q4_0

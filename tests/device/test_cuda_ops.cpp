@@ -553,10 +553,16 @@ struct AttnCase {
   int window;
   bool sinks;
   int n_seqs;
+  // > 0: a continuous-batching step instead of interleaved rows: rows [0, lone) are one row
+  // each of sequences 1..lone (decode rows), the rest consecutive rows of sequence 0 (a prompt
+  // chunk); n_seqs must be lone + 1 (or lone when every row is lone), and the device view says
+  // lone_rows = lone (unless lone_hint is false: the same rows without the hint).
+  int64_t lone = 0;
+  bool lone_hint = true;
   std::string name() const {
     return "heads " + std::to_string(n_heads) + "/" + std::to_string(n_kv_heads) + " hd " + std::to_string(head_dim) +
            " rows " + std::to_string(rows) + " ctx " + std::to_string(context) + " window " + std::to_string(window) +
-           " sinks " + std::to_string(sinks) + " seqs " + std::to_string(n_seqs);
+           " sinks " + std::to_string(sinks) + " seqs " + std::to_string(n_seqs) + " lone " + std::to_string(lone);
   }
 };
 
@@ -580,14 +586,26 @@ AttnErrors run_attention_errors(const AttnCase& c, Kernel kernel, bool with_scra
   std::vector<int32_t> seq(size_t(c.rows));
   std::vector<int64_t> pos(size_t(c.rows));
   std::vector<int64_t> n_rows(size_t(c.n_seqs), 0);
-  for (int64_t t = 0; t < c.rows; ++t) n_rows[size_t(t % c.n_seqs)]++;
+  // Row t's sequence: interleaved, or (lone > 0) decode rows first, then one prompt chunk.
+  const bool all_lone = c.lone > 0 && c.lone == c.rows;
+  auto seq_of = [&](int64_t t) {
+    if (c.lone == 0) return int(t % c.n_seqs);
+    if (t < c.lone) return all_lone ? int(t) : int(t + 1);
+    return 0;
+  };
+  if (c.lone > 0) {
+    EXPECT_EQ(c.n_seqs, all_lone ? c.lone : c.lone + 1) << "a lone-rows case's sequences";
+  }
+  for (int64_t t = 0; t < c.rows; ++t) n_rows[size_t(seq_of(t))]++;
   std::vector<int64_t> next(size_t(c.n_seqs));
   for (int s = 0; s < c.n_seqs; ++s) {
-    const int64_t ctx = std::max<int64_t>(n_rows[size_t(s)], c.context - s * (c.context / 3));
+    // Sequence s's context shrinks with s (lone cases: cycles over three lengths).
+    const int64_t step = c.lone > 0 ? s % 3 : s;
+    const int64_t ctx = std::max<int64_t>(n_rows[size_t(s)], c.context - step * (c.context / 3));
     next[size_t(s)] = ctx - n_rows[size_t(s)];
   }
   for (int64_t t = 0; t < c.rows; ++t) {
-    const int s = int(t % c.n_seqs);
+    const int s = seq_of(t);
     seq[size_t(t)] = s;
     pos[size_t(t)] = next[size_t(s)]++;
   }
@@ -619,7 +637,8 @@ AttnErrors run_attention_errors(const AttnCase& c, Kernel kernel, bool with_scra
   DeviceBuffer<float> scratch(size_t(std::max<int64_t>(scratch_floats, 1)));
   scratch.poison();  // partial states are always written before they are read
   out.poison();
-  const KvLayerView kv = cache.device_view(dev_seq);
+  KvLayerView kv = cache.device_view(dev_seq);
+  kv.lone_rows = c.lone_hint ? c.lone : 0;
   const float* ds = c.sinks ? dsinks.get() : nullptr;
   switch (kernel) {
     case Kernel::kDecode:
@@ -740,6 +759,30 @@ TEST(CudaOps, AttentionDecodeRowsOfManySequences) {
         EXPECT_LT(run_attention(c, Kernel::kAuto, scratch), kTcRandomBound);
         EXPECT_LT(run_attention_errors(c, Kernel::kAuto, scratch, Inputs::kZeroKeys).normalized, kAttentionBound);
       }
+}
+
+// A continuous-batching step: decode rows of many sequences first (KvLayerView::lone_rows),
+// then a prompt chunk of one more. attention() runs the lone rows through the per-row decode
+// kernel and the chunk through the tiled one; with lone_rows = 0 every row goes tiled. Both
+// against the CPU, with zero keys exactly (a row routed to the wrong sequence or position
+// moves its output by ~1 / keys).
+TEST(CudaOps, AttentionLoneRowsTakeTheDecodeKernel) {
+  REQUIRE_GPU();
+  for (int64_t lone : {int64_t(17), int64_t(64)})
+    for (int64_t chunk : {int64_t(0), int64_t(30)})
+      for (int64_t ctx : {int64_t(90), int64_t(600)})
+        for (int window : {0, 64}) {
+          const int64_t rows = lone + chunk;
+          const int n_seqs = int(chunk == 0 ? lone : lone + 1);
+          AttnCase c{32, 4, 128, rows, ctx, window, window > 0, n_seqs, lone};
+          SCOPED_TRACE(c.name());
+          EXPECT_LT(run_attention(c, Kernel::kAuto), kTcRandomBound) << "with lone rows";
+          EXPECT_LT(run_attention_errors(c, Kernel::kAuto, true, Inputs::kZeroKeys).normalized, kAttentionBound)
+              << "with lone rows, zero keys";
+          c.lone_hint = false;  // the same rows without the hint: all tiled
+          EXPECT_LT(run_attention_errors(c, Kernel::kAuto, true, Inputs::kZeroKeys).normalized, kAttentionBound)
+              << "without the hint";
+        }
 }
 
 // The tensor-core prefill kernel's masks, windows, sinks, sequences and GQA mapping, exactly:

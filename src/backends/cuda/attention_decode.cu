@@ -944,7 +944,25 @@ void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, in
                const float* sinks, const Mat& out, float* scratch, int64_t scratch_floats, cudaStream_t stream) {
   if (q.rows <= kAttentionDecodeMaxRows) {
     attention_decode(q, positions, kv, n_heads, scale, window, sinks, out, scratch, scratch_floats, stream);
-  } else if (attention_prefill_tc_supports(kv.head_dim)) {
+    return;
+  }
+  // Leading rows alone of their sequence (a continuous-batching step's decode rows): the
+  // per-row kernel, whose grid spreads every row over the SMs. The tiled kernels group rows
+  // by 128 / group query vectors and walk the keys once per sequence among a tile's rows,
+  // which for one row per sequence is 16 passes in each of few blocks.
+  const int64_t lone = std::min(kv.lone_rows, q.rows);
+  if (lone > 0) {
+    attention_decode(q.rows_slice(0, lone), positions, kv, n_heads, scale, window, sinks, out.rows_slice(0, lone),
+                     scratch, scratch_floats, stream);
+    if (lone == q.rows) return;
+    KvLayerView rest = kv;
+    if (rest.row_seq) rest.row_seq += lone;
+    rest.lone_rows = 0;
+    attention(q.rows_slice(lone, q.rows - lone), positions + lone, rest, n_heads, scale, window, sinks,
+              out.rows_slice(lone, q.rows - lone), scratch, scratch_floats, stream);
+    return;
+  }
+  if (attention_prefill_tc_supports(kv.head_dim)) {
     attention_prefill_tc(q, positions, kv, n_heads, scale, window, sinks, out, stream);
   } else {
     attention_prefill(q, positions, kv, n_heads, scale, window, sinks, out, stream);

@@ -39,9 +39,12 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "backends/cuda/matmul.h"
+#include "backends/cuda/mma.cuh"
 #include "backends/cuda/q8.cuh"
 #include "backends/cuda/quant.cuh"
 
@@ -815,6 +818,140 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, int64_t ldy, con
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// ---- few rows per expert: grouped GEMV on tensor cores ----------------------------------------
+// A continuous-batching decode step (tens of rows, each picking k of many experts) leaves a few
+// rows per expert. The 128-row tiles above then multiply mostly absent rows and wait on their
+// weights one 32-deep step at a time (Q4_0 30B-A3B, 64 rows: 0.28 ms a layer for 340 MB). Here
+// a block takes 128 output features of one expert for all of that expert's rows, 8 at a time,
+// as the swapped product out^T = W x^T on mma.m16n8k16: each warp's 16 feature rows are the A
+// operand, dequantized (F::unit) into the warp's own shared-memory slice 32 deep at a time, and
+// the expert's activation rows are the B operand, read from shared memory where the block put
+// them once. Every weight is read from HBM once per step, by one warp, in full 8-element units.
+// Same rounding as the tiled kernel (activations and weights bf16, f32 sums; gate/up's output
+// bf16), different summation order.
+constexpr int kSmallWarps = 8;
+constexpr int kSmallThreads = kSmallWarps * kWarp;
+constexpr int kSmallCols = 8;           // an expert's rows per pass (the mma's n)
+constexpr int kSmallFeatures = 16 * kSmallWarps;  // output features per block
+constexpr int kSmallK = 32;             // depth per step: a lane dequantizes 2 units of one row
+constexpr int kSmallLdA = kSmallK + 8;  // bf16 staging row: 80 bytes (16-byte aligned)
+
+int64_t small_smem_bytes(bool gate_up, int64_t depth) {
+  const int64_t mats = gate_up ? 2 : 1;
+  return kSmallCols * (depth + 8) * 2 + kSmallWarps * mats * 16 * kSmallLdA * 2;
+}
+
+template <class F, bool kGateUp>
+__global__ void __launch_bounds__(kSmallThreads)
+    moe_grouped_small_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p,
+                             const __nv_bfloat16* __restrict__ a_src, int64_t lda, const int32_t* __restrict__ offsets,
+                             void* __restrict__ dst_ptr, int64_t ld_dst) {
+  constexpr int kMats = kGateUp ? 2 : 1;
+  const int e = blockIdx.x;
+  const int begin = offsets[e], end = offsets[e + 1];
+  if (begin >= end) return;
+  const int64_t n_out = kGateUp ? p.inter : p.hidden;
+  const int64_t depth = kGateUp ? p.hidden : p.inter;
+  const int64_t ldx = depth + 8;
+  const MoeExpertDesc& d = experts[e];
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* xs = reinterpret_cast<__nv_bfloat16*>(smem);  // [kSmallCols][ldx]
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  auto* stage = xs + kSmallCols * ldx + warp * kMats * 16 * kSmallLdA;  // [kMats][16][kSmallLdA]
+
+  // This lane's share of a step: feature row fr of the warp's 16, units 2 (lane % 2) + {0, 1}.
+  const int64_t n_base = int64_t(blockIdx.y) * kSmallFeatures + 16 * warp;
+  const int fr = lane / 2, fu = 2 * (lane % 2);
+  const bool row_ok = n_base + fr < n_out;
+  WeightRow wrow[kMats];
+  {
+    const int64_t r = row_ok ? n_base + fr : 0;
+    if constexpr (kGateUp) {
+      wrow[0] = weight_row(d.gate, r);
+      wrow[1] = weight_row(d.up, r);
+    } else {
+      wrow[0] = weight_row(d.down, r);
+    }
+  }
+  const int r = lane / 4, c = lane % 4;  // fragment coordinates
+  const int64_t n_steps = depth / kSmallK;
+
+  for (int c0 = begin; c0 < end; c0 += kSmallCols) {
+    const int m = min(kSmallCols, end - c0);
+    __syncthreads();  // the previous pass is done with xs
+    const int64_t chunks = depth / 8;  // 16-byte pieces of a row
+    for (int64_t i = tid; i < kSmallCols * chunks; i += kSmallThreads) {
+      const int row = int(i / chunks);
+      const int64_t ck = i % chunks;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row < m) v = *reinterpret_cast<const uint4*>(a_src + int64_t(c0 + row) * lda + 8 * ck);
+      *reinterpret_cast<uint4*>(xs + row * ldx + 8 * ck) = v;
+    }
+    __syncthreads();
+
+    float acc[kMats][4];
+#pragma unroll
+    for (int mt = 0; mt < kMats; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+    float w[kMats][2][kUnit];
+    auto load = [&](int64_t step) {
+#pragma unroll
+      for (int mt = 0; mt < kMats; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if (row_ok) {
+            F::unit(wrow[mt], step * (kSmallK / kUnit) + fu + j, w[mt][j]);
+          } else {
+#pragma unroll
+            for (int q = 0; q < kUnit; ++q) w[mt][j][q] = 0.f;
+          }
+        }
+    };
+    load(0);
+    for (int64_t step = 0; step < n_steps; ++step) {
+      __syncwarp();  // the warp's products of the previous step have read the staging slice
+#pragma unroll
+      for (int mt = 0; mt < kMats; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) store_bf16x8(stage + (mt * 16 + fr) * kSmallLdA + (fu + j) * kUnit, w[mt][j]);
+      __syncwarp();
+      if (step + 1 < n_steps) load(step + 1);  // in flight during this step's products
+      const int64_t k0 = step * kSmallK;
+#pragma unroll
+      for (int q = 0; q < kSmallK / 16; ++q) {
+        const uint32_t* xr = reinterpret_cast<const uint32_t*>(xs + r * ldx + k0 + 16 * q + 2 * c);
+        const uint32_t b0 = xr[0], b1 = xr[4];
+#pragma unroll
+        for (int mt = 0; mt < kMats; ++mt) {
+          const __nv_bfloat16* sa = stage + mt * 16 * kSmallLdA + 16 * q + 2 * c;
+          const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(sa + r * kSmallLdA),
+                                 *reinterpret_cast<const uint32_t*>(sa + (r + 8) * kSmallLdA),
+                                 *reinterpret_cast<const uint32_t*>(sa + r * kSmallLdA + 8),
+                                 *reinterpret_cast<const uint32_t*>(sa + (r + 8) * kSmallLdA + 8)};
+          mma_bf16_16816(acc[mt], a, b0, b1);
+        }
+      }
+    }
+    // acc[.][i]: feature n_base + r (+ 8 for i >= 2), the pass's row 2c + (i & 1).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t n = n_base + r + (i >= 2 ? 8 : 0);
+      const int row = 2 * c + (i & 1);
+      if (row >= m || n >= n_out) continue;
+      const int64_t pos = c0 + row;
+      if constexpr (kGateUp) {
+        static_cast<__nv_bfloat16*>(dst_ptr)[pos * ld_dst + n] =
+            __float2bfloat16_rn(biased_glu(d, p, n, acc[0][i], acc[1][i]));
+      } else {
+        float v = acc[0][i];
+        if (d.down_bias) v += d.down_bias[n];
+        static_cast<float*>(dst_ptr)[pos * ld_dst + n] = v;
+      }
+    }
+  }
+}
+
 bool vec_aligned(const WeightView& w) {
   return reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
 }
@@ -858,6 +995,20 @@ bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k) {
   return rows >= 1 && rows <= kMoeDecodeMaxRows && q4_dp4a_enabled() && e0.gate.view.dtype == DType::Q4_0 &&
          e0.down.view.dtype == DType::Q4_0 && hidden % 32 == 0 && inter % 32 == 0 && k <= kWarp &&
          q8x32_bytes(1, hidden) <= kQ8SmemMax;
+}
+
+bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter) {
+  if (hidden % kSmallK != 0 || inter % kSmallK != 0) return false;
+  if (std::max(small_smem_bytes(true, hidden), small_smem_bytes(false, inter)) > 200 * 1024) return false;
+  // TURBOSPARK_CUDA_MOE_SMALL: 1 = always (where the shape allows), 0 = never; unset = while the
+  // step averages at most 8 rows an expert. Read at every call so tests can run both.
+  const char* v = std::getenv("TURBOSPARK_CUDA_MOE_SMALL");
+  if (v && *v) {
+    const std::string_view s(v);
+    TS_CHECK(s == "0" || s == "1", "TURBOSPARK_CUDA_MOE_SMALL must be 0 or 1, got '{}'", s);
+    return s == "1";
+  }
+  return n_pairs <= kSmallCols * n_experts;
 }
 
 void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
@@ -1026,6 +1177,42 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
   const int64_t max_tiles = n_pairs / kBM + std::min<int64_t>(n_experts, n_pairs) + 1;
   const int64_t ldh16 = round_up(inter, 8);  // bf16 h rows, 16-byte aligned for the down pass's cp.async
   auto* h16 = static_cast<__nv_bfloat16*>(moe_hidden_.get(size_t(n_pairs * ldh16) * 2, stream, "moe hidden"));
+  const int64_t ldy = round_up(hidden, 4);
+  auto* y = static_cast<float*>(moe_out_.get(size_t(n_pairs * ldy) * 4, stream, "moe expert outputs"));
+  if (moe_small_groups(n_pairs, n_experts, hidden, inter)) {
+    auto go = [&](auto kernel, bool gate_up, const void* a, int64_t ld_a, void* dst, int64_t ld_dst) {
+      const int64_t bytes = small_smem_bytes(gate_up, gate_up ? hidden : inter);
+      TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                    "moe grouped small: {} bytes of shared memory", bytes);
+      const int64_t n_out = gate_up ? inter : hidden;
+      const dim3 grid(unsigned(n_experts), unsigned((n_out + kSmallFeatures - 1) / kSmallFeatures));
+      kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, static_cast<const __nv_bfloat16*>(a), ld_a,
+                                                             offsets, dst, ld_dst);
+    };
+    dispatch_weight_format(
+        e0.gate.view, "moe_experts gate/up",
+        [&](auto fmt) {
+          using F = decltype(fmt);
+          check_all(fmt, true);
+          go(moe_grouped_small_kernel<F, true>, true, xs, lda, h16, ldh16);
+          TS_CUDA_LAUNCH_CHECK("moe grouped small gate_up {} [{}, {}] x {} rows x top-{}",
+                               dtype_name(e0.gate.view.dtype), inter, hidden, rows, k);
+        },
+        gate_up_vec);
+    dispatch_weight_format(
+        e0.down.view, "moe_experts down",
+        [&](auto fmt) {
+          using F = decltype(fmt);
+          check_all(fmt, false);
+          go(moe_grouped_small_kernel<F, false>, false, h16, ldh16, y, ldy);
+          TS_CUDA_LAUNCH_CHECK("moe grouped small down {} [{}, {}] x {} rows x top-{}",
+                               dtype_name(e0.down.view.dtype), hidden, inter, rows, k);
+        },
+        down_vec);
+    moe_combine_kernel<<<unsigned(rows), 256, 0, stream>>>(y, ldy, pair_pos, weight, k, hidden, out.data, out.stride);
+    TS_CUDA_LAUNCH_CHECK("moe combine [{}, {}] top-{}", rows, hidden, k);
+    return;
+  }
   dispatch_weight_format(
       e0.gate.view, "moe_experts gate/up",
       [&](auto fmt) {
@@ -1042,8 +1229,6 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
                              inter, hidden, rows, k);
       },
       gate_up_vec);
-  const int64_t ldy = round_up(hidden, 4);
-  auto* y = static_cast<float*>(moe_out_.get(size_t(n_pairs * ldy) * 4, stream, "moe expert outputs"));
   dispatch_weight_format(
       e0.down.view, "moe_experts down",
       [&](auto fmt) {
