@@ -1000,15 +1000,17 @@ bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k) {
 bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter) {
   if (hidden % kSmallK != 0 || inter % kSmallK != 0) return false;
   if (std::max(small_smem_bytes(true, hidden), small_smem_bytes(false, inter)) > 200 * 1024) return false;
-  // TURBOSPARK_CUDA_MOE_SMALL: 1 = always (where the shape allows), 0 = never; unset = while the
-  // step averages at most 8 rows an expert. Read at every call so tests can run both.
+  // Opt-in (TURBOSPARK_CUDA_MOE_SMALL=1; read at every call so tests run both kernels): correct
+  // (device-tested) but slower than the 128-row tiles. H100, Q4_0 30B-A3B, 64 sequences a step
+  // (`bench --sequences 64 --profile`): MoE 54.5 ms a step with it, 13.3 without. Each warp
+  // dequantizes its units right after loading them, so it waits a full memory latency every 32
+  // deep with ~40 bytes a lane in flight; it wants raw loads several steps ahead of the
+  // dequantization before it can pay.
   const char* v = std::getenv("TURBOSPARK_CUDA_MOE_SMALL");
-  if (v && *v) {
-    const std::string_view s(v);
-    TS_CHECK(s == "0" || s == "1", "TURBOSPARK_CUDA_MOE_SMALL must be 0 or 1, got '{}'", s);
-    return s == "1";
-  }
-  return n_pairs <= kSmallCols * n_experts;
+  if (!v || !*v) return false;
+  const std::string_view s(v);
+  TS_CHECK(s == "0" || s == "1", "TURBOSPARK_CUDA_MOE_SMALL must be 0 or 1, got '{}'", s);
+  return s == "1" && n_pairs > 0 && n_experts > 0;
 }
 
 void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
