@@ -493,6 +493,7 @@ struct MoeCase {
   int64_t rows, hidden, inter;
   GluKind glu;
   bool biases, interleaved;
+  bool same_experts = false;  // every row picks the same k experts (concentrated routing)
 };
 
 struct HostExperts {
@@ -587,7 +588,9 @@ void run_moe_case(cuda::WeightMatmul& mm, const MoeCase& c, uint32_t seed) {
   std::vector<int32_t> pool(nE - 1);
   for (int64_t t = 0; t < c.rows; ++t) {
     for (int e = 0; e < E - 1; ++e) pool[size_t(e)] = e;
-    std::shuffle(pool.begin(), pool.end(), rng);
+    if (!c.same_experts || t == 0) std::shuffle(pool.begin(), pool.end(), rng);
+    if (c.same_experts && t > 0)
+      for (int j = 0; j < c.k; ++j) pool[size_t(j)] = idx[size_t(j)];
     for (int j = 0; j < c.k; ++j) idx[size_t(t * c.k + j)] = pool[size_t(j)];
   }
   const std::vector<float> x = random_floats(size_t(c.rows * c.hidden), seed++);
@@ -678,6 +681,10 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   // default would pick.
   cases.push_back({q40p, q40p, 128, 8, 64, 256, 128, GluKind::kSilu, false, false});  // serve-like: ~4 a expert
   cases.push_back({q40p, q40p, 16, 8, 40, 96, 64, GluKind::kSilu, false, false});     // 20 a expert: 3 passes
+  // Every row on the same 8 experts (sequences decoding the same token): 64 rows an expert, the
+  // passes spread over blocks.
+  cases.push_back({q40p, q40p, 128, 8, 64, 256, 128, GluKind::kSilu, false, false, true});
+  cases.push_back({bf16, bf16, 16, 4, 100, 64, 96, GluKind::kGelu, true, false, true});
   uint32_t seed = 1000;
   int small = 0;
   for (const MoeCase& c : cases) {

@@ -89,8 +89,8 @@ bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms);
 bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k);
 // Whether a grouped (more than kMoeDecodeMaxRows rows) MoE call of n_pairs (row, expert) pairs
 // takes the few-rows-per-expert kernel (moe.cu moe_grouped_small_kernel) instead of the 128-row
-// tiles: only with TURBOSPARK_CUDA_MOE_SMALL=1 (measured slower; see moe.cu), where the shapes
-// allow (tests run both).
+// tiles: by default while pairs average at most 8 an expert; TURBOSPARK_CUDA_MOE_SMALL=0|1
+// forces it, where the shapes allow (tests run both).
 bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter);
 // repack.cu: a ggml Q4_0 weight in device memory (any 2-byte-aligned row stride) rewritten
 // into code and f16 scale planes at dst (256-byte aligned, q4_0_planes_bytes long: codes
