@@ -20,6 +20,22 @@
 #include "engine/session.h"
 
 namespace turbospark::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A trace mark closes the block it names: the time since the previous mark (`last`) goes to
+// that block ("layer_in" closes the residual work between blocks; the embedding mark opens the
+// step and takes none), and `last` moves on.
+void close_block(std::map<std::string, double>& blocks, const char* name, Clock::time_point& last) {
+  const auto now = Clock::now();
+  const bool opens = std::strcmp(name, "embedding") == 0;
+  blocks[opens ? "embedding" : std::strcmp(name, "layer_in") == 0 ? "residual (other)" : name] +=
+      opens ? 0.0 : std::chrono::duration<double>(now - last).count();
+  last = now;
+}
+
+}  // namespace
 
 void add_bench_command(CLI::App& app) {
   struct Opts {
@@ -60,7 +76,6 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   add_expert_cache_options(cmd, o->experts);
   cmd->callback([o] {
-    using Clock = std::chrono::steady_clock;
     if (o->prompt < 1 || o->decode < 1) fail("bench: --prompt and --decode must be >= 1");
     if (o->warmup < 0) fail("bench: --warmup must be >= 0, got {}", o->warmup);
     if (o->ubatch < 0) fail("bench: --ubatch must be >= 1 (0 = the backend's), got {}", o->ubatch);
@@ -159,11 +174,7 @@ void add_bench_command(CLI::App& app) {
         Clock::time_point last;
         runner.trace = [&](const char* name, int, const Mat&) {
           if (queued) rt.backend->synchronize();
-          auto now = Clock::now();
-          if (std::strcmp(name, "embedding") != 0)
-            batch_blocks[name == std::string("layer_in") ? "residual (other)" : name] +=
-                std::chrono::duration<double>(now - last).count();
-          last = now;
+          close_block(batch_blocks, name, last);
         };
         for (int64_t i = 0; i < o->decode; ++i) {
           rows.clear();
@@ -188,11 +199,7 @@ void add_bench_command(CLI::App& app) {
       Clock::time_point last;
       session.trace = [&](const char* name, int, const Mat&) {
         if (queued) rt.backend->synchronize();
-        auto now = Clock::now();
-        if (std::strcmp(name, "embedding") != 0) (*into)[name == std::string("layer_in") ? "residual (other)" : name] +=
-            std::chrono::duration<double>(now - last).count();
-        else (*into)["embedding"] += 0;
-        last = now;
+        close_block(*into, name, last);
       };
       session.reset();
       into = &prefill_blocks;
