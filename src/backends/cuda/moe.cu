@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <type_traits>
 
 #include "backends/cuda/matmul.h"
 #include "backends/cuda/mma.cuh"
@@ -635,6 +636,17 @@ __global__ void moe_gather_bf16_kernel(const float* __restrict__ x, int64_t x_st
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = __float2bfloat16_rn(xr[c]);
 }
 
+// Row r of the matrices one grouped projection reads: gate and up, or down.
+template <bool kGateUp>
+__device__ __forceinline__ void projection_rows(const MoeExpertDesc& d, int64_t r, WeightRow (&w)[kGateUp ? 2 : 1]) {
+  if constexpr (kGateUp) {
+    w[0] = weight_row(d.gate, r);
+    w[1] = weight_row(d.up, r);
+  } else {
+    w[0] = weight_row(d.down, r);
+  }
+}
+
 // kGateUp: A = the gathered activations ([pairs, hidden] bf16, expert order), B = gate and up,
 // the epilogue writes glu(...) as bf16 to dst[pos] ([pairs, inter]). Else: A = that h, B =
 // down, the epilogue writes the projection (+ bias) as f32 to dst[pos] ([pairs, hidden]).
@@ -681,15 +693,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 2)  // 2 blocks (16 warps) pe
   const int b_n = tid / 4, b_q = tid % 4;
   const bool b_valid = n0 + b_n < n_out;
   WeightRow b_row[kMats];
-  {
-    const int64_t wr = b_valid ? n0 + b_n : 0;
-    if constexpr (kGateUp) {
-      b_row[0] = weight_row(d.gate, wr);
-      b_row[1] = weight_row(d.up, wr);
-    } else {
-      b_row[0] = weight_row(d.down, wr);
-    }
-  }
+  projection_rows<kGateUp>(d, b_valid ? n0 + b_n : 0, b_row);
   auto issue_a = [&](int64_t k0, int s) {
     __nv_bfloat16* sa = stage_a(s);
 #pragma unroll
@@ -864,15 +868,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int fr = lane / 2, fu = 2 * (lane % 2);
   const bool row_ok = n_base + fr < n_out;
   WeightRow wrow[kMats];
-  {
-    const int64_t r = row_ok ? n_base + fr : 0;
-    if constexpr (kGateUp) {
-      wrow[0] = weight_row(d.gate, r);
-      wrow[1] = weight_row(d.up, r);
-    } else {
-      wrow[0] = weight_row(d.down, r);
-    }
-  }
+  projection_rows<kGateUp>(d, row_ok ? n_base + fr : 0, wrow);
   const int r = lane / 4, c = lane % 4;  // fragment coordinates
   const int64_t n_steps = depth / kSmallK;
 
@@ -1187,37 +1183,35 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
   const int64_t ldy = round_up(hidden, 4);
   auto* y = static_cast<float*>(moe_out_.get(size_t(n_pairs * ldy) * 4, stream, "moe expert outputs"));
   if (moe_small_groups(n_pairs, n_experts, hidden, inter)) {
-    auto go = [&](auto kernel, bool gate_up, const void* a, int64_t ld_a, void* dst, int64_t ld_dst) {
-      const int64_t bytes = small_smem_bytes(gate_up, gate_up ? hidden : inter);
-      TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                    "moe grouped small: {} bytes of shared memory", bytes);
-      const int64_t n_out = gate_up ? inter : hidden;
-      // An expert holds at most one pair of each row: ceil(rows / kSmallCols) passes at most.
-      const int64_t passes = std::min<int64_t>((rows + kSmallCols - 1) / kSmallCols, 65535);
-      const dim3 grid(unsigned(n_experts), unsigned((n_out + kSmallFeatures - 1) / kSmallFeatures), unsigned(passes));
-      kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, static_cast<const __nv_bfloat16*>(a), ld_a,
-                                                             offsets, dst, ld_dst);
+    // One projection: gate/up (xs -> h16) or down (h16 -> y).
+    auto project = [&](auto gate_up) {
+      constexpr bool kGateUp = decltype(gate_up)::value;
+      const int64_t depth = kGateUp ? hidden : inter, n_out = kGateUp ? inter : hidden;
+      dispatch_weight_format(
+          kGateUp ? e0.gate.view : e0.down.view, kGateUp ? "moe_experts gate/up" : "moe_experts down",
+          [&](auto fmt) {
+            using F = decltype(fmt);
+            check_all(fmt, kGateUp);
+            auto* kernel = moe_grouped_small_kernel<F, kGateUp>;
+            const int64_t bytes = small_smem_bytes(kGateUp, depth);
+            TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                          "moe grouped small: {} bytes of shared memory", bytes);
+            // An expert holds at most one pair of each row: ceil(rows / kSmallCols) passes at most.
+            const int64_t passes = std::min<int64_t>((rows + kSmallCols - 1) / kSmallCols, 65535);
+            const dim3 grid(unsigned(n_experts), unsigned((n_out + kSmallFeatures - 1) / kSmallFeatures),
+                            unsigned(passes));
+            if constexpr (kGateUp) {
+              kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, xs, lda, offsets, h16, ldh16);
+            } else {
+              kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, h16, ldh16, offsets, y, ldy);
+            }
+            TS_CUDA_LAUNCH_CHECK("moe grouped small {} {} [{}, {}] x {} rows x top-{}", kGateUp ? "gate_up" : "down",
+                                 dtype_name(kGateUp ? e0.gate.view.dtype : e0.down.view.dtype), n_out, depth, rows, k);
+          },
+          kGateUp ? gate_up_vec : down_vec);
     };
-    dispatch_weight_format(
-        e0.gate.view, "moe_experts gate/up",
-        [&](auto fmt) {
-          using F = decltype(fmt);
-          check_all(fmt, true);
-          go(moe_grouped_small_kernel<F, true>, true, xs, lda, h16, ldh16);
-          TS_CUDA_LAUNCH_CHECK("moe grouped small gate_up {} [{}, {}] x {} rows x top-{}",
-                               dtype_name(e0.gate.view.dtype), inter, hidden, rows, k);
-        },
-        gate_up_vec);
-    dispatch_weight_format(
-        e0.down.view, "moe_experts down",
-        [&](auto fmt) {
-          using F = decltype(fmt);
-          check_all(fmt, false);
-          go(moe_grouped_small_kernel<F, false>, false, h16, ldh16, y, ldy);
-          TS_CUDA_LAUNCH_CHECK("moe grouped small down {} [{}, {}] x {} rows x top-{}",
-                               dtype_name(e0.down.view.dtype), hidden, inter, rows, k);
-        },
-        down_vec);
+    project(std::true_type{});
+    project(std::false_type{});
     moe_combine_kernel<<<unsigned(rows), 256, 0, stream>>>(y, ldy, pair_pos, weight, k, hidden, out.data, out.stride);
     TS_CUDA_LAUNCH_CHECK("moe combine [{}, {}] top-{}", rows, hidden, k);
     return;
