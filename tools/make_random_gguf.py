@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes a random-weight qwen3moe / qwen3 GGUF at a real model's shape, quantized the way
-llama-quantize stores it, so turbospark and llama.cpp benchmark the very same file.
+"""Writes a random-weight qwen3moe / qwen3 / gpt-oss GGUF at a real model's shape, quantized the
+way llama-quantize stores it, so turbospark and llama.cpp benchmark the very same file.
 
 The CUDA benches need a Qwen3-30B-A3B-shape GGUF in Q4_0 or Q4_K. Converting a bf16 checkpoint
 would need 61 GB of safetensors first (the device machine's disk is 64 GB), so this writes the
@@ -28,6 +28,10 @@ differ per layer. The vocabulary is the tiny test tokenizer's (tests/data/tiny_t
 from its GGUF fixture) padded to the model's vocabulary with tokens " fill<i>": enough for
 llama-bench and `turbospark bench`, which feed token ids, not text.
 
+--preset gpt-oss-20b writes llama.cpp's gpt-oss layout: MXFP4 expert stacks (random codes, one
+block exponent), --type for attention, embeddings and the output (q8_0 is what published files
+use), f32 norms, sinks, biases and routers (random rows: MXFP4 and Q8_0 codes are symmetric).
+
 Needs numpy and gguf-py: the `gguf` package from PyPI (scripts/setup.sh installs it) or
 llama.cpp's own copy (from the llama-cpp-python sdist; see bench/build_llama_cpp.sh), e.g. on
 the device machine, which has no network:
@@ -54,6 +58,13 @@ PRESETS = {
                      inter=256, experts=16, top_k=4, moe_inter=64),
     "qwen3-8b": dict(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
                      inter=12288, experts=0, top_k=0, moe_inter=0),
+    # gpt-oss-20b (arch gpt-oss): MXFP4 experts as ggml stores them, --type for everything else
+    # (the published GGUFs keep attention and embeddings at 8 bits or more). See write_gpt_oss.
+    "gpt-oss-20b": dict(vocab=201088, hidden=2880, layers=24, heads=64, kv_heads=8, head_dim=64,
+                        inter=2880, experts=32, top_k=4, moe_inter=2880, arch="gpt-oss"),
+    # For tests: gpt-oss's layout on the tiny tokenizer.
+    "tiny-gpt-oss": dict(vocab=512, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
+                         inter=64, experts=16, top_k=4, moe_inter=64, arch="gpt-oss"),
 }
 
 
@@ -96,6 +107,24 @@ def random_blocks(gguf, qtype, rows, cols, rng, extra=()):
     else:
         sys.exit(f"make_random_gguf: --type {qtype.name} is not supported (q4_0, q4_k, q8_0)")
     return data.reshape(*extra, rows, (cols // block) * nbytes)
+
+
+# ggml's MXFP4 codes (kvalues_mxfp4: twice the e2m1 values) and their root mean square.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
+MXFP4_RMS = float(np.sqrt(np.mean(MXFP4_VALUES ** 2)))
+
+
+def random_mxfp4(rows, cols, rng, extra=()):
+    """uint8 [*extra, rows, cols / 32 * 17] of ggml MXFP4 blocks ({ e8m0 exponent, 16 bytes of
+    nibbles }; a weight is kvalue[code] * 2^(e - 128)): uniform codes (symmetric about zero), one
+    exponent giving weights of about fan-in standard deviation."""
+    if cols % 32:
+        sys.exit(f"make_random_gguf: {cols} columns are not a multiple of MXFP4's block 32")
+    nblk = int(np.prod(extra, dtype=np.int64)) * rows * (cols // 32)
+    data = np.empty((nblk, 17), dtype=np.uint8)
+    data[:, 1:] = rng.integers(0, 256, size=(nblk, 16), dtype=np.uint8)
+    data[:, 0] = 128 + int(round(np.log2(1.0 / np.sqrt(cols) / MXFP4_RMS)))
+    return data.reshape(*extra, rows, (cols // 32) * 17)
 
 
 # Routed MoE: the routers read dims [ANCHOR_DIMS, CODE_END) (each token's own embedding values)
@@ -179,7 +208,9 @@ def main():
         sys.exit(f"make_random_gguf: --router-skew needs a MoE preset ({args.preset} has no routed experts)")
     if skew > 0 and args.type not in ("q4_0", "q8_0"):
         sys.exit(f"make_random_gguf: --router-skew needs --type q4_0 or q8_0 (an exact 32-dim anchor), got {args.type}")
-    arch = "qwen3moe" if moe else "qwen3"
+    arch = s.get("arch") or ("qwen3moe" if moe else "qwen3")
+    if arch == "gpt-oss" and skew > 0:
+        sys.exit(f"make_random_gguf: --router-skew is not supported for gpt-oss presets ({args.preset})")
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
 
@@ -193,6 +224,27 @@ def main():
     w = gguf.GGUFWriter(args.out, arch)
     w.add_name(f"random {args.preset} {args.type}")
     w.add_block_count(s["layers"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    if arch == "gpt-oss":
+        write_gpt_oss(gguf, w, s, qtype, rng)
+    else:
+        write_qwen3(gguf, w, s, qtype, rng, skew, moe, args.type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    size = os.path.getsize(args.out)
+    print(f"make_random_gguf: wrote {args.out} ({size / 2**30:.2f} GiB, {arch}, {s['layers']} layers, "
+          f"{args.type}) in {time.time() - t0:.0f} s", file=sys.stderr)
+
+
+def write_qwen3(gguf, w, s, qtype, rng, skew, moe, type_name):
     w.add_context_length(40960)
     w.add_embedding_length(s["hidden"])
     w.add_feed_forward_length(s["inter"])
@@ -207,15 +259,8 @@ def main():
         w.add_expert_used_count(s["top_k"])
         w.add_expert_feed_forward_length(s["moe_inter"])
     w.add_file_type({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[args.type])
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type_name])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(eos)
-    w.add_add_bos_token(False)
 
     h, hd, nh, nkv = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"]
     ones = lambda n: np.ones(n, dtype=np.float32)
@@ -254,13 +299,67 @@ def main():
         for name, data in shared.items():
             w.add_tensor(p + name + ".weight", data, raw_dtype=qtype)
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=False)
-    w.close()
-    size = os.path.getsize(args.out)
-    print(f"make_random_gguf: wrote {args.out} ({size / 2**30:.2f} GiB, {arch}, {s['layers']} layers, "
-          f"{args.type}) in {time.time() - t0:.0f} s", file=sys.stderr)
+
+def write_gpt_oss(gguf, w, s, qtype, rng):
+    """gpt-oss as llama.cpp's converter writes it (its metadata keys, q/k/v/o with biases, sinks,
+    a router with a bias, gate/up/down expert stacks in MXFP4 with biases), gpt-oss-20b's
+    attention (sliding window 128 on even layers, YaRN 32 over 4096 positions, theta 150000).
+    Routing: random router rows over the whole hidden state (the codes are symmetric, so no
+    common direction builds up; measure it with `turbospark logits --router-stats`)."""
+    h, hd, nh, nkv, e, mi = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["experts"], s["moe_inter"]
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(s["inter"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_sliding_window(128)
+    w.add_expert_count(e)
+    w.add_expert_used_count(s["top_k"])
+    w.add_expert_feed_forward_length(mi)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    ones = lambda n: np.ones(n, dtype=np.float32)
+    small = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    w.add_tensor("token_embd.weight", random_blocks(gguf, qtype, s["vocab"], h, rng), raw_dtype=qtype)
+    w.add_tensor("output_norm.weight", ones(h))
+    w.add_tensor("output.weight", random_blocks(gguf, qtype, s["vocab"], h, rng), raw_dtype=qtype)
+    mx = gguf.GGMLQuantizationType.MXFP4
+    shared = {
+        "attn_q.weight": (random_blocks(gguf, qtype, nh * hd, h, rng), qtype),
+        "attn_k.weight": (random_blocks(gguf, qtype, nkv * hd, h, rng), qtype),
+        "attn_v.weight": (random_blocks(gguf, qtype, nkv * hd, h, rng), qtype),
+        "attn_output.weight": (random_blocks(gguf, qtype, h, nh * hd, rng), qtype),
+        "ffn_gate_exps.weight": (random_mxfp4(mi, h, rng, (e,)), mx),
+        "ffn_up_exps.weight": (random_mxfp4(mi, h, rng, (e,)), mx),
+        "ffn_down_exps.weight": (random_mxfp4(h, mi, rng, (e,)), mx),
+        "attn_q.bias": (small(nh * hd), None),
+        "attn_k.bias": (small(nkv * hd), None),
+        "attn_v.bias": (small(nkv * hd), None),
+        "attn_output.bias": (small(h), None),
+        "ffn_gate_exps.bias": (small(e, mi), None),
+        "ffn_up_exps.bias": (small(e, mi), None),
+        "ffn_down_exps.bias": (small(e, h), None),
+    }
+    for layer in range(s["layers"]):
+        p = f"blk.{layer}."
+        w.add_tensor(p + "attn_norm.weight", ones(h))
+        w.add_tensor(p + "post_attention_norm.weight", ones(h))
+        w.add_tensor(p + "attn_sinks.weight", small(nh))
+        w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32))
+        w.add_tensor(p + "ffn_gate_inp.bias", small(e))
+        for name, (data, raw) in shared.items():
+            if raw is None:
+                w.add_tensor(p + name, data)
+            else:
+                w.add_tensor(p + name, data, raw_dtype=raw)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ The benchmark files route by token (near uniform: an expert cache's worst case) 
 --router-skew asks for favourites; both claims are checked here on the tiny-moe preset with
 `turbospark logits --router-out`: the experts each layer picks over 400 random tokens, how many
 take half the routings, and an LRU cache of a quarter of a layer's experts replayed over the
-picks. Also: the skew is the same at every depth, the same seed writes the same file, and bad
-arguments are refused with one line and exit 1.
+picks. Also: the skew is the same at every depth, the same seed writes the same file, bad
+arguments are refused with one line and exit 1, and the gpt-oss layout (tiny-gpt-oss) loads as
+gpt-oss with MXFP4 experts and routes over all of them.
 """
 import collections
 import os
@@ -24,8 +25,8 @@ TOKENS = 400
 TOP_K = 4
 
 
-def make(out, *extra):
-    return subprocess.run([sys.executable, TOOL, "--preset", "tiny-moe", "--type", "q4_0", "--out", out, *extra],
+def make(out, *extra, preset="tiny-moe", qtype="q4_0"):
+    return subprocess.run([sys.executable, TOOL, "--preset", preset, "--type", qtype, "--out", out, *extra],
                           capture_output=True, text=True)
 
 
@@ -120,6 +121,29 @@ class RandomGgufRouting(unittest.TestCase):
                             "--out", out], capture_output=True, text=True)
         self.assertEqual(p.returncode, 1)
         self.assertIn("q4_0 or q8_0", p.stderr)
+        p = make(out, "--router-skew", "1", preset="tiny-gpt-oss", qtype="q8_0")
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("gpt-oss", p.stderr)
+
+    def test_gpt_oss_layout_loads_with_mxfp4_experts_and_routes_over_all(self):
+        out = os.path.join(self.tmp.name, "gpt_oss.gguf")
+        p = make(out, preset="tiny-gpt-oss", qtype="q8_0")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        import gguf
+        types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+        for layer in range(2):
+            for proj in ("gate", "up", "down"):
+                self.assertEqual(types[f"blk.{layer}.ffn_{proj}_exps.weight"], gguf.GGMLQuantizationType.MXFP4)
+        info = subprocess.run([TS, "inspect", "-m", out], capture_output=True, text=True)
+        self.assertEqual(info.returncode, 0, info.stderr)
+        self.assertIn("model_type gpt_oss", info.stdout)
+        self.assertIn("rope       yarn", info.stdout)
+        lp = picks(out, self.tmp.name)
+        self.assertEqual(lp.shape[0], 2)
+        for layer, layer_picks in enumerate(lp):
+            counts = np.bincount(layer_picks.ravel(), minlength=16)
+            self.assertEqual(int((counts > 0).sum()), 16, f"layer {layer}: {counts}")
+            self.assertGreaterEqual(half_takers(layer_picks), 5, f"layer {layer}: {counts}")
 
 
 if __name__ == "__main__":
