@@ -372,18 +372,23 @@ void GptOssModel::forward(Backend& be, const ForwardBatch& b) const {
   auto trace = [&](const char* name, int layer, const Mat& m) { b.emit(name, layer, m); };
   be.embedding(embed_, b.tokens, n, 1.f, x);
   trace("embedding", -1, x);
+  // Each residual add is fused with the norm that reads its sum (add_rmsnorm), as the shared
+  // decoder does: the first layer's attention norm stands alone.
+  be.rmsnorm(x, layers_[0].attn_norm.data(), hp_.rms_eps, xn);
   for (int i = 0; i < hp_.n_layers; ++i) {
     const Layer& L = layers_[size_t(i)];
     trace("layer_in", i, x);
-    be.rmsnorm(x, L.attn_norm.data(), hp_.rms_eps, xn);
     attention_block(be, L.attn_params, L.attn, xn, b.positions, b.kv[size_t(i)], ws.attn, branch);
     trace("attention", i, branch);
-    be.add(x, branch);
-    be.rmsnorm(x, L.ffn_norm.data(), hp_.rms_eps, xn);
+    be.add_rmsnorm(x, branch, L.ffn_norm.data(), hp_.rms_eps, xn);
     float* probs = b.router_probs ? b.router_probs + int64_t(i) * n * hp_.n_experts : nullptr;
     gpt_oss_moe(be, L.moe, xn, ws.ffn, branch, probs);
     trace("moe", i, branch);
-    be.add(x, branch);
+    if (i + 1 < hp_.n_layers) {
+      be.add_rmsnorm(x, branch, layers_[size_t(i) + 1].attn_norm.data(), hp_.rms_eps, xn);
+    } else {
+      be.add(x, branch);
+    }
   }
   output_logits(be, b, {&final_norm_, hp_.rms_eps, 0.f, &lm_head_, 0.f}, hp_.n_layers, x, xn, ws.logits);
 }

@@ -32,6 +32,11 @@ namespace turbospark {
 // attention_factor), backend pointers read by the kernels.
 struct AttentionPrep {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  // Projection biases (gpt-oss), added to q, k and v before anything else; null when absent.
+  // [n_heads * head_dim] for q, [n_kv_heads * head_dim] for k and v (backend params).
+  const float* q_bias = nullptr;
+  const float* k_bias = nullptr;
+  const float* v_bias = nullptr;
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
   float norm_eps = 1e-6f, norm_offset = 0.f;
@@ -338,14 +343,18 @@ class Backend {
   virtual void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* positions) = 0;
   virtual void attention(const Mat& q, const int64_t* positions, const KvLayerView& kv, int n_heads, float scale,
                          int window, const float* sinks, const Mat& out) = 0;
-  // The attention inputs after projection, in one op: per-head RMSNorm of q and k (p.q_norm /
-  // p.k_norm, [head_dim] backend params; skipped when null), RoPE on both, then k and v
-  // written to the cache at each row's position. q and k are left normed and rotated, as the
-  // separate ops leave them. This default runs those ops (rmsnorm, rope, kv_write); a GPU
-  // backend fuses them into one launch (five per layer otherwise, at decode each a few
+  // The attention inputs after projection, in one op: the projection biases (p.q_bias / k_bias /
+  // v_bias; skipped when null), per-head RMSNorm of q and k (p.q_norm / p.k_norm, [head_dim]
+  // backend params; skipped when null), RoPE on both, then k and v written to the cache at each
+  // row's position. q and k are left biased, normed and rotated, as the separate ops leave them
+  // (v biased). This default runs those ops (add_bias, rmsnorm, rope, kv_write); a GPU backend
+  // fuses them into one launch (up to eight per layer otherwise, at decode each a few
   // microseconds of launch and latency for kilobytes of work).
   virtual void attention_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p,
                               const int64_t* positions, const KvLayerView& kv) {
+    if (p.q_bias) add_bias(q, p.q_bias);
+    if (p.k_bias) add_bias(k, p.k_bias);
+    if (p.v_bias) add_bias(v, p.v_bias);
     if (p.q_norm) {
       // Per-head norm: [rows, heads * hd] viewed as [rows * heads, hd] (one view when the rows
       // are contiguous, else one per row).
@@ -380,12 +389,15 @@ class Backend {
   // chosen weight is then multiplied by its expert's scale (Gemma 4).
   virtual void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
                                    const float* expert_scale = nullptr) = 0;
-  // logits = x router^T, then router_softmax_topk on them: one call so a backend can fuse the
-  // two (CUDA decode: one launch, the last block routing). logits hold the raw router outputs
-  // either way (--router-out reads them).
+  // logits = x router^T (+ bias, backend memory [n_experts], when non-null: gpt-oss), then
+  // router_softmax_topk on them: one call so a backend can fuse them (CUDA decode: one launch,
+  // the last block routing). logits hold the raw router outputs either way (--router-out reads
+  // them).
   virtual void router_topk(const Weight& router, const Mat& x, const Mat& logits, int k, bool renormalize,
-                           int32_t* idx, float* weight, const float* expert_scale = nullptr) {
+                           int32_t* idx, float* weight, const float* expert_scale = nullptr,
+                           const float* bias = nullptr) {
     matmul(router, x, logits);
+    if (bias) add_bias(logits, bias);
     router_softmax_topk(logits, k, renormalize, idx, weight, expert_scale);
   }
   // Softmax of each row of x into y (may alias): --router-out's probabilities.
@@ -500,7 +512,9 @@ struct CpuPrecision {
   // Q K^T, and each 64-key tile's probabilities, taken against the running maximum, rounded to
   // bf16 as they enter P V and the row sums. CUDA's bound: kAttentionDecodeMaxRows, 16.
   int64_t tc_attention_above_rows = 0;
-  // MXFP4 matmuls read f32 activations (as CUDA's do) instead of the CPU's default int8 ones.
+  // MXFP4 matmuls read f32 activations (as CUDA's GEMV and GEMM do) instead of the CPU's
+  // default int8 ones, except the experts of a MoE micro-batch of at most gemm_above_rows rows:
+  // CUDA's MoE decode kernels quantize x and h per 32 exactly as the CPU's int8 path does.
   bool float_mxfp4 = false;
   // > 0: the backend's preferred_prefill_batch() (where a prompt is cut into micro-batches
   // decides what rounds): CUDA's 2048.

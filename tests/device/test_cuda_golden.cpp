@@ -50,7 +50,8 @@ constexpr double kCudaLogitTol = 3e-2;
 
 // The CPU backend rounding where the CUDA path does (CpuPrecision: K/V stored as bf16, GEMM
 // inputs of micro-batches past the GEMV/MoE-decode bound as bf16/tf32, tensor-core prefill
-// attention past the decode kernels' bound, f32 activations into MXFP4): what the GPU must
+// attention past the decode kernels' bound, f32 activations into MXFP4 GEMVs and GEMMs, int8
+// ones into MXFP4 MoE decode micro-batches): what the GPU must
 // match closely, whatever a fixture makes of those roundings against transformers.
 static_assert(cuda::kGemvMaxRows == 8 && cuda::kMoeDecodeMaxRows == 8 && cuda::kAttentionDecodeMaxRows == 16,
               "CpuPrecision::like_cuda() mirrors these");

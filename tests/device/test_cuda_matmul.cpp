@@ -634,7 +634,7 @@ void run_moe_case(cuda::WeightMatmul& mm, const MoeCase& c, uint32_t seed) {
   dx.upload(x);
   dout.buf.poison();
   mm.moe_experts(experts, dx.mat, didx.get(), dwts.get(), c.k, dout.mat, nullptr);
-  // Decode keeps f32 activations except on the Q4_0 int8 kernels (x and h rounded per 32).
+  // Decode keeps f32 activations except on the Q4_0 / MXFP4 int8 kernels (x and h rounded per 32).
   const double tol = c.rows > cuda::kMoeDecodeMaxRows                         ? kMoeBf16Tol
                      : cuda::moe_int8_activations(experts[0], c.rows, c.k) ? kInt8Tol
                                                                             : kF32Tol;
@@ -704,16 +704,17 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   EXPECT_GT(small, 20) << "cases that ran the few-rows-per-expert kernel";
 }
 
-// BF16 experts run in float on the CPU backend: agree with it (decode and prefill). For Q4_0
-// and Q8_0 experts the CPU quantizes x and the hidden activations to int8. The CUDA Q4_0
-// decode kernels quantize them the same way, so the two agree to f32 summation order plus the
-// rare h element whose code flips at a rounding boundary (one step of amax / 127): 1e-4. Q8_0
-// decode keeps them f32 on CUDA: held to kInt8Tol (the activation rounding, ~5e-3).
+// BF16 experts run in float on the CPU backend: agree with it (decode and prefill). For Q4_0,
+// Q8_0 and MXFP4 experts the CPU quantizes x and the hidden activations to int8. The CUDA Q4_0
+// and MXFP4 decode kernels quantize them the same way, so the two agree to f32 summation order
+// plus the rare h element whose code flips at a rounding boundary (one step of amax / 127):
+// 1e-4. Q8_0 decode keeps them f32 on CUDA: held to kInt8Tol (the activation rounding, ~5e-3).
 TEST(CudaMoe, MatchesCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
+  cpu::mxfp4_set_int8_activations(true);
   for (const Format& f : {Format{DType::BF16}, Format{DType::Q4_0}, Format{DType::Q4_0, DType::U8, 0, true},
-                          Format{DType::Q8_0}}) {
+                          Format{DType::Q8_0}, Format{DType::MXFP4}}) {
     const bool int8 = f.dtype != DType::BF16;
     const int E = 6, k = 2;
     const int64_t hidden = 64, inter = 32;
@@ -749,7 +750,8 @@ TEST(CudaMoe, MatchesCpuBackend) {
       dout.buf.poison();
       mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, dout.mat, nullptr);
       const bool both_int8 = cuda::moe_int8_activations(dev[0], rows, k);
-      EXPECT_EQ(both_int8, f.dtype == DType::Q4_0 && rows <= cuda::kMoeDecodeMaxRows) << f.name() << " rows " << rows;
+      EXPECT_EQ(both_int8, (f.dtype == DType::Q4_0 || f.dtype == DType::MXFP4) && rows <= cuda::kMoeDecodeMaxRows)
+          << f.name() << " rows " << rows;
       const double tol = rows > cuda::kMoeDecodeMaxRows ? kMoeBf16Tol : both_int8 ? 1e-4 : int8 ? kInt8Tol : kF32Tol;
       EXPECT_LE(normalized_error(dout.download(), want), tol) << f.name() << " rows " << rows;
     }
@@ -758,10 +760,11 @@ TEST(CudaMoe, MatchesCpuBackend) {
 
 // An expert id outside the table (the device cannot throw) makes its token's output row NaN
 // and leaves the other rows exactly as a valid routing gives them, on every decode kernel
-// family (f32 unit-wise, Q4_0 int8 in both layouts) and on the grouped prefill path.
+// family (f32 unit-wise, Q4_0 int8 in both layouts, MXFP4 int8) and on the grouped prefill path.
 TEST(CudaMoe, InvalidExpertIdGivesNanRowOnly) {
   cuda::WeightMatmul mm;
-  for (const Format& f : {Format{DType::BF16}, Format{DType::Q4_0}, Format{DType::Q4_0, DType::U8, 0, true}}) {
+  for (const Format& f : {Format{DType::BF16}, Format{DType::Q4_0}, Format{DType::Q4_0, DType::U8, 0, true},
+                          Format{DType::MXFP4}}) {
     const int E = 4, k = 2;
     const int64_t hidden = 64, inter = 32;
     std::vector<HostWeight> hw;

@@ -289,7 +289,8 @@ TEST(CudaOps, RouterSoftmaxTopK) {
 // order), its picks and weights exactly equal to router_softmax_topk run on those same logits
 // (the same routing code on the same numbers, ties included: with `ties` every odd expert's
 // row equals its even neighbour's, so their logits tie bit for bit). Each case runs twice on
-// one ticket (the last block resets it), and a NaN activation row routes to -1.
+// one ticket (the last block resets it), and a NaN activation row routes to -1. Cases without
+// ties add a router bias (gpt-oss) to the logits.
 TEST(CudaOps, RouterGemvTopKMatchesGemvThenTopK) {
   REQUIRE_GPU();
   DeviceBuffer<unsigned> ticket(std::vector<unsigned>{0u});
@@ -318,7 +319,9 @@ TEST(CudaOps, RouterGemvTopKMatchesGemvThenTopK) {
               }
             std::vector<float> x = random_floats(size_t(rows * cols), seed++);
             if (nan_row) x[size_t(1 * cols + 3)] = std::nanf("");
+            const std::vector<float> bias = random_floats(size_t(n), seed++);
             DeviceBuffer<float> dwf(w), dx(x), dl(size_t(rows * n)), dscale(random_floats(size_t(n), 61, 0.5f, 2.f));
+            DeviceBuffer<float> dbias(bias);
             DeviceBuffer<uint16_t> dwb(wb);
             WeightView view;
             view.dtype = dt;
@@ -335,8 +338,8 @@ TEST(CudaOps, RouterGemvTopKMatchesGemvThenTopK) {
               dw.poison();
               dl.poison();
               ASSERT_TRUE(cuda::router_gemv_topk(view, Mat(dx.get(), rows, cols), Mat(dl.get(), rows, n), k, renorm,
-                                                 didx.get(), dw.get(), scaled ? dscale.get() : nullptr, ticket.get(),
-                                                 stream()));
+                                                 didx.get(), dw.get(), scaled ? dscale.get() : nullptr,
+                                                 ties ? nullptr : dbias.get(), ticket.get(), stream()));
               sync();
               idx_runs.push_back(didx.download());
               w_runs.push_back(dw.download());
@@ -350,7 +353,7 @@ TEST(CudaOps, RouterGemvTopKMatchesGemvThenTopK) {
               for (int e = 0; e < n; ++e) {
                 double acc = 0;
                 for (int64_t c = 0; c < cols; ++c) acc += double(w[size_t(e * cols + c)]) * x[size_t(r * cols + c)];
-                want[size_t(r * n + e)] = float(acc);
+                want[size_t(r * n + e)] = float(acc + (ties ? 0.0 : double(bias[size_t(e)])));
               }
             if (nan_row) {
               for (int e = 0; e < n; ++e) EXPECT_TRUE(std::isnan(logits[size_t(n + e)]));
@@ -378,10 +381,10 @@ TEST(CudaOps, RouterGemvTopKMatchesGemvThenTopK) {
   view.cols = 64;
   view.row_bytes = 256;
   EXPECT_FALSE(cuda::router_gemv_topk(view, Mat(dx.get(), 9, 64), Mat(dl.get(), 9, 8), 2, true, didx.get(), dwt.get(),
-                                      nullptr, ticket.get(), stream()));
+                                      nullptr, nullptr, ticket.get(), stream()));
   view.dtype = DType::Q8_0;
   EXPECT_FALSE(cuda::router_gemv_topk(view, Mat(dx.get(), 1, 64), Mat(dl.get(), 1, 8), 2, true, didx.get(), dwt.get(),
-                                      nullptr, ticket.get(), stream()));
+                                      nullptr, nullptr, ticket.get(), stream()));
 }
 
 TEST(CudaOps, RouterRefusesTooManyExperts) {
@@ -471,8 +474,8 @@ TEST(CudaOps, KvWrite) {
         }
 }
 
-// attention_prep's fused kernel against the CPU backend's separate ops (norms, ropes, cache
-// write): q and k as left in place and the whole cache (written slots and untouched ones).
+// attention_prep's fused kernel against the CPU backend's separate ops (biases, norms, ropes,
+// cache write): q and k as left in place and the whole cache (written slots and untouched ones).
 // The norm's sum of squares is ordered differently, so values agree to the rmsnorm bound.
 TEST(CudaOps, AttentionPrepMatchesSeparateOps) {
   REQUIRE_GPU();
@@ -481,16 +484,18 @@ TEST(CudaOps, AttentionPrepMatchesSeparateOps) {
     int heads, kv_heads, hd, rot;
     bool norm;
     float offset, factor;
+    bool bias = false;  // q/k/v projection biases (gpt-oss: with YaRN's factor, no norms)
   };
-  const Case cases[] = {{4, 2, 64, 64, true, 0.f, 1.f},    {8, 1, 128, 128, true, 1.f, 1.f},
-                        {2, 2, 80, 40, false, 0.f, 1.f},   {32, 4, 128, 64, true, 0.f, 1.3f},
-                        {3, 1, 256, 256, true, 0.f, 1.f},  {16, 8, 64, 0, false, 0.f, 1.f},
-                        {1, 1, 512, 32, true, 0.f, 1.f}};
+  const Case cases[] = {{4, 2, 64, 64, true, 0.f, 1.f},        {8, 1, 128, 128, true, 1.f, 1.f},
+                        {2, 2, 80, 40, false, 0.f, 1.f},       {32, 4, 128, 64, true, 0.f, 1.3f},
+                        {3, 1, 256, 256, true, 0.f, 1.f},      {16, 8, 64, 0, false, 0.f, 1.f},
+                        {1, 1, 512, 32, true, 0.f, 1.f},       {16, 2, 64, 64, false, 0.f, 1.35f, true},
+                        {4, 2, 128, 64, true, 0.f, 1.f, true}};
   for (const Case& c : cases)
     for (int64_t rows : {int64_t(1), int64_t(3), int64_t(17), int64_t(64)}) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " hd " +
                    std::to_string(c.hd) + " rot " + std::to_string(c.rot) + " norm " + std::to_string(c.norm) +
-                   " rows " + std::to_string(rows));
+                   " bias " + std::to_string(c.bias) + " rows " + std::to_string(rows));
       const int64_t pad = rows % 2 ? 3 : 0;
       PagedCache cache(2, 300, c.kv_heads, c.hd, uint32_t(rng()));
       Strided q(rows, int64_t(c.heads) * c.hd, pad, uint32_t(rng())), k(rows, int64_t(c.kv_heads) * c.hd, pad,
@@ -523,6 +528,14 @@ TEST(CudaOps, AttentionPrepMatchesSeparateOps) {
       if (c.norm) {
         hp.q_norm = qn.data(), hp.k_norm = kn.data();
         dp.q_norm = dqn.get(), dp.k_norm = dkn.get();
+      }
+      const std::vector<float> qb = random_floats(size_t(c.heads * c.hd), uint32_t(rng()));
+      const std::vector<float> kb = random_floats(size_t(c.kv_heads * c.hd), uint32_t(rng()));
+      const std::vector<float> vb = random_floats(size_t(c.kv_heads * c.hd), uint32_t(rng()));
+      DeviceBuffer<float> dqb(qb), dkb(kb), dvb(vb);
+      if (c.bias) {
+        hp.q_bias = qb.data(), hp.k_bias = kb.data(), hp.v_bias = vb.data();
+        dp.q_bias = dqb.get(), dp.k_bias = dkb.get(), dp.v_bias = dvb.get();
       }
       cpu().attention_prep(q.h(), k.h(), v.h(), hp, pos.data(), cache.host_view(seq.data()));
       ASSERT_TRUE(cuda::attention_prep(q.d(), k.d(), v.d(), dp, dpos.get(), cache.device_view(dseq.get()), stream()));
@@ -688,10 +701,12 @@ constexpr double kTcMaxAbsBound = 2.0 / 512 + 1e-5;
 // normalized, as the golden tests see it.
 constexpr double kTcRandomBound = 2e-2;
 
-// Every head_dim and GQA ratio, both kernels, one decode row and a small prefill chunk.
+// Every head_dim (512: Gemma 4's full-attention layers) and GQA ratio, both kernels, one
+// decode row and a small prefill chunk; head_dim 512 also over more rows than one tile holds,
+// with a window and sinks, and with GQA 16 (past its decode blocks' 2 heads).
 TEST(CudaOps, AttentionHeadDimsAndGroups) {
   REQUIRE_GPU();
-  for (int hd : {32, 64, 80, 128, 256})
+  for (int hd : {32, 64, 80, 128, 256, 512})
     for (int group : {1, 2, 4, 8})
       for (int64_t rows : {int64_t(1), int64_t(17)}) {
         const AttnCase c{2 * group, 2, hd, rows, 300, 0, (hd + group) % 3 == 0, 1};
@@ -699,6 +714,13 @@ TEST(CudaOps, AttentionHeadDimsAndGroups) {
         EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
         EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
       }
+  for (const AttnCase& c : {AttnCase{16, 2, 512, 64, 300, 0, false, 1}, AttnCase{16, 2, 512, 40, 700, 128, true, 2},
+                            AttnCase{32, 2, 512, 3, 300, 0, true, 1}}) {
+    SCOPED_TRACE(c.name());
+    EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
+    EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
+    EXPECT_LT(run_attention(c, Kernel::kAuto), kAttentionBound) << "auto";
+  }
   // Groups that are not powers of two (Qwen2.5: 14/2, 12/2) and above 8.
   for (int n_heads : {14, 12, 6, 32})
     for (int64_t rows : {int64_t(1), int64_t(3), int64_t(64)}) {

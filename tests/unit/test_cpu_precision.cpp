@@ -243,23 +243,31 @@ TEST(CpuPrecision, AttentionPastTheBoundRoundsAsTensorCoresDo) {
   EXPECT_LT(worst, 2e-2);
 }
 
+// A random MXFP4 matrix (codes and e8m0 scales near 2^0) and its view.
+struct Mxfp4Matrix {
+  std::vector<uint8_t> blocks, scales;
+  WeightView w;
+  Mxfp4Matrix(int64_t rows, int64_t cols, uint32_t seed) : blocks(size_t(rows * cols / 2)), scales(size_t(rows * cols / 32)) {
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> byte(0, 255), sc(120, 130);
+    for (auto& b : blocks) b = uint8_t(byte(rng));
+    for (auto& s : scales) s = uint8_t(sc(rng));
+    w.dtype = DType::MXFP4;
+    w.data = blocks.data();
+    w.rows = rows;
+    w.cols = cols;
+    w.row_bytes = cols / 2;
+    w.scales = scales.data();
+    w.scales_row_bytes = cols / 32;
+    w.group_size = 32;
+  }
+};
+
 // MXFP4 matmuls read f32 activations under float_mxfp4 (CUDA's), the int8 ones otherwise.
 TEST(CpuPrecision, FloatMxfp4ReadsF32Activations) {
   const int64_t rows = 6, cols = 64, n = 3;
-  std::mt19937 rng(5);
-  std::uniform_int_distribution<int> byte(0, 255), sc(120, 130);
-  std::vector<uint8_t> blocks(size_t(rows * cols / 2)), scales(size_t(rows * cols / 32));
-  for (auto& b : blocks) b = uint8_t(byte(rng));
-  for (auto& s : scales) s = uint8_t(sc(rng));
-  WeightView w;
-  w.dtype = DType::MXFP4;
-  w.data = blocks.data();
-  w.rows = rows;
-  w.cols = cols;
-  w.row_bytes = cols / 2;
-  w.scales = scales.data();
-  w.scales_row_bytes = cols / 32;
-  w.group_size = 32;
+  const Mxfp4Matrix m(rows, cols, 5);
+  const WeightView& w = m.w;
   const std::vector<float> x = randoms(size_t(n * cols), 6);
   auto gpu_like = make_cpu_backend(1, CpuPrecision{.float_mxfp4 = true});
   ThreadPool pool(1);
@@ -269,6 +277,39 @@ TEST(CpuPrecision, FloatMxfp4ReadsF32Activations) {
   const std::vector<float> got = product(*gpu_like, w, x, n);
   EXPECT_EQ(got, want);
   EXPECT_NE(got, int8);
+}
+
+// MXFP4 experts of a MoE micro-batch of at most gemm_above_rows rows read int8 activations
+// under float_mxfp4 too (CUDA's MoE decode kernels quantize x and h per 32 as the CPU does):
+// bit for bit the plain CPU backend's int8 path; past the bound, f32 (bf16-rounded) again.
+TEST(CpuPrecision, Mxfp4MoeDecodeReadsInt8ActivationsAsCudaDoes) {
+  const int64_t hidden = 64, inter = 32;
+  const int n_experts = 4, k = 2;
+  std::vector<Mxfp4Matrix> mats;
+  for (int i = 0; i < 3 * n_experts; ++i)
+    mats.emplace_back(i % 3 == 2 ? hidden : inter, i % 3 == 2 ? inter : hidden, uint32_t(40 + i));
+  std::vector<ExpertWeights> experts(n_experts);
+  for (int e = 0; e < n_experts; ++e) {
+    experts[size_t(e)].gate.view = mats[size_t(3 * e)].w;
+    experts[size_t(e)].up.view = mats[size_t(3 * e + 1)].w;
+    experts[size_t(e)].down.view = mats[size_t(3 * e + 2)].w;
+  }
+  cpu::mxfp4_set_int8_activations(true);
+  auto run = [&](const CpuPrecision& p, int64_t rows) {
+    auto be = make_cpu_backend(1, p);
+    std::vector<int32_t> idx(size_t(rows * k));
+    for (int64_t t = 0; t < rows; ++t) idx[size_t(t * k)] = int32_t(t % 4), idx[size_t(t * k + 1)] = int32_t((t + 1) % 4);
+    const std::vector<float> wts(size_t(rows * k), 0.5f);
+    std::vector<float> x = randoms(size_t(rows * hidden), 7), out(size_t(rows * hidden));
+    be->moe_experts(experts, Mat(x.data(), rows, hidden), idx.data(), wts.data(), k, Mat(out.data(), rows, hidden));
+    return out;
+  };
+  const CpuPrecision cuda_like{.gemm_above_rows = 8, .float_mxfp4 = true};
+  const CpuPrecision all_float{.float_mxfp4 = true};
+  EXPECT_EQ(run(cuda_like, 3), run(CpuPrecision{}, 3));
+  EXPECT_NE(run(cuda_like, 3), run(all_float, 3));
+  // Nine rows: the GEMM's bf16 inputs into the exact f32 path, not int8.
+  EXPECT_NE(run(cuda_like, 9), run(CpuPrecision{.gemm_above_rows = 8}, 9));
 }
 
 TEST(CpuPrecision, KvRowsAreStoredAsBf16) {

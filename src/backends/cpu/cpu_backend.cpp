@@ -213,10 +213,12 @@ class CpuBackend final : public Backend {
     const int64_t n_experts = int64_t(experts.size());
     // CpuPrecision: the micro-batch's size decides the rounding of every expert's matmuls.
     moe_gemm_rounding_ = precision_.gemm_above_rows > 0 && T > precision_.gemm_above_rows;
+    moe_decode_ = precision_.gemm_above_rows > 0 && T <= precision_.gemm_above_rows;
     struct Reset {
-      bool& flag;
-      ~Reset() { flag = false; }
-    } reset{moe_gemm_rounding_};
+      bool& gemm;
+      bool& decode;
+      ~Reset() { gemm = decode = false; }
+    } reset{moe_gemm_rounding_, moe_decode_};
     auto& by_expert = by_expert_;  // kept across calls: no allocation per decode token once warm
     if (int64_t(by_expert.size()) < n_experts) by_expert.resize(size_t(n_experts));
     for (auto& rows : by_expert) rows.clear();
@@ -319,6 +321,7 @@ class CpuBackend final : public Backend {
 
   CpuPrecision precision_;
   bool moe_gemm_rounding_ = false;  // inside moe_experts of a micro-batch past gemm_above_rows
+  bool moe_decode_ = false;         // inside moe_experts of a micro-batch of at most gemm_above_rows
   std::vector<float> rounded_x_;
 
   // CpuPrecision::gemm_above_rows: x as a tensor-core GEMM reads it (bf16, or tf32 for f32
@@ -450,7 +453,9 @@ class CpuBackend final : public Backend {
   void matmul_view(const WeightView& w, const Mat& x_in, const Mat& y) {
     const Mat x = gemm_input(w, x_in);
     if (w.dtype == DType::MXFP4) {
-      if (precision_.float_mxfp4) {
+      if (precision_.float_mxfp4 && moe_decode_) {
+        cpu::mxfp4_matmul_int8(pool_, w, x, y);  // CUDA's MoE decode kernels: int8, as the CPU's
+      } else if (precision_.float_mxfp4) {
         cpu::mxfp4_matmul_exact(pool_, w, x, y);
       } else {
         cpu::mxfp4_matmul(pool_, w, x, y);

@@ -137,7 +137,7 @@ __device__ __forceinline__ void finish_block(const float* s_m, const float* s_l,
 // Layout: a key is read by kLanes lanes, each holding kChunks 4-element chunks of head_dim
 // (lane sl holds chunks sl, sl + kLanes, ...): 8-byte loads of 4 bf16, one contiguous
 // head_dim * 2 bytes per key (>= 64 B). head_dim 32/64: 4/2 keys per warp at once; 128: one key per warp, one
-// float4 per lane; 256: two float4 per lane. Each lane keeps q and the V accumulators of its
+// float4 per lane; 256: two float4 per lane; 512: four (at most 2 heads a block). Each lane keeps q and the V accumulators of its
 // chunks for kGroupTile query heads in registers; the head_dim < kHdMax tail is masked.
 // kUnroll keys per lane group per step keep 2 * kUnroll * kChunks 8-byte loads in flight.
 template <int kHdMax, int kGroupTile>
@@ -758,7 +758,7 @@ void check_attention_shapes(const char* op, const Mat& q, const KvLayerView& kv,
                out.rows == q.rows,
            "{}: q [{}, {}] / out [{}, {}] for {} heads of {}", op, q.rows, q.cols, out.rows, out.cols, n_heads,
            kv.head_dim);
-  TS_CHECK(kv.head_dim % 4 == 0 && kv.head_dim <= 256, "{}: head_dim {} (the CUDA kernels take multiples of 4 up to 256)",
+  TS_CHECK(kv.head_dim % 4 == 0 && kv.head_dim <= 512, "{}: head_dim {} (the CUDA kernels take multiples of 4 up to 512)",
            op, kv.head_dim);
   check_bf16_pools(op, kv);
   TS_CHECK(aligned16(kv.k) && aligned16(kv.v), "{}: KV pools not 16-byte aligned", op);
@@ -811,8 +811,11 @@ void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, 
   TS_CHECK(math != DecodeMath::kTensorCores || tc_ok,
            "attention_decode: tensor-core kernel asked for head_dim {} with {} heads per kv head (it takes 64 or "
            "128, up to {})", kv.head_dim, group, kTcMaxGroup);
-  int group_tile = 1;  // heads per block: the group rounded up to a power of two, at most 8
-  while (group_tile < group && group_tile < 8) group_tile *= 2;
+  // Heads per block: the group rounded up to a power of two, at most 8 (2 past head_dim 256,
+  // whose V accumulators would not fit a block's static shared memory or registers at more).
+  const int max_group_tile = kv.head_dim > 256 ? 2 : 8;
+  int group_tile = 1;
+  while (group_tile < group && group_tile < max_group_tile) group_tile *= 2;
   int64_t max_context = int64_t(kv.max_blocks) * kv.block_size;  // the longest span a row can see
   if (window > 0) max_context = std::min<int64_t>(max_context, window);
   if (tc_min_span < 0) tc_min_span = attention_decode_tc_min_span();
@@ -887,14 +890,18 @@ void decode_impl(const Mat& q, const int64_t* positions, const KvLayerView& kv, 
     launch_decode_hd<64>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
   } else if (kv.head_dim <= 128) {
     launch_decode_hd<128>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
-  } else {
+  } else if (kv.head_dim <= 256) {
     launch_decode_hd<256>(group_tile, q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
+  } else if (group_tile == 1) {
+    launch_decode<512, 1>(q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
+  } else {
+    launch_decode<512, 2>(q, positions, pk, n_heads, group, scale, window, sinks, out, ns, part, stream);
   }
   TS_CUDA_LAUNCH_CHECK("attention_decode{} rows {} heads {}/{} head_dim {} splits {} window {}",
                        tc ? " (tc)" : form == Form::kPerRow ? " (per row)" : "",
                        q.rows, n_heads, kv.n_kv_heads, kv.head_dim, n_splits, window);
   if (n_splits > 1) {
-    // One block of 128 per (head, row): head_dim <= 256 is at most 2 outputs per thread.
+    // One block of 128 per (head, row): head_dim <= 512 is at most 4 outputs per thread.
     launch(attention_combine_kernel, dim3(unsigned(n_heads), unsigned(q.rows)), kCombineThreads, 0, stream, part,
            n_heads, kv.head_dim, ns, sinks, out.data, out.stride);
     TS_CUDA_LAUNCH_CHECK("attention_combine rows {} heads {} head_dim {} splits {}", q.rows, n_heads, kv.head_dim,
@@ -927,6 +934,8 @@ void attention_decode(const Mat& q, const int64_t* positions, const KvLayerView&
 bool attention_decode_prep(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                            const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
                            float* scratch, int64_t scratch_floats, cudaStream_t stream) {
+  // Projection biases are attention_prep's alone (the fused forms do not add them).
+  if (p.q_bias || p.k_bias || p.v_bias) return false;
   if (q.rows != 1 || k.rows != 1 || v.rows != 1 || p.n_kv_heads != kv.n_kv_heads ||
       p.head_dim != kv.head_dim || p.n_heads % std::max(p.n_kv_heads, 1) != 0 ||
       !attention_decode_tc_supports(p.head_dim, p.n_heads / std::max(p.n_kv_heads, 1)) || p.rotary_dim % 2 != 0 ||

@@ -389,6 +389,8 @@ int64_t attention_decode_fused_max_span() {
 bool attention_decode_fused(const Mat& q, const Mat& k, const Mat& v, const AttentionPrep& p, const int64_t* positions,
                             const KvLayerView& kv, float scale, int window, const float* sinks, const Mat& out,
                             cudaStream_t stream) {
+  // Projection biases are attention_prep's alone (the fused forms do not add them).
+  if (p.q_bias || p.k_bias || p.v_bias) return false;
   if (q.rows != 1 || k.rows != 1 || v.rows != 1 || out.rows != 1 || p.n_kv_heads != kv.n_kv_heads ||
       p.n_kv_heads <= 0 || p.head_dim != kv.head_dim || p.n_heads % p.n_kv_heads != 0 ||
       !attention_decode_fused_supports(p.head_dim, p.n_heads / p.n_kv_heads) || p.rotary_dim % 2 != 0 ||

@@ -4,13 +4,15 @@
 //
 // Precision: f32 SIMT, agreeing with the CPU to 1e-5. attention() takes the bf16 tensor-core
 // kernel (attention_prefill_tc.cu, same tiles and masks) for head_dim <= 128; this one runs
-// head_dim 256 (Gemma 3) and whatever calls it directly for f32 agreement.
+// head_dim 256 (Gemma 3) and 512 (Gemma 4's full-attention layers) and whatever calls it
+// directly for f32 agreement.
 //
-// Tile: 64 query vectors x 32 keys per step, 256 threads. The 64 query vectors are
-// (row, head) pairs of one KV head's GQA group -- 64 / group rows x group heads -- so one
-// K/V tile in shared memory serves every head that reads it. Threads form 16 x 16 (ty, tx):
-// thread (ty, tx) owns query vectors 4ty..4ty+3; for scores it owns keys tx and tx + 16, for
-// the output dims 4tx + 64c .. +3 (c < kHdMax / 64). The 16 threads of a query vector sit in
+// Tile: kTileQ query vectors (64; 32 at head_dim 512, whose tiles would not fit shared memory
+// at 64) x 32 keys per step, 256 threads. The query vectors are (row, head) pairs of one KV
+// head's GQA group -- kTileQ / group rows x group heads -- so one K/V tile in shared memory
+// serves every head that reads it. Threads form 16 x 16 (ty, tx): thread (ty, tx) owns query
+// vectors kQPer ty .. + kQPer - 1 (kQPer = kTileQ / 16); for scores it owns keys tx and
+// tx + 16, for the output dims 4tx + 64c .. +3 (c < kHdMax / 64). The 16 threads of a query vector sit in
 // one half-warp, so its row max and sum are 4 xor-shuffles. Shared rows are padded by one
 // float4 (kHdMax + 4) so the 128-bit reads of a quarter-warp land in 8 distinct bank
 // groups.
@@ -32,11 +34,14 @@ namespace turbospark::cuda {
 
 namespace {
 
-constexpr int kTileQ = 64;    // query vectors per tile
 constexpr int kTileK = 32;    // keys per step
 constexpr int kThreads = 256;
 
+// Query vectors per tile: 64, or 32 where 64 would not fit shared memory (head_dim 512).
 template <int kHdMax>
+constexpr int kTileQFor = kHdMax <= 256 ? 64 : 32;
+
+template <int kHdMax, int kTileQ = kTileQFor<kHdMax>>
 struct PrefillSmem {
   static constexpr int kLd = kHdMax + 4;  // Q and K rows, padded one float4
   static constexpr int kLdP = kTileK + 4;
@@ -52,6 +57,8 @@ __global__ void __launch_bounds__(kThreads)
                              const int64_t* __restrict__ positions, PagedKv kv, int group, float scale, int window,
                              const float* __restrict__ sinks, float* __restrict__ out, int64_t out_stride) {
   using S = PrefillSmem<kHdMax>;
+  constexpr int kTileQ = kTileQFor<kHdMax>;
+  constexpr int kQPer = kTileQ / 16;  // query vectors a thread owns
   constexpr int kLd = S::kLd, kLdP = S::kLdP;
   constexpr int kDimGroups = kHdMax / 64 > 0 ? kHdMax / 64 : 1;  // float4 output groups per thread
   extern __shared__ __align__(16) float smem[];
@@ -78,10 +85,10 @@ __global__ void __launch_bounds__(kThreads)
     s_q[m * kLd + d] = val;
   }
 
-  float o[4][kDimGroups][4];
-  float m_run[4], l_run[4];
+  float o[kQPer][kDimGroups][4];
+  float m_run[kQPer], l_run[kQPer];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kQPer; ++i) {
     m_run[i] = -INFINITY;
     l_run[i] = 0.f;
 #pragma unroll
@@ -96,11 +103,11 @@ __global__ void __launch_bounds__(kThreads)
     const long long kmin = tq.kmin, kmax = tq.kmax;
     const int32_t* table = kv.block_table + int64_t(cur_seq) * kv.max_blocks;
     // Per owned query vector: active in this pass, and its visible range.
-    bool act[4];
-    long long lo_i[4], pos_i[4];
+    bool act[kQPer];
+    long long lo_i[kQPer], pos_i[kQPer];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int m = 4 * ty + i;
+    for (int i = 0; i < kQPer; ++i) {
+      const int m = kQPer * ty + i;
       act[i] = tq.state[m] == 1;
       lo_i[i] = tq.lo[m];
       pos_i[i] = tq.pos[m];
@@ -124,24 +131,24 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
 
       // Scores for (4ty + i, tx + 16j).
-      float s[4][2];
+      float s[kQPer][2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = 0.f;
+      for (int i = 0; i < kQPer; ++i) s[i][0] = s[i][1] = 0.f;
       for (int d = 0; d < hd; d += 4) {
-        float4 qa[4], kb[2];
+        float4 qa[kQPer], kb[2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) qa[i] = *reinterpret_cast<const float4*>(&s_q[(4 * ty + i) * kLd + d]);
+        for (int i = 0; i < kQPer; ++i) qa[i] = *reinterpret_cast<const float4*>(&s_q[(kQPer * ty + i) * kLd + d]);
 #pragma unroll
         for (int j = 0; j < 2; ++j) kb[j] = *reinterpret_cast<const float4*>(&s_k[(tx + 16 * j) * kLd + d]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < kQPer; ++i)
 #pragma unroll
           for (int j = 0; j < 2; ++j)
             s[i][j] += qa[i].x * kb[j].x + qa[i].y * kb[j].y + qa[i].z * kb[j].z + qa[i].w * kb[j].w;
       }
       // Mask, online softmax update, probabilities to shared memory.
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kQPer; ++i) {
         float tile_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -159,7 +166,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 2; ++j) {
           const float e = s[i][j] == -INFINITY ? 0.f : expf(s[i][j] - m_new);
           row_sum += e;
-          s_p[(4 * ty + i) * kLdP + tx + 16 * j] = e;
+          s_p[(kQPer * ty + i) * kLdP + tx + 16 * j] = e;
         }
 #pragma unroll
         for (int off = 8; off > 0; off >>= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, off);
@@ -175,16 +182,16 @@ __global__ void __launch_bounds__(kThreads)
       // o += P V over the tile's keys.
       {
         for (int n = 0; n < kTileK; n += 4) {
-          float4 pr[4];
+          float4 pr[kQPer];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) pr[i] = *reinterpret_cast<const float4*>(&s_p[(4 * ty + i) * kLdP + n]);
+          for (int i = 0; i < kQPer; ++i) pr[i] = *reinterpret_cast<const float4*>(&s_p[(kQPer * ty + i) * kLdP + n]);
 #pragma unroll
           for (int nn = 0; nn < 4; ++nn) {
 #pragma unroll
             for (int c = 0; c < kDimGroups; ++c) {
               const float4 vv = *reinterpret_cast<const float4*>(&s_v[(n + nn) * kHdMax + 4 * tx + 64 * c]);
 #pragma unroll
-              for (int i = 0; i < 4; ++i) {
+              for (int i = 0; i < kQPer; ++i) {
                 const float pv = nn == 0 ? pr[i].x : nn == 1 ? pr[i].y : nn == 2 ? pr[i].z : pr[i].w;
                 o[i][c][0] += pv * vv.x;
                 o[i][c][1] += pv * vv.y;
@@ -202,8 +209,8 @@ __global__ void __launch_bounds__(kThreads)
 
   // Normalize (with the sink) and write: out[t, h * hd + d].
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int m = 4 * ty + i;
+  for (int i = 0; i < kQPer; ++i) {
+    const int m = kQPer * ty + i;
     const int64_t t = row0 + m / group;
     if (m >= rows_per_tile * group || t >= rows) continue;
     const int h = kv_head * group + m % group;
@@ -229,11 +236,12 @@ void launch_prefill(const Mat& q, const int64_t* positions, const PagedKv& kv, i
                     const float* sinks, const Mat& out, cudaStream_t stream) {
   constexpr size_t bytes = PrefillSmem<kHdMax>::kBytes;
   // Above 48 KB the dynamic limit must be raised (head_dim 128: 76 KB, 2 blocks/SM; 256: 141 KB,
-  // 1 block/SM; 64: 44 KB, 4-5 blocks/SM).
+  // 1 block/SM; 512 at 32 query vectors: 198 KB, 1 block/SM; 64: 44 KB, 4-5 blocks/SM).
+  static_assert(bytes <= 227 * 1024, "attention_prefill: tile over the SM's shared memory");
   TS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<kHdMax>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(bytes)),
                 "attention_prefill: shared memory {} bytes for head_dim <= {}", bytes, kHdMax);
-  const int rows_per_tile = kTileQ / group;
+  const int rows_per_tile = kTileQFor<kHdMax> / group;
   const dim3 grid(unsigned((q.rows + rows_per_tile - 1) / rows_per_tile), unsigned(kv.n_kv_heads));
   attention_prefill_kernel<kHdMax><<<grid, kThreads, bytes, stream>>>(q.data, q.stride, q.rows, positions, kv, group,
                                                                        scale, window, sinks, out.data, out.stride);
@@ -246,15 +254,18 @@ void attention_prefill(const Mat& q, const int64_t* positions, const KvLayerView
   check_attention_shapes("attention_prefill", q, kv, n_heads, out);
   if (q.rows == 0) return;
   const int group = n_heads / kv.n_kv_heads;
-  TS_CHECK(group <= kTileQ, "attention_prefill: GQA group {} above {}", group, kTileQ);
+  const int tile_q = kv.head_dim <= 256 ? kTileQFor<256> : kTileQFor<512>;
+  TS_CHECK(group <= tile_q, "attention_prefill: GQA group {} above {} at head_dim {}", group, tile_q, kv.head_dim);
   const PagedKv pk = paged_kv(kv);
   // head_dim 32 runs the 64 instance: the output layout needs 16 threads x float4 per 64 dims.
   if (kv.head_dim <= 64) {
     launch_prefill<64>(q, positions, pk, group, scale, window, sinks, out, stream);
   } else if (kv.head_dim <= 128) {
     launch_prefill<128>(q, positions, pk, group, scale, window, sinks, out, stream);
-  } else {
+  } else if (kv.head_dim <= 256) {
     launch_prefill<256>(q, positions, pk, group, scale, window, sinks, out, stream);
+  } else {
+    launch_prefill<512>(q, positions, pk, group, scale, window, sinks, out, stream);
   }
   TS_CUDA_LAUNCH_CHECK("attention_prefill rows {} heads {}/{} head_dim {} window {}", q.rows, n_heads, kv.n_kv_heads,
                        kv.head_dim, window);

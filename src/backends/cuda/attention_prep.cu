@@ -1,4 +1,4 @@
-// The attention inputs in one launch (Backend::attention_prep): per-head RMSNorm of q and k,
+// The attention inputs in one launch (Backend::attention_prep): the projection biases, per-head RMSNorm of q and k,
 // RoPE on both, and k and v written to the paged cache (bf16), where the separate kernels took five
 // launches per layer (two norms, two ropes, the cache write; at decode each is a few
 // microseconds of launch and latency for a few kilobytes: ~20 us per layer on the H200, ncu).
@@ -34,7 +34,10 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int kvh = h - p.n_heads;
   const int hd = p.head_dim;
   float* src = is_q ? q + t * q_stride + int64_t(h) * hd : k + t * k_stride + int64_t(kvh) * hd;
-  for (int d = threadIdx.x; d < hd; d += kPrepThreads) head[d] = src[d];
+  // The projection's bias first (add_bias's one f32 addition), where there is one.
+  const float* bias = is_q ? p.q_bias : p.k_bias;
+  if (bias) bias += int64_t(is_q ? h : kvh) * hd;
+  for (int d = threadIdx.x; d < hd; d += kPrepThreads) head[d] = bias ? src[d] + bias[d] : src[d];
   __syncthreads();
 
   const float* norm_w = is_q ? p.q_norm : p.k_norm;
@@ -75,11 +78,12 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int64_t block = kv.block_table[int64_t(seq) * kv.max_blocks + pos / kv.block_size];
   const int64_t off = (block * kv.block_size + pos % kv.block_size) * int64_t(kv.n_kv_heads) * hd + int64_t(kvh) * hd;
   const float* vr = v + t * v_stride + int64_t(kvh) * hd;
+  const float* vb = p.v_bias ? p.v_bias + int64_t(kvh) * hd : nullptr;
   auto* k_pool = static_cast<uint16_t*>(kv.k);
   auto* v_pool = static_cast<uint16_t*>(kv.v);
   for (int d = threadIdx.x; d < hd; d += kPrepThreads) {
     k_pool[off + d] = f32_to_bf16_bits(head[d]);
-    v_pool[off + d] = f32_to_bf16_bits(vr[d]);
+    v_pool[off + d] = f32_to_bf16_bits(vb ? vr[d] + vb[d] : vr[d]);
   }
 }
 

@@ -446,10 +446,10 @@ class CudaBackend final : public Backend {
   }
   void add(const Mat& y, const Mat& x) override { cuda::add(y, x, stream_); }
   void router_topk(const Weight& router, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
-                   float* weight, const float* expert_scale) override {
-    if (!cuda::router_gemv_topk(router.view, x, logits, k, renormalize, idx, weight, expert_scale, router_ticket_,
-                                stream_))
-      Backend::router_topk(router, x, logits, k, renormalize, idx, weight, expert_scale);
+                   float* weight, const float* expert_scale, const float* bias) override {
+    if (!cuda::router_gemv_topk(router.view, x, logits, k, renormalize, idx, weight, expert_scale, bias,
+                                router_ticket_, stream_))
+      Backend::router_topk(router, x, logits, k, renormalize, idx, weight, expert_scale, bias);
   }
   void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
                            const float* expert_scale) override {

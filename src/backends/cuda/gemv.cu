@@ -461,7 +461,7 @@ bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms) {
   const DType dtype = w.dtype;
   const int64_t out_rows = w.rows, cols = w.cols;
   if (rows < 1 || rows > kGemvMaxRows) return false;
-  static_assert(kHasQ4Codes32<FmtQ4_0> && kHasQ4Codes32<FmtQ4_0Planes> && !kHasQ4Codes32<FmtQ4_1> &&
+  static_assert(kHasQ4Codes32<FmtQ4_0> && kHasQ4Codes32<FmtQ4_0Planes> && !kHasQ4Codes32<FmtQ4_1> && !kHasQ4Codes32<FmtMXFP4> &&
                 !kHasQ4Codes32<FmtQ8_0>);
   if (use_q4_dp4a(dtype == DType::Q4_0, rows, cols)) return true;
   const bool has_q8 = (dtype == DType::Q4_0 && !is_q4_0_planes(w)) || dtype == DType::Q4_1 || dtype == DType::Q5_0 ||

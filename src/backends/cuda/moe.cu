@@ -16,9 +16,11 @@
 //   (below) where the int8 kernels do not apply: each lane owns whole blocks (one 16-byte load
 //   each), a warp two output rows, and the down pass spreads the k experts' blocks over the
 //   warp's lanes instead of looping.
-//   Q4_0 experts (either layout) take the int8-activation kernels instead (moe_int8_activations,
-//   below): x quantized once per block of 32 inter rows, h written as BlockQ8x32 codes by the
-//   gate/up pass, eight dp4a per 32-element block and lane. (Per-unit dp4a variants of the
+//   Q4_0 experts (either layout) and MXFP4 experts take the int8-activation kernels instead
+//   (moe_int8_activations, below): x quantized once per block of 32 inter rows, h written as
+//   BlockQ8x32 codes by the gate/up pass, eight dp4a per 32-element block and lane (MXFP4's
+//   codes looked up as int8 first: q8.cuh mxfp4_dot_q8x32; gpt-oss-20b's MoE took 182 us a
+//   layer on the f32 unit-wise kernels, eager). (Per-unit dp4a variants of the
 //   kernels above measured slower: a block covering 8 output rows did not amortize its own
 //   quantization of x.)
 //
@@ -408,8 +410,8 @@ __global__ void __launch_bounds__(kQ4GateUpWarps * kWarp, 2)
     xq.block(0, b, lo, hi, dsv);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      g[r] += q4_dot_q8x32(bg[r], sg[r], lo, hi, dsv);
-      u[r] += q4_dot_q8x32(bu[r], su[r], lo, hi, dsv);
+      g[r] += codes32_dot_q8x32<F>(bg[r], sg[r], lo, hi, dsv);
+      u[r] += codes32_dot_q8x32<F>(bu[r], su[r], lo, hi, dsv);
     }
   };
 #pragma unroll
@@ -490,7 +492,7 @@ __global__ void __launch_bounds__(kDownBlockThreads)
           float2 dsv;
           h.block(pair, b, lo, hi, dsv);
 #pragma unroll
-          for (int r = 0; r < 2; ++r) y[r] += q4_dot_q8x32(c0[q][r], s0[q][r], lo, hi, dsv);
+          for (int r = 0; r < 2; ++r) y[r] += codes32_dot_q8x32<F>(c0[q][r], s0[q][r], lo, hi, dsv);
         }
       }
 #pragma unroll 4
@@ -503,7 +505,7 @@ __global__ void __launch_bounds__(kDownBlockThreads)
         float2 dsv;
         h.block(pair, b, lo, hi, dsv);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) y[r] += q4_dot_q8x32(c[r], s[r], lo, hi, dsv);
+        for (int r = 0; r < 2; ++r) y[r] += codes32_dot_q8x32<F>(c[r], s[r], lo, hi, dsv);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -530,7 +532,7 @@ __global__ void __launch_bounds__(kDownBlockThreads)
       h.block(t * p.k + j, b, lo, hi, dsv);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float y = q4_dot_q8x32(c[r], s[r], lo, hi, dsv);
+        float y = codes32_dot_q8x32<F>(c[r], s[r], lo, hi, dsv);
         if (b == 0 && d.down_bias) y += d.down_bias[o[r]];
         acc[r] = fmaf(wt, y, acc[r]);
       }
@@ -990,9 +992,14 @@ const WeightMatmul::MoeTable& WeightMatmul::moe_table(const std::vector<ExpertWe
 
 bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k) {
   const int64_t hidden = e0.gate.view.cols, inter = e0.gate.view.rows;
-  return rows >= 1 && rows <= kMoeDecodeMaxRows && q4_dp4a_enabled() && e0.gate.view.dtype == DType::Q4_0 &&
-         e0.down.view.dtype == DType::Q4_0 && hidden % 32 == 0 && inter % 32 == 0 && k <= kWarp &&
-         q8x32_bytes(1, hidden) <= kQ8SmemMax;
+  const DType t = e0.gate.view.dtype;
+  // MXFP4 groups are read with one 16-byte load (FmtMXFP4::codes32): 16-byte-aligned rows only
+  // (moe_experts checks every expert's; the others keep the f32 kernels).
+  const bool format = (t == DType::Q4_0 && e0.down.view.dtype == DType::Q4_0) ||
+                      (t == DType::MXFP4 && e0.down.view.dtype == DType::MXFP4 && vec_aligned(e0.gate.view) &&
+                       vec_aligned(e0.up.view) && vec_aligned(e0.down.view));
+  return rows >= 1 && rows <= kMoeDecodeMaxRows && q4_dp4a_enabled() && format && hidden % 32 == 0 &&
+         inter % 32 == 0 && k <= kWarp && q8x32_bytes(1, hidden) <= kQ8SmemMax;
 }
 
 bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter) {
@@ -1070,7 +1077,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
     }
   };
 
-  if (moe_int8_activations(e0, rows, k)) {
+  if (moe_int8_activations(e0, rows, k) && (e0.gate.view.dtype != DType::MXFP4 || (gate_up_vec && down_vec))) {
     void* hq = moe_hidden_.get(size_t(q8x32_bytes(n_pairs, inter)), stream, "moe hidden (int8)");
     int64_t xs = 0;
     const float* xa = aligned_rows(x, &xs, stream);
@@ -1079,7 +1086,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
     const bool prefetch_down = l2_prefetch_enabled() && gate_up_bytes + down_bytes <= device_l2_bytes() / 2;
     dispatch_weight_format(e0.gate.view, "moe_experts gate/up", [&](auto fmt) {
       using F = decltype(fmt);
-      if constexpr (kHasQ4Codes32<F>) {
+      if constexpr (kHasCodes32<F>) {
         check_all(fmt, true);
         const dim3 grid(unsigned(inter / 32), unsigned(n_pairs));
         launch(moe_gate_up_q4_kernel<F>, grid, kQ4GateUpWarps * kWarp, size_t(q8x32_bytes(1, hidden)), stream, descs,
@@ -1089,7 +1096,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
     });
     dispatch_weight_format(e0.down.view, "moe_experts down", [&](auto fmt) {
       using F = decltype(fmt);
-      if constexpr (kHasQ4Codes32<F>) {
+      if constexpr (kHasCodes32<F>) {
         check_all(fmt, false);
         constexpr int64_t rows_per_block = kDownBlockThreads / kWarp * 2;
         const dim3 grid(unsigned((hidden + rows_per_block - 1) / rows_per_block), unsigned(rows));

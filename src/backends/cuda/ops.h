@@ -56,12 +56,14 @@ void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t
 // k <= 16.
 void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* idx, float* weight,
                          const float* expert_scale, cudaStream_t stream);
-// logits = x w^T (w F32 or BF16 [n_experts, cols], resident) and the routing above, in one
-// launch; returns false, launching nothing, outside its shapes (rows 1..8, n_experts <= 512,
-// cols % 8 == 0, 16-byte-aligned rows): the caller then runs the GEMV and the top-k.
-// `ticket` is a device counter at 0 that the launch leaves at 0 (one per stream).
+// logits = x w^T (+ bias [n_experts] when non-null; w F32 or BF16 [n_experts, cols], resident)
+// and the routing above, in one launch; returns false, launching nothing, outside its shapes
+// (rows 1..8, n_experts <= 512, cols % 8 == 0, 16-byte-aligned rows): the caller then runs the
+// GEMV, the bias and the top-k. `ticket` is a device counter at 0 that the launch leaves at 0
+// (one per stream).
 bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
-                      float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream);
+                      float* weight, const float* expert_scale, const float* bias, unsigned* ticket,
+                      cudaStream_t stream);
 void softmax_rows(const Mat& x, const Mat& y, cudaStream_t stream);  // y may alias x
 // ids int32 [rows]: lowest index on ties, -1 for a row holding a NaN (as the CPU backend).
 void argmax_rows(const Mat& logits, int32_t* ids, cudaStream_t stream);

@@ -119,9 +119,12 @@ __device__ __forceinline__ float q8_unit_dot(int32_t c0, int32_t c1, float a, fl
 //   sum_i d (c_i - 8) dx q_i = d (dx sum_i c_i q_i - 8 s),  s = dx sum_i q_i (BlockQ8x32's s).
 // About one instruction per weight, against ~12 for the unit-wise f32 dequantize (ncu).
 
-// Formats whose blocks F::codes32 reads as 16 code bytes and a scale (Q4_0, either layout).
+// Formats whose 32-element blocks F::codes32 reads as 16 code bytes and a scale: Q4_0 (either
+// layout; the dense GEMV's dp4a path takes these only) and MXFP4 (the MoE decode kernels).
 template <class F>
-constexpr bool kHasQ4Codes32 = requires(const WeightRow& w, int64_t b, uint4& c, float& d) { F::codes32(w, b, c, d); };
+constexpr bool kHasCodes32 = requires(const WeightRow& w, int64_t b, uint4& c, float& d) { F::codes32(w, b, c, d); };
+template <class F>
+constexpr bool kHasQ4Codes32 = kHasCodes32<F> && F::kDType == DType::Q4_0;
 
 // Activation rows quantized per 32 as core/quant.cpp's quantize_row_q8x32 does (the CPU
 // backend's BlockQ8x32): codes [rows][cols] int8, then {d, s} [rows][cols / 32] as float2.
@@ -205,6 +208,44 @@ __device__ __forceinline__ float q4_dot_q8x32(const uint4& c, float d, const int
   s = __dp4a(int((c.z >> 4) & 0x0F0F0F0Fu), hi.z, s);
   s = __dp4a(int((c.w >> 4) & 0x0F0F0F0Fu), hi.w, s);
   return d * fmaf(dsv.x, float(s), -8.f * dsv.y);
+}
+
+// Four MXFP4 codes (nibbles 0..3 of s; bit 3 the sign, bits 0..2 an index into twice the e2m1
+// magnitudes {0, 1, 2, 3, 4, 6, 8, 12}) as four int8 in element order: the magnitude and its
+// negation are each looked up with one byte permute (3-bit selectors), and a third permute
+// takes, byte by byte, the negated one where the sign bit is set (bit 3 moved to bit 2 of the
+// selector picks the second word).
+__device__ __forceinline__ int32_t mxfp4_codes_to_int8(uint32_t s) {
+  constexpr uint32_t kPos0 = 0x03020100u, kPos1 = 0x0C080604u;  // 0 1 2 3 | 4 6 8 12
+  constexpr uint32_t kNeg0 = 0xFDFEFF00u, kNeg1 = 0xF4F8FAFCu;  // 0 -1 -2 -3 | -4 -6 -8 -12
+  const uint32_t index = s & 0x7777u;
+  const uint32_t pos = __byte_perm(kPos0, kPos1, index), neg = __byte_perm(kNeg0, kNeg1, index);
+  return int32_t(__byte_perm(pos, neg, 0x3210u | ((s & 0x8888u) >> 1)));
+}
+
+// sum over one 32-element MXFP4 group (codes c as FmtMXFP4::codes32 reads them, d = half the
+// group's scale) times BlockQ8x32 activation codes: the CPU backend's int8 MXFP4 path
+// (backends/cpu/mxfp4.cpp) in the same integers, d * dx * sum_i (2 e2m1_i) q_i.
+__device__ __forceinline__ float mxfp4_dot_q8x32(const uint4& c, float d, const int4& lo, const int4& hi,
+                                                 float2 dsv) {
+  int s = 0;
+  s = __dp4a(mxfp4_codes_to_int8(c.x), lo.x, s);
+  s = __dp4a(mxfp4_codes_to_int8(c.x >> 16), lo.y, s);
+  s = __dp4a(mxfp4_codes_to_int8(c.y), lo.z, s);
+  s = __dp4a(mxfp4_codes_to_int8(c.y >> 16), lo.w, s);
+  s = __dp4a(mxfp4_codes_to_int8(c.z), hi.x, s);
+  s = __dp4a(mxfp4_codes_to_int8(c.z >> 16), hi.y, s);
+  s = __dp4a(mxfp4_codes_to_int8(c.w), hi.z, s);
+  s = __dp4a(mxfp4_codes_to_int8(c.w >> 16), hi.w, s);
+  return d * dsv.x * float(s);
+}
+
+// The block dot of a kHasCodes32 format.
+template <class F>
+__device__ __forceinline__ float codes32_dot_q8x32(const uint4& c, float d, const int4& lo, const int4& hi,
+                                                   float2 dsv) {
+  if constexpr (F::kDType == DType::MXFP4) return mxfp4_dot_q8x32(c, d, lo, hi, dsv);
+  else return q4_dot_q8x32(c, d, lo, hi, dsv);
 }
 
 // Whether the 32-element dp4a kernels are on (TURBOSPARK_CUDA_Q4_DP4A=0 turns them off, for

@@ -451,6 +451,14 @@ struct FmtMXFP4 {
       v[i] = (code & 8 ? -mag : mag) * s;
     }
   }
+  // Group b's 16 code bytes (byte j: element 2j low nibble, 2j + 1 high, so nibble n of each
+  // word is element 8 (word) + n) and half its scale (the codes stand for twice e2m1), for the
+  // int8-activation MoE decode kernels (moe.cu, q8.cuh mxfp4_dot_q8x32). One 16-byte load: the
+  // host takes that path only for 16-byte-aligned rows (moe_int8_activations).
+  static __device__ __forceinline__ void codes32(const WeightRow& w, int64_t b, uint4& c, float& d) {
+    c = ld_u128(w.data + 16 * b);
+    d = 0.5f * e8m0(ld_u8(w.scales + b));
+  }
 };
 
 // INT4_AFFINE: w = scale * q + bias per group of 2^group_shift elements; unit u is the u32 at 4u.

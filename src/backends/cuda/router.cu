@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(kRouterGemvThreads)
     router_gemv_topk_kernel(const uint8_t* __restrict__ w, int64_t w_row_bytes, int64_t cols,
                             const float* __restrict__ x, int64_t x_stride, int rows, float* __restrict__ logits,
                             int64_t l_stride, int k, bool renormalize, const float* __restrict__ expert_scale,
-                            int32_t* __restrict__ idx, float* __restrict__ weight, unsigned* __restrict__ ticket) {
+                            const float* __restrict__ bias, int32_t* __restrict__ idx, float* __restrict__ weight,
+                            unsigned* __restrict__ ticket) {
   __shared__ float partial[kRouterGemvThreads / kWarp][kRouterMaxRows];
   __shared__ float row_logits[kRouteMaxExperts];
   __shared__ RouteSmem route;
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(kRouterGemvThreads)
     float v = 0.f;
 #pragma unroll
     for (int i = 0; i < kRouterGemvThreads / kWarp; ++i) v += partial[i][threadIdx.x];
-    logits[threadIdx.x * l_stride + e] = v;
+    logits[threadIdx.x * l_stride + e] = bias ? v + bias[e] : v;  // add_bias's one addition
     __threadfence();  // the logit is visible device-wide before the ticket says so
   }
   __syncthreads();
@@ -305,7 +306,8 @@ void router_softmax_topk(const Mat& logits, int k, bool renormalize, int32_t* id
 }
 
 bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int k, bool renormalize, int32_t* idx,
-                      float* weight, const float* expert_scale, unsigned* ticket, cudaStream_t stream) {
+                      float* weight, const float* expert_scale, const float* bias, unsigned* ticket,
+                      cudaStream_t stream) {
   const bool bf16 = w.dtype == DType::BF16;
   const int64_t elem = bf16 ? 2 : 4;
   if ((!bf16 && w.dtype != DType::F32) || w.scales || x.rows < 1 || x.rows > kRouterMaxRows ||
@@ -316,7 +318,7 @@ bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int 
   auto kernel = bf16 ? router_gemv_topk_kernel<true> : router_gemv_topk_kernel<false>;
   launch(kernel, unsigned(w.rows), kRouterGemvThreads, 0, stream, static_cast<const uint8_t*>(w.data), w.row_bytes,
          w.cols, static_cast<const float*>(x.data), x.stride, int(x.rows), logits.data, logits.stride, k, renormalize,
-         expert_scale, idx, weight, ticket);
+         expert_scale, bias, idx, weight, ticket);
   TS_CUDA_LAUNCH_CHECK("router gemv + top-{} {} [{}, {}] x {} rows", k, dtype_name(w.dtype), w.rows, w.cols, x.rows);
   return true;
 }

@@ -12,14 +12,16 @@ void attention_block(Backend& be, const AttentionParams& p, const AttentionWeigh
   const int64_t rows = x.rows;
   Mat q = s.q.rows_slice(0, rows), k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows);
   Mat attn = s.attn.rows_slice(0, rows);
-  // q, k and v read the same x: one call (one GEMV launch at decode on CUDA), then the biases.
+  // q, k and v read the same x: one call (one GEMV launch at decode on CUDA); their biases are
+  // added by prep_attention (one launch with the norms, RoPE and cache write on CUDA).
   const Weight* qkv_w[3] = {&w.q, &w.k, &w.v};
   const Mat qkv_y[3] = {q, k, v};
   be.matmul_shared_input(qkv_w, x, qkv_y);
-  if (!w.q_bias.empty()) be.add_bias(q, w.q_bias.data());
-  if (!w.k_bias.empty()) be.add_bias(k, w.k_bias.data());
-  if (!w.v_bias.empty()) be.add_bias(v, w.v_bias.data());
+  auto bias = [](const Param& b) { return b.empty() ? nullptr : b.data(); };
   AttentionPrep prep;
+  prep.q_bias = bias(w.q_bias);
+  prep.k_bias = bias(w.k_bias);
+  prep.v_bias = bias(w.v_bias);
   prep.n_heads = p.n_heads;
   prep.n_kv_heads = p.n_kv_heads;
   prep.head_dim = p.head_dim;

@@ -42,13 +42,20 @@ void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, c
   emit_router_probs(be, logits, router_probs);
 }
 
+void route_with_router(Backend& be, const Weight& router, const float* bias, const Mat& x, const Mat& logits,
+                       int top_k, bool renormalize, const BackendArray<int32_t>& idx,
+                       const BackendArray<float>& weight, float* router_probs) {
+  check_routing_buffers(logits, top_k, idx, weight);
+  be.router_topk(router, x, logits, top_k, renormalize, idx.data(), weight.data(), nullptr, bias);
+  emit_router_probs(be, logits, router_probs);
+}
+
 void moe_ffn(Backend& be, const MoeWeights& w, const Mat& x, FfnScratch& s, const Mat& out, float* router_probs,
              const MoeWeights* next) {
   const int64_t rows = x.rows;
   Mat logits = s.router_logits.rows_slice(0, rows);
-  check_routing_buffers(logits, w.top_k, s.topk_idx, s.topk_weight);
-  be.router_topk(w.router, x, logits, w.top_k, w.renormalize, s.topk_idx.data(), s.topk_weight.data());
-  emit_router_probs(be, logits, router_probs);
+  route_with_router(be, w.router, nullptr, x, logits, w.top_k, w.renormalize, s.topk_idx, s.topk_weight,
+                    router_probs);
   if (next && be.speculates_experts() && next->router.view.rows <= s.router_logits.cols &&
       next->top_k <= w.top_k) {
     // The guess: the next layer's router on this layer's input (its own input is this x plus

@@ -48,6 +48,12 @@ void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& 
 void route_tokens(Backend& be, const Mat& logits, int top_k, bool renormalize, const BackendArray<int32_t>& idx,
                   const BackendArray<float>& weight, float* router_probs, const float* expert_scale = nullptr);
 
+// logits = x router^T (+ bias when non-null, backend memory [n_experts]), then route_tokens on
+// them, in one backend call (Backend::router_topk; CUDA decode: one launch).
+void route_with_router(Backend& be, const Weight& router, const float* bias, const Mat& x, const Mat& logits,
+                       int top_k, bool renormalize, const BackendArray<int32_t>& idx,
+                       const BackendArray<float>& weight, float* router_probs);
+
 // When router_probs is non-null it receives softmax(router logits) [rows, n_experts]. With
 // `next` (the next MoE layer's weights) and a backend that speculates (expert streaming with
 // --expert-speculate), next's router also runs on x and its picks go to the expert provider as

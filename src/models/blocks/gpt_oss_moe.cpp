@@ -10,10 +10,9 @@ void gpt_oss_moe(Backend& be, const GptOssMoeWeights& w, const Mat& x, FfnScratc
                  float* router_probs) {
   const int64_t rows = x.rows;
   Mat logits = s.router_logits.rows_slice(0, rows);
-  be.matmul(w.router, x, logits);
-  be.add_bias(logits, w.router_bias.data());
   // softmax over the k largest logits == softmax over all, top k, renormalized.
-  route_tokens(be, logits, w.top_k, /*renormalize=*/true, s.topk_idx, s.topk_weight, router_probs);
+  route_with_router(be, w.router, w.router_bias.data(), x, logits, w.top_k, /*renormalize=*/true, s.topk_idx,
+                    s.topk_weight, router_probs);
   be.moe_experts(w.experts, x, s.topk_idx.data(), s.topk_weight.data(), w.top_k, out);
 }
 
