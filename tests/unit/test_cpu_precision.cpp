@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "ops/backend.h"
+#include "unit/mxfp4_matrix.h"
 
 namespace turbospark {
 namespace {
@@ -243,31 +244,12 @@ TEST(CpuPrecision, AttentionPastTheBoundRoundsAsTensorCoresDo) {
   EXPECT_LT(worst, 2e-2);
 }
 
-// A random MXFP4 matrix (codes and e8m0 scales near 2^0) and its view.
-struct Mxfp4Matrix {
-  std::vector<uint8_t> blocks, scales;
-  WeightView w;
-  Mxfp4Matrix(int64_t rows, int64_t cols, uint32_t seed) : blocks(size_t(rows * cols / 2)), scales(size_t(rows * cols / 32)) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> byte(0, 255), sc(120, 130);
-    for (auto& b : blocks) b = uint8_t(byte(rng));
-    for (auto& s : scales) s = uint8_t(sc(rng));
-    w.dtype = DType::MXFP4;
-    w.data = blocks.data();
-    w.rows = rows;
-    w.cols = cols;
-    w.row_bytes = cols / 2;
-    w.scales = scales.data();
-    w.scales_row_bytes = cols / 32;
-    w.group_size = 32;
-  }
-};
-
 // MXFP4 matmuls read f32 activations under float_mxfp4 (CUDA's), the int8 ones otherwise.
 TEST(CpuPrecision, FloatMxfp4ReadsF32Activations) {
   const int64_t rows = 6, cols = 64, n = 3;
-  const Mxfp4Matrix m(rows, cols, 5);
-  const WeightView& w = m.w;
+  std::mt19937 rng(5);
+  const testing::Mxfp4Matrix m(rows, cols, rng, 120, 130);
+  const WeightView& w = m.view;
   const std::vector<float> x = randoms(size_t(n * cols), 6);
   auto gpu_like = make_cpu_backend(1, CpuPrecision{.float_mxfp4 = true});
   ThreadPool pool(1);
@@ -285,14 +267,16 @@ TEST(CpuPrecision, FloatMxfp4ReadsF32Activations) {
 TEST(CpuPrecision, Mxfp4MoeDecodeReadsInt8ActivationsAsCudaDoes) {
   const int64_t hidden = 64, inter = 32;
   const int n_experts = 4, k = 2;
-  std::vector<Mxfp4Matrix> mats;
+  std::mt19937 rng(40);
+  std::vector<testing::Mxfp4Matrix> mats;
+  mats.reserve(size_t(3 * n_experts));
   for (int i = 0; i < 3 * n_experts; ++i)
-    mats.emplace_back(i % 3 == 2 ? hidden : inter, i % 3 == 2 ? inter : hidden, uint32_t(40 + i));
+    mats.emplace_back(i % 3 == 2 ? hidden : inter, i % 3 == 2 ? inter : hidden, rng, 120, 130);
   std::vector<ExpertWeights> experts(n_experts);
   for (int e = 0; e < n_experts; ++e) {
-    experts[size_t(e)].gate.view = mats[size_t(3 * e)].w;
-    experts[size_t(e)].up.view = mats[size_t(3 * e + 1)].w;
-    experts[size_t(e)].down.view = mats[size_t(3 * e + 2)].w;
+    experts[size_t(e)].gate.view = mats[size_t(3 * e)].view;
+    experts[size_t(e)].up.view = mats[size_t(3 * e + 1)].view;
+    experts[size_t(e)].down.view = mats[size_t(3 * e + 2)].view;
   }
   cpu::mxfp4_set_int8_activations(true);
   auto run = [&](const CpuPrecision& p, int64_t rows) {
