@@ -168,6 +168,16 @@ CpuReference cpu_reference(const std::string& model_path, const std::vector<int3
   return ref;
 }
 
+// The bound on CUDA against a CPU reference: kCudaVsCpuAtItsPrecisionTol, or kNoiseFactor times
+// the reference's own f32 noise where that is larger. The int8 activation codes of the Q4_0 and
+// MXFP4 decode kernels (the CPU's int8 paths, code for code) sit on rounding boundaries that an
+// ulp of f32 difference upstream can tip by one step (amax / 127 of a 32-block), which a random
+// fixture carries to its logits: gpt_oss_mxfp4_tiny fed token by token moves 0.0031 / 0.0167
+// under the two nudges, and CUDA sat 0.0167 from the reference (2026-12-06, H100).
+double cuda_vs_cpu_bound(const CpuReference& ref) {
+  return std::max(kCudaVsCpuAtItsPrecisionTol, kNoiseFactor * ref.noise);
+}
+
 // CUDA fed `segments` against the CPU reference fed the same way: routing differences only at
 // near ties, and the logits within max(kCudaVsCpuAtItsPrecisionTol, kNoiseFactor x its noise).
 // Returns the CUDA logits and the reference.
@@ -190,8 +200,8 @@ std::pair<std::vector<float>, CpuReference> expect_cuda_matches_cpu_reference(
   EXPECT_LT(ref.widest_flip_margin, std::max(kNearTieMargin, ref.noise))
       << what << ": CUDA routed a row the CPU separates clearly elsewhere (its noise " << ref.noise << ")";
   const double err = max_rel_error(ref.logits.data(), logits.data(), std::min(logits.size(), ref.logits.size()));
-  EXPECT_LT(err, std::max(kCudaVsCpuAtItsPrecisionTol, kNoiseFactor * ref.noise))
-      << what << ": CUDA vs the CPU at CUDA's precision (its own noise " << ref.noise << ")";
+  EXPECT_LT(err, cuda_vs_cpu_bound(ref)) << what << ": CUDA vs the CPU at CUDA's precision (its own noise " << ref.noise
+                                        << ")";
   std::printf("[ measured ] %s: CUDA vs the CPU at CUDA's precision %.3g (its noise %.3g; %lld of %lld routed rows "
               "replayed from CUDA, widest CPU margin %.3g)\n",
               what.c_str(), err, ref.noise, static_cast<long long>(ref.flips), static_cast<long long>(ref.routed_rows),
@@ -259,23 +269,28 @@ TEST_P(CudaGolden, TokenByTokenMatchesTransformersToDecodeTolerance) {
 }
 
 // The GPU against the CPU rounding where the GPU path does, at every chunk size and both
-// micro-batch bounds: a kernel's own error, separated from what random fixtures make of bf16.
+// micro-batch bounds: a kernel's own error, separated from what random fixtures make of bf16
+// (and of int8 codes: cuda_vs_cpu_bound).
 TEST_P(CudaGolden, MatchesTheCpuAtCudaPrecision) {
-  double worst = 0;
+  double worst = 0, noise = 0;
+  const int64_t T = int64_t(golden_.tokens.size());
   for (int64_t max_batch : {kMaxPrefillBatch, int64_t(16)}) {
     for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5)}) {
       SessionOptions so;
       so.max_prefill_batch = max_batch;
       Session s(model(), *cuda_, so);
       const std::vector<float> logits = s.feed(golden_.tokens, chunk, /*all_logits=*/true);
-      const std::vector<float> want = cpu_at_cuda_precision(fixture(GetParam()), golden_.tokens, chunk, max_batch);
-      ASSERT_EQ(logits.size(), want.size());
-      const double err = max_rel_error(logits.data(), want.data(), want.size());
+      const CpuReference ref = cpu_reference(fixture(GetParam()), golden_.tokens, {{0, T, chunk}}, max_batch, 0, nullptr);
+      ASSERT_EQ(logits.size(), ref.logits.size());
+      const double err = max_rel_error(logits.data(), ref.logits.data(), ref.logits.size());
       worst = std::max(worst, err);
-      EXPECT_LT(err, kCudaVsCpuAtItsPrecisionTol) << GetParam() << " chunk " << chunk << " max batch " << max_batch;
+      noise = std::max(noise, ref.noise);
+      EXPECT_LT(err, cuda_vs_cpu_bound(ref))
+          << GetParam() << " chunk " << chunk << " max batch " << max_batch << " (reference noise " << ref.noise << ")";
     }
   }
-  std::printf("[ measured ] %s CUDA vs the CPU at CUDA's precision: worst %.3g\n", GetParam().c_str(), worst);
+  std::printf("[ measured ] %s CUDA vs the CPU at CUDA's precision: worst %.3g (the reference's noise: %.3g)\n",
+              GetParam().c_str(), worst, noise);
 }
 
 TEST_P(CudaGolden, CachedDecodeEqualsFullRecompute) {
@@ -602,13 +617,15 @@ TEST(CudaGgufGolden, GptOssFilesMatchTheCpuAtCudaPrecision) {
     auto cuda = make_cuda_backend(0);
     LoadedModel m = load_model(path, *cuda);
     const Golden g = load_golden(name);
+    const int64_t T = int64_t(g.tokens.size());
     for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5)}) {
       Session s(*m.model, *cuda);
       const std::vector<float> logits = s.feed(g.tokens, chunk, true);
-      const std::vector<float> want = cpu_at_cuda_precision(path, g.tokens, chunk, cuda->preferred_prefill_batch());
+      const CpuReference ref = cpu_reference(path, g.tokens, {{0, T, chunk}}, cuda->preferred_prefill_batch(), 0, nullptr);
+      const std::vector<float>& want = ref.logits;
       ASSERT_EQ(logits.size(), want.size());
-      EXPECT_LT(max_rel_error(logits.data(), want.data(), want.size()), kCudaVsCpuAtItsPrecisionTol)
-          << name << " chunk " << chunk;
+      EXPECT_LT(max_rel_error(logits.data(), want.data(), want.size()), cuda_vs_cpu_bound(ref))
+          << name << " chunk " << chunk << " (reference noise " << ref.noise << ")";
       EXPECT_LT(max_rel_error(logits.data(), g.logits.data.data(), logits.size()),
                 bound_against_transformers(kCudaLogitTol, want, g.logits.data))
           << name << " chunk " << chunk;

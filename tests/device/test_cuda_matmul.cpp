@@ -685,12 +685,29 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   // passes spread over blocks.
   cases.push_back({q40p, q40p, 128, 8, 64, 256, 128, GluKind::kSilu, false, false, true});
   cases.push_back({bf16, bf16, 16, 4, 100, 64, 96, GluKind::kGelu, true, false, true});
+  // gpt-oss-20b's expert rows at a quarter width: inter past 32 blocks (the down pass's split
+  // kernel by default), a partial last pass of the lanes (34 blocks), MXFP4 with the clamped GLU,
+  // biases and interleaved gate/up; and Q4_0 planes the same length.
+  for (int64_t rows : {1, 3}) {
+    cases.push_back({mx, mx, 8, 4, rows, 256, 1088, GluKind::kClamped, true, true});
+    cases.push_back({q40p, q40p, 8, 4, rows, 256, 1088, GluKind::kSilu, false, false});
+  }
   uint32_t seed = 1000;
   int small = 0;
   for (const MoeCase& c : cases) {
     seed += 100;
     if (c.rows <= cuda::kMoeDecodeMaxRows) {
-      run_moe_case(mm, c, seed);
+      // The int8 decode kernels' variants (two or four rows a gate/up warp; down with the experts
+      // split over warps or not); the other decode kernels ignore the switches.
+      for (const char* wide : {"0", "1"})
+        for (const char* split : {"0", "1"}) {
+          SCOPED_TRACE(std::string("wide warps ") + wide + ", down split " + split);
+          setenv("TURBOSPARK_CUDA_MOE_WIDE_WARPS", wide, 1);
+          setenv("TURBOSPARK_CUDA_MOE_DOWN_SPLIT", split, 1);
+          run_moe_case(mm, c, seed);
+        }
+      unsetenv("TURBOSPARK_CUDA_MOE_WIDE_WARPS");
+      unsetenv("TURBOSPARK_CUDA_MOE_DOWN_SPLIT");
       continue;
     }
     for (const char* mode : {"0", "1"}) {
@@ -747,13 +764,20 @@ TEST(CudaMoe, MatchesCpuBackend) {
       DeviceBuffer<float> dwts(wts);
       DevMat dx(rows, hidden, hidden), dout(rows, hidden, hidden);
       dx.upload(x);
-      dout.buf.poison();
-      mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, dout.mat, nullptr);
       const bool both_int8 = cuda::moe_int8_activations(dev[0], rows, k);
       EXPECT_EQ(both_int8, (f.dtype == DType::Q4_0 || f.dtype == DType::MXFP4) && rows <= cuda::kMoeDecodeMaxRows)
           << f.name() << " rows " << rows;
       const double tol = rows > cuda::kMoeDecodeMaxRows ? kMoeBf16Tol : both_int8 ? 1e-4 : int8 ? kInt8Tol : kF32Tol;
-      EXPECT_LE(normalized_error(dout.download(), want), tol) << f.name() << " rows " << rows;
+      // Every variant of the int8 decode kernels (gate/up rows a warp, down split over warps).
+      for (const char* variant : {"00", "01", "10", "11"}) {
+        setenv("TURBOSPARK_CUDA_MOE_WIDE_WARPS", std::string(1, variant[0]).c_str(), 1);
+        setenv("TURBOSPARK_CUDA_MOE_DOWN_SPLIT", std::string(1, variant[1]).c_str(), 1);
+        dout.buf.poison();
+        mm.moe_experts(dev, dx.mat, didx.get(), dwts.get(), k, dout.mat, nullptr);
+        EXPECT_LE(normalized_error(dout.download(), want), tol) << f.name() << " rows " << rows << " variant " << variant;
+      }
+      unsetenv("TURBOSPARK_CUDA_MOE_WIDE_WARPS");
+      unsetenv("TURBOSPARK_CUDA_MOE_DOWN_SPLIT");
     }
   }
 }

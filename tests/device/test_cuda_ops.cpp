@@ -715,7 +715,7 @@ TEST(CudaOps, AttentionHeadDimsAndGroups) {
         EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
       }
   for (const AttnCase& c : {AttnCase{16, 2, 512, 64, 300, 0, false, 1}, AttnCase{16, 2, 512, 40, 700, 128, true, 2},
-                            AttnCase{32, 2, 512, 3, 300, 0, true, 1}}) {
+                            AttnCase{32, 2, 512, 3, 300, 0, true, 1}, AttnCase{4, 2, 288, 17, 300, 0, true, 1}}) {
     SCOPED_TRACE(c.name());
     EXPECT_LT(run_attention(c, Kernel::kDecode), kAttentionBound) << "decode";
     EXPECT_LT(run_attention(c, Kernel::kPrefill), kAttentionBound) << "prefill";
@@ -1240,8 +1240,11 @@ TEST(CudaOps, AttentionDecodeFusedMatchesCpu) {
 
 TEST(CudaOps, AttentionRefusesUnsupportedHeadDim) {
   REQUIRE_GPU();
-  const AttnCase c{4, 2, 288, 1, 4, 0, false, 1};
-  EXPECT_THROW(run_attention(c, Kernel::kDecode), Error);
+  for (int hd : {516, 1024}) {
+    const AttnCase c{4, 2, hd, 1, 4, 0, false, 1};
+    EXPECT_THROW(run_attention(c, Kernel::kDecode), Error) << hd;
+    EXPECT_THROW(run_attention(c, Kernel::kPrefill), Error) << hd;
+  }
 }
 
 }  // namespace

@@ -85,7 +85,7 @@ bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float
 bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms);
 // moe.cu: whether moe_experts over these experts (expert 0's views) at `rows` rows and top-k
 // quantizes x and the hidden activations to int8 per 32 (the dp4a decode kernels: both
-// projections Q4_0, or both MXFP4 with 16-byte-aligned rows; sizes multiples of 32, k <= 32);
+// projections Q4_0, or both MXFP4; sizes multiples of 32, k <= 32);
 // else the decode path keeps them f32.
 bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k);
 // Whether a grouped (more than kMoeDecodeMaxRows rows) MoE call of n_pairs (row, expert) pairs
@@ -93,6 +93,11 @@ bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k);
 // tiles: by default while pairs average at most 8 an expert; TURBOSPARK_CUDA_MOE_SMALL=0|1
 // forces it, where the shapes allow (tests run both).
 bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter);
+// moe.cu, the int8 decode kernels: inter rows a warp of the gate/up pass (2 or 4; the
+// TURBOSPARK_CUDA_MOE_WIDE_WARPS override is read at every call), and whether the down pass
+// splits each token's experts over a block's warps (TURBOSPARK_CUDA_MOE_DOWN_SPLIT likewise).
+int moe_gate_up_rows_per_warp(int64_t n_pairs, int64_t inter);
+bool moe_down_split(int64_t inter);
 // repack.cu: a ggml Q4_0 weight in device memory (any 2-byte-aligned row stride) rewritten
 // into code and f16 scale planes at dst (256-byte aligned, q4_0_planes_bytes long: codes
 // first, scales at *scales_offset); returns the view kernels read as FmtQ4_0Planes.

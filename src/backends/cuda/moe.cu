@@ -355,20 +355,23 @@ __global__ void __launch_bounds__(kDownBlockThreads)
   }
 }
 
-// ---- decode, Q4_0 with int8 activations in whole blocks (q8.cuh) ------------------------------
-// gate/up: a block of kQ4GateUpWarps warps covers 32 consecutive inter rows of one pair, two a
-// warp, its lanes taking whole 32-element blocks of the gate and up rows (the first kQ4Pre of
-// each loaded before x is quantized, so the loads are in flight meanwhile). The block
+// ---- decode, Q4_0 and MXFP4 with int8 activations in whole blocks (q8.cuh) --------------------
+// gate/up: a block covers 32 consecutive inter rows of one pair, kR a warp, its lanes taking
+// whole 32-element blocks of the gate and up rows (the first kQ4Pre of each loaded before x is
+// quantized, so the loads are in flight meanwhile). The block
 // quantizes x[t] into shared memory once, then its 32 values of h as one BlockQ8x32 (the CPU
 // backend quantizes h the same way before its down product) into hq: codes [pairs][inter],
 // then {d, s} [pairs][inter / 32]. A pair with an invalid expert writes nothing: the down pass
 // reads the id and writes NaN. down: as moe_down_block32_kernel over h's codes, the token's k
 // ids and weights held one a lane and shuffled to the lanes that need them.
-constexpr int kQ4GateUpWarps = 16;
+// kR inter rows a warp (32 / kR warps a block): 2 by default; 4 where the grid would take
+// more than two waves of two 16-warp blocks an SM (gpt-oss-20b: 90 x 4 blocks on 132 SMs ran
+// 1.36 waves, the last a third full), so that 8-warp blocks, three an SM, fit one wave and each
+// lane keeps twice the loads in flight (moe_gate_up_rows_per_warp).
 constexpr int kQ4Pre = 1;
 
-template <class F>
-__global__ void __launch_bounds__(kQ4GateUpWarps * kWarp, 2)
+template <class F, int kR>
+__global__ void __launch_bounds__(32 / kR * kWarp, kR == 2 ? 2 : 3)
     moe_gate_up_q4_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ x,
                           int64_t x_stride, const int32_t* __restrict__ idx, void* __restrict__ hq, bool prefetch_down) {
   pdl_begin();
@@ -377,16 +380,17 @@ __global__ void __launch_bounds__(kQ4GateUpWarps * kWarp, 2)
   const int32_t e = idx[pair];
   if (!valid_expert(e, p)) return;  // the whole block: e is the pair's
   const MoeExpertDesc& d = experts[e];
-  const int64_t i0 = int64_t(blockIdx.x) * 32 + 2 * warp;  // inter % 32 == 0: both rows exist
-  const WeightRow wg[2] = {weight_row(d.gate, i0), weight_row(d.gate, i0 + 1)};
-  const WeightRow wu[2] = {weight_row(d.up, i0), weight_row(d.up, i0 + 1)};
+  const int64_t i0 = int64_t(blockIdx.x) * 32 + kR * warp;  // inter % 32 == 0: every row exists
+  WeightRow wg[kR], wu[kR];
+#pragma unroll
+  for (int r = 0; r < kR; ++r) wg[r] = weight_row(d.gate, i0 + r), wu[r] = weight_row(d.up, i0 + r);
   const int64_t nb = p.hidden / 32;
-  uint4 cg[kQ4Pre][2], cu[kQ4Pre][2];
-  float dg[kQ4Pre][2], du[kQ4Pre][2];
+  uint4 cg[kQ4Pre][kR], cu[kQ4Pre][kR];
+  float dg[kQ4Pre][kR], du[kQ4Pre][kR];
 #pragma unroll
   for (int q = 0; q < kQ4Pre; ++q)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kR; ++r) {
       cg[q][r] = cu[q][r] = make_uint4(0, 0, 0, 0);
       dg[q][r] = du[q][r] = 0.f;
       if (lane + 32 * q < nb) {
@@ -402,14 +406,14 @@ __global__ void __launch_bounds__(kQ4GateUpWarps * kWarp, 2)
   __shared__ float hs[32];
   const Q8x32Rows xq = quantize_q8x32_rows(x + (pair / p.k) * x_stride, x_stride, 1, p.hidden, xq_smem);
   __syncthreads();
-  float g[2] = {}, u[2] = {};
-  auto accumulate = [&](int64_t b, const uint4 (&bg)[2], const float (&sg)[2], const uint4 (&bu)[2],
-                        const float (&su)[2]) {
+  float g[kR] = {}, u[kR] = {};
+  auto accumulate = [&](int64_t b, const uint4 (&bg)[kR], const float (&sg)[kR], const uint4 (&bu)[kR],
+                        const float (&su)[kR]) {
     int4 lo, hi;
     float2 dsv;
     xq.block(0, b, lo, hi, dsv);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kR; ++r) {
       g[r] += codes32_dot_q8x32<F>(bg[r], sg[r], lo, hi, dsv);
       u[r] += codes32_dot_q8x32<F>(bu[r], su[r], lo, hi, dsv);
     }
@@ -418,15 +422,19 @@ __global__ void __launch_bounds__(kQ4GateUpWarps * kWarp, 2)
   for (int q = 0; q < kQ4Pre; ++q)
     if (lane + 32 * q < nb) accumulate(lane + 32 * q, cg[q], dg[q], cu[q], du[q]);
   for (int64_t b = lane + 32 * kQ4Pre; b < nb; b += kWarp) {
-    uint4 bg[2], bu[2];
-    float sg[2], su[2];
+    uint4 bg[kR], bu[kR];
+    float sg[kR], su[kR];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) F::codes32(wg[r], b, bg[r], sg[r]), F::codes32(wu[r], b, bu[r], su[r]);
+    for (int r = 0; r < kR; ++r) F::codes32(wg[r], b, bg[r], sg[r]), F::codes32(wu[r], b, bu[r], su[r]);
     accumulate(b, bg, sg, bu, su);
   }
+  float gi = 0.f, ui = 0.f;  // lane r < kR keeps row i0 + r's sums
 #pragma unroll
-  for (int r = 0; r < 2; ++r) g[r] = warp_sum(g[r]), u[r] = warp_sum(u[r]);
-  if (lane < 2) hs[2 * warp + lane] = biased_glu(d, p, i0 + lane, lane == 0 ? g[0] : g[1], lane == 0 ? u[0] : u[1]);
+  for (int r = 0; r < kR; ++r) {
+    const float gs = warp_sum(g[r]), us = warp_sum(u[r]);
+    if (lane == r) gi = gs, ui = us;
+  }
+  if (lane < kR) hs[kR * warp + lane] = biased_glu(d, p, i0 + lane, gi, ui);
   __syncthreads();
   if (warp == 0) {
     auto* codes = static_cast<int8_t*>(hq);
@@ -541,6 +549,83 @@ __global__ void __launch_bounds__(kDownBlockThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) acc[r] = warp_sum(acc[r]);
   if (lane < 2 && o0 + lane < p.hidden) out[t * out_stride + o0 + lane] = bad ? nan_f32() : (lane == 0 ? acc[0] : acc[1]);
+}
+
+// down with long expert rows (inter >= 1024: gpt-oss-20b's 2880 is 90 blocks, which the kernel
+// above gave 8 lanes an expert, 11 dependent passes each, at 31% of DRAM bandwidth and 0.3
+// waves, ncu): a block of kDownSplitWarps warps covers two output rows of one token, warp w takes
+// experts j = w, w + kDownSplitWarps, ... (each one's id, weight and rows found once), its lanes
+// striding the expert's blocks; the warps' sums meet in shared memory in warp order, so the
+// result is deterministic. Chosen by moe_down_split().
+constexpr int kDownSplitWarps = 4;
+
+template <class F>
+__global__ void __launch_bounds__(kDownSplitWarps * kWarp)
+    moe_down_q4_split_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const void* __restrict__ hq,
+                             int64_t n_pairs, const int32_t* __restrict__ idx, const float* __restrict__ weight,
+                             float* __restrict__ out, int64_t out_stride) {
+  __shared__ float part[kDownSplitWarps][2];
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t o0 = int64_t(blockIdx.x) * 2;
+  const int64_t o[2] = {o0, o0 + 1 < p.hidden ? o0 + 1 : o0};
+  const Q8x32Rows h = q8x32_view(const_cast<void*>(hq), n_pairs, p.inter);
+  const int32_t nb = int32_t(p.inter / 32);
+  // This warp's first expert and its first blocks before the wait (the routing and the weights
+  // were written before the gate/up kernel this one follows: see moe_down_q4_kernel); h after.
+  int32_t e = warp < p.k ? __ldcg(idx + t * p.k + warp) : 0;
+  uint4 c0[2] = {};
+  float s0[2] = {};
+  if (warp < p.k && valid_expert(e, p) && lane < nb) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) F::codes32(weight_row(experts[e].down, o[r]), lane, c0[r], s0[r]);
+  }
+  pdl_begin();
+  float acc[2] = {};
+  bool bad = false;
+  for (int j = warp; j < p.k; j += kDownSplitWarps) {
+    const int64_t pair = t * p.k + j;
+    if (j != warp) e = __ldcg(idx + pair);
+    if (!valid_expert(e, p)) {
+      bad = true;
+      continue;
+    }
+    const float wt = __ldcg(weight + pair);
+    const MoeExpertDesc& d = experts[e];
+    const WeightRow wr[2] = {weight_row(d.down, o[0]), weight_row(d.down, o[1])};
+    float y[2] = {};
+#pragma unroll 2
+    for (int32_t b = lane; b < nb; b += kWarp) {
+      uint4 c[2];
+      float sc[2];
+      if (j == warp && b == lane) {
+        c[0] = c0[0], c[1] = c0[1], sc[0] = s0[0], sc[1] = s0[1];
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) F::codes32(wr[r], b, c[r], sc[r]);
+      }
+      int4 lo, hi;
+      float2 dsv;
+      h.block(pair, b, lo, hi, dsv);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) y[r] += codes32_dot_q8x32<F>(c[r], sc[r], lo, hi, dsv);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (lane == 0 && d.down_bias) y[r] += d.down_bias[o[r]];
+      acc[r] = fmaf(wt, y[r], acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane == 0) part[warp][0] = acc[0], part[warp][1] = acc[1];
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x < 2 && o0 + threadIdx.x < p.hidden) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDownSplitWarps; ++w) v += part[w][threadIdx.x];
+    out[t * out_stride + o0 + threadIdx.x] = bad ? nan_f32() : v;
+  }
 }
 
 // ---- prefill: grouping -------------------------------------------------------------------------
@@ -993,13 +1078,44 @@ const WeightMatmul::MoeTable& WeightMatmul::moe_table(const std::vector<ExpertWe
 bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k) {
   const int64_t hidden = e0.gate.view.cols, inter = e0.gate.view.rows;
   const DType t = e0.gate.view.dtype;
-  // MXFP4 groups are read with one 16-byte load (FmtMXFP4::codes32): 16-byte-aligned rows only
-  // (moe_experts checks every expert's; the others keep the f32 kernels).
-  const bool format = (t == DType::Q4_0 && e0.down.view.dtype == DType::Q4_0) ||
-                      (t == DType::MXFP4 && e0.down.view.dtype == DType::MXFP4 && vec_aligned(e0.gate.view) &&
-                       vec_aligned(e0.up.view) && vec_aligned(e0.down.view));
+  const bool format = (t == DType::Q4_0 || t == DType::MXFP4) && e0.down.view.dtype == t;
   return rows >= 1 && rows <= kMoeDecodeMaxRows && q4_dp4a_enabled() && format && hidden % 32 == 0 &&
          inter % 32 == 0 && k <= kWarp && q8x32_bytes(1, hidden) <= kQ8SmemMax;
+}
+
+namespace {
+
+// An override from the environment ("0" / "1"), read at every call so tests can run both ways:
+// -1 when unset.
+int env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return -1;
+  const std::string_view s(v);
+  TS_CHECK(s == "0" || s == "1", "{} must be 0 or 1, got '{}'", name, s);
+  return s == "1";
+}
+
+}  // namespace
+
+int moe_gate_up_rows_per_warp(int64_t n_pairs, int64_t inter) {
+  // TURBOSPARK_CUDA_MOE_WIDE_WARPS: 1 = four rows a warp, 0 = two; unset = four only where two
+  // would spill the 16-warp blocks (two an SM) into a second, partial wave that the 8-warp
+  // blocks (three an SM) avoid.
+  if (const int forced = env_switch("TURBOSPARK_CUDA_MOE_WIDE_WARPS"); forced >= 0) return forced ? 4 : 2;
+  static const int64_t sms = [] {
+    int device = 0, n = 0;
+    TS_CUDA_CHECK(cudaGetDevice(&device), "moe: cudaGetDevice");
+    TS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "moe: SM count");
+    return int64_t(n);
+  }();
+  const int64_t blocks = inter / 32 * n_pairs;
+  return blocks > 2 * sms && blocks <= 3 * sms ? 4 : 2;
+}
+
+bool moe_down_split(int64_t inter) {
+  // TURBOSPARK_CUDA_MOE_DOWN_SPLIT: 1 / 0 forces; unset = experts of at least 32 blocks a row.
+  if (const int forced = env_switch("TURBOSPARK_CUDA_MOE_DOWN_SPLIT"); forced >= 0) return forced;
+  return inter >= 32 * 32;
 }
 
 bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter) {
@@ -1012,12 +1128,7 @@ bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_
   // H100 call, llama-server 370.7 / 444.3 there). Without the passes spread over blocks, 64
   // sequences decoding the same token (every pair on 8 experts) took 54.5 ms a step against
   // the tiles' 13.3.
-  const char* v = std::getenv("TURBOSPARK_CUDA_MOE_SMALL");
-  if (v && *v) {
-    const std::string_view s(v);
-    TS_CHECK(s == "0" || s == "1", "TURBOSPARK_CUDA_MOE_SMALL must be 0 or 1, got '{}'", s);
-    return s == "1";
-  }
+  if (const int forced = env_switch("TURBOSPARK_CUDA_MOE_SMALL"); forced >= 0) return forced;
   return n_pairs <= kSmallCols * n_experts;
 }
 
@@ -1077,7 +1188,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
     }
   };
 
-  if (moe_int8_activations(e0, rows, k) && (e0.gate.view.dtype != DType::MXFP4 || (gate_up_vec && down_vec))) {
+  if (moe_int8_activations(e0, rows, k)) {
     void* hq = moe_hidden_.get(size_t(q8x32_bytes(n_pairs, inter)), stream, "moe hidden (int8)");
     int64_t xs = 0;
     const float* xa = aligned_rows(x, &xs, stream);
@@ -1089,20 +1200,34 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
       if constexpr (kHasCodes32<F>) {
         check_all(fmt, true);
         const dim3 grid(unsigned(inter / 32), unsigned(n_pairs));
-        launch(moe_gate_up_q4_kernel<F>, grid, kQ4GateUpWarps * kWarp, size_t(q8x32_bytes(1, hidden)), stream, descs,
-               p, xa, xs, idx, hq, prefetch_down);
-        TS_CUDA_LAUNCH_CHECK("moe gate_up q4 dp4a [{}, {}] x {} rows x top-{}", inter, hidden, rows, k);
+        const int rows_per_warp = moe_gate_up_rows_per_warp(n_pairs, inter);
+        const size_t smem = size_t(q8x32_bytes(1, hidden));
+        if (rows_per_warp == 4) {
+          launch(moe_gate_up_q4_kernel<F, 4>, grid, 8 * kWarp, smem, stream, descs, p, xa, xs, idx, hq, prefetch_down);
+        } else {
+          launch(moe_gate_up_q4_kernel<F, 2>, grid, 16 * kWarp, smem, stream, descs, p, xa, xs, idx, hq, prefetch_down);
+        }
+        TS_CUDA_LAUNCH_CHECK("moe gate_up {} dp4a [{}, {}] x {} rows x top-{} ({} rows a warp)",
+                             dtype_name(e0.gate.view.dtype), inter, hidden, rows, k, rows_per_warp);
       }
     });
     dispatch_weight_format(e0.down.view, "moe_experts down", [&](auto fmt) {
       using F = decltype(fmt);
       if constexpr (kHasCodes32<F>) {
         check_all(fmt, false);
-        constexpr int64_t rows_per_block = kDownBlockThreads / kWarp * 2;
-        const dim3 grid(unsigned((hidden + rows_per_block - 1) / rows_per_block), unsigned(rows));
-        launch(moe_down_q4_kernel<F>, grid, kDownBlockThreads, 0, stream, descs, p, static_cast<const void*>(hq),
-               n_pairs, idx, weight, out.data, out.stride);
-        TS_CUDA_LAUNCH_CHECK("moe down q4 dp4a [{}, {}] x {} rows x top-{}", hidden, inter, rows, k);
+        const bool split = moe_down_split(inter);
+        if (split) {
+          const dim3 grid(unsigned((hidden + 1) / 2), unsigned(rows));
+          launch(moe_down_q4_split_kernel<F>, grid, kDownSplitWarps * kWarp, 0, stream, descs, p,
+                 static_cast<const void*>(hq), n_pairs, idx, weight, out.data, out.stride);
+        } else {
+          constexpr int64_t rows_per_block = kDownBlockThreads / kWarp * 2;
+          const dim3 grid(unsigned((hidden + rows_per_block - 1) / rows_per_block), unsigned(rows));
+          launch(moe_down_q4_kernel<F>, grid, kDownBlockThreads, 0, stream, descs, p, static_cast<const void*>(hq),
+                 n_pairs, idx, weight, out.data, out.stride);
+        }
+        TS_CUDA_LAUNCH_CHECK("moe down {} dp4a [{}, {}] x {} rows x top-{}{}", dtype_name(e0.down.view.dtype), hidden,
+                             inter, rows, k, split ? " (warps split the experts)" : "");
       }
     });
     return;

@@ -453,10 +453,12 @@ struct FmtMXFP4 {
   }
   // Group b's 16 code bytes (byte j: element 2j low nibble, 2j + 1 high, so nibble n of each
   // word is element 8 (word) + n) and half its scale (the codes stand for twice e2m1), for the
-  // int8-activation MoE decode kernels (moe.cu, q8.cuh mxfp4_dot_q8x32). One 16-byte load: the
-  // host takes that path only for 16-byte-aligned rows (moe_int8_activations).
+  // int8-activation MoE decode kernels (moe.cu, q8.cuh mxfp4_dot_q8x32). One 16-byte load where
+  // the group is 16-byte aligned (every view the loaders make), four 4-byte loads otherwise.
   static __device__ __forceinline__ void codes32(const WeightRow& w, int64_t b, uint4& c, float& d) {
-    c = ld_u128(w.data + 16 * b);
+    const uint8_t* p = w.data + 16 * b;
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) c = ld_u128(p);
+    else c = make_uint4(ld_u32(p), ld_u32(p + 4), ld_u32(p + 8), ld_u32(p + 12));
     d = 0.5f * e8m0(ld_u8(w.scales + b));
   }
 };
