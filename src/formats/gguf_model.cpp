@@ -2,11 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <regex>
+#include <thread>
 
 #include "core/error.h"
 #include "core/quant.h"
@@ -168,20 +170,33 @@ class GptOssExperts : TensorBuilder {
     return info(name, t.dtype, std::move(shape), t.data, t.nbytes);
   }
 
-  // One ggml block into transformers' 16 nibble bytes.
-  static void unshuffle(const uint8_t* qs, uint8_t* dst) {
-    uint8_t v[32];
-    for (int j = 0; j < 16; ++j) v[j] = qs[j] & 0x0f, v[j + 16] = qs[j] >> 4;
-    for (int i = 0; i < 16; ++i) dst[i] = uint8_t(v[2 * i] | (v[2 * i + 1] << 4));
+  // One ggml block (byte j: element j low nibble, j + 16 high) into transformers' 16 bytes
+  // (byte i: elements 2i, 2i + 1), eight bytes at a time: the low (or high) nibbles of eight
+  // code bytes pair up within each 16-bit lane, and the lanes' low bytes are packed.
+  static uint32_t pair_nibbles(uint64_t nibbles) {  // nibbles: one value 0..15 a byte
+    uint64_t x = (nibbles | (nibbles >> 4)) & 0x00FF00FF00FF00FFull;
+    x = (x | (x >> 8)) & 0x0000FFFF0000FFFFull;
+    return uint32_t(x | (x >> 16));
   }
-  // Rows of `srcs` (each [E, rows, cols] in ggml blocks) interleaved row by row into planes.
+  static void unshuffle(const uint8_t* qs, uint8_t* dst) {
+    uint64_t a, b;
+    std::memcpy(&a, qs, 8);
+    std::memcpy(&b, qs + 8, 8);
+    constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0Full;
+    const uint32_t words[4] = {pair_nibbles(a & kLow), pair_nibbles(b & kLow), pair_nibbles((a >> 4) & kLow),
+                               pair_nibbles((b >> 4) & kLow)};
+    std::memcpy(dst, words, 16);
+  }
+  // Rows of `srcs` (each [E, rows, cols] in ggml blocks) interleaved row by row into planes, the
+  // experts spread over the host's cores (gpt-oss-20b: 10 GB of expert stacks, 33 s to load on
+  // one core of the H100 machine).
   void planes(const std::string& stem, std::vector<const GgufTensor*> srcs, int64_t E, int64_t rows, int64_t cols,
               std::vector<TensorInfo>& out) {
     const int64_t nb = cols / int64_t(kGgmlMxfp4Block), n = int64_t(srcs.size());
     const size_t src_row = size_t(nb) * kGgmlMxfp4BlockBytes;
     uint8_t* blocks = buffer(size_t(E * n * rows * nb * 16));
     uint8_t* scales = buffer(size_t(E * n * rows * nb));
-    for (int64_t e = 0; e < E; ++e)
+    auto expert = [&](int64_t e) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t s = 0; s < n; ++s) {
           const int64_t row = (e * rows + r) * n + s;  // the output row
@@ -191,6 +206,15 @@ class GptOssExperts : TensorBuilder {
             unshuffle(src + size_t(b) * kGgmlMxfp4BlockBytes + 1, blocks + (row * nb + b) * 16);
           }
         }
+    };
+    const int64_t n_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, E);
+    std::vector<std::thread> workers;
+    for (int64_t w = 1; w < n_threads; ++w)
+      workers.emplace_back([&, w] {
+        for (int64_t e = w; e < E; e += n_threads) expert(e);
+      });
+    for (int64_t e = 0; e < E; e += n_threads) expert(e);
+    for (std::thread& t : workers) t.join();
     out.push_back(info(stem + "_blocks", DType::U8, {E, n * rows, nb, 16}, blocks, size_t(E * n * rows * nb * 16)));
     out.push_back(info(stem + "_scales", DType::U8, {E, n * rows, nb}, scales, size_t(E * n * rows * nb)));
   }
