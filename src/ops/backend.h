@@ -528,7 +528,8 @@ struct CpuPrecision {
   std::shared_ptr<RouteReplay> route_replay;
 
   // The CUDA backend's: bf16 KV, GEMMs past its 8-row GEMV and MoE-decode bound, tensor-core
-  // attention past 16 rows, f32 activations into MXFP4, 2048-row micro-batches
+  // attention past 16 rows, f32 activations into MXFP4 (int8 into MoE decode micro-batches'
+  // MXFP4 experts), 2048-row micro-batches
   // (tests/device/test_cuda_golden.cpp holds them to cuda::kGemvMaxRows, kMoeDecodeMaxRows,
   // kAttentionDecodeMaxRows and the CUDA backend's preferred_prefill_batch()).
   static CpuPrecision like_cuda() {
