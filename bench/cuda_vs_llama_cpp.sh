@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # turbospark vs llama.cpp on CUDA, same GGUF file, same run (run on the device machine).
 #
-# Writes a random-weight Qwen3-30B-A3B-shape GGUF with tools/make_random_gguf.py (llama.cpp's
-# gguf-py writes it), then benchmarks it with llama.cpp's `llama-bench -ngl 99 -fa 1` and with
-# `turbospark bench --device cuda` at each prompt length. Random routing spreads over the experts
-# (codes symmetric about zero; less at depth, where layers share one set of weights).
+# Writes a random-weight GGUF with tools/make_random_gguf.py (llama.cpp's gguf-py writes it):
+# Qwen3-30B-A3B's shape by default, gpt-oss-20b's with PRESET=gpt-oss-20b (MXFP4 experts), then
+# benchmarks it with llama.cpp's `llama-bench -ngl 99 -fa 1` and with `turbospark bench --device
+# cuda --random-decode` (random decode tokens, as llama-bench's tg feeds) at each prompt length.
+# Random routing spreads over the experts (codes symmetric about zero).
 #
 #   LLAMA_BENCH=/tmp/llama-bench GGUF_PY=.peer/gguf-py TS=build-cuda/turbospark \
 #     bench/cuda_vs_llama_cpp.sh OUTDIR
@@ -15,8 +16,9 @@
 #   LLAMA_SRC_TAR  bench/trim_llama_cpp_cuda.sh's tarball: built here first (all cores, ~4 min)
 #   GGUF_PY      llama.cpp's gguf-py folder (required unless the GGUF already exists)
 #   TS           turbospark binary (default build-cuda/turbospark)
-#   GGUF_TYPE    q4_0 (default), q4_k or q8_0
-#   LAYERS       depth (default 48, the real model's)
+#   PRESET       qwen3-30b-a3b (default) or gpt-oss-20b
+#   GGUF_TYPE    q4_0 (default; q8_0 for gpt-oss-20b, whose experts are MXFP4 whatever it says), q4_k or q8_0
+#   LAYERS       depth (default: the preset's, the real model's)
 #   PROMPTS      prompt lengths (default "512 2048 8192")
 #   REPEAT       repetitions, medians reported (default 3)
 #   PROFILE=1    also `turbospark bench --profile` at the first prompt length
@@ -36,15 +38,19 @@ if [[ -z "${LLAMA_BENCH:-}" && -n "${LLAMA_SRC_TAR:-}" ]]; then
   LLAMA_BENCH="$lbuild/bin/llama-bench"
 fi
 lb="${LLAMA_BENCH:?set LLAMA_BENCH to a CUDA llama-bench, or LLAMA_SRC_TAR to build one}"
-type="${GGUF_TYPE:-q4_0}"
-layers="${LAYERS:-48}"
+preset="${PRESET:-qwen3-30b-a3b}"
+case "$preset" in
+  qwen3-30b-a3b) type="${GGUF_TYPE:-q4_0}" layers="${LAYERS:-48}" ;;
+  gpt-oss-20b) type="${GGUF_TYPE:-q8_0}" layers="${LAYERS:-24}" ;;
+  *) echo "cuda_vs_llama_cpp.sh: PRESET must be qwen3-30b-a3b or gpt-oss-20b, got '$preset'" >&2; exit 2 ;;
+esac
 prompts="${PROMPTS:-512 2048 8192}"
 repeat="${REPEAT:-3}"
-gguf="${TMPDIR:-/tmp}/qwen3-30b-a3b-random-$type-${layers}L.gguf"
+gguf="${TMPDIR:-/tmp}/$preset-random-$type-${layers}L.gguf"
 
 if [[ ! -f "$gguf" ]]; then
   PYTHONPATH="${GGUF_PY:?set GGUF_PY to llama.cpp\'s gguf-py}${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 tools/make_random_gguf.py --preset qwen3-30b-a3b --type "$type" --layers "$layers" --out "$gguf"
+    python3 tools/make_random_gguf.py --preset "$preset" --type "$type" --layers "$layers" --out "$gguf"
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -53,8 +59,8 @@ echo "== llama.cpp: $lb -m $gguf -ngl 99 -fa 1 -p $csv -n 128 -r $repeat"
 "$lb" -m "$gguf" -ngl 99 -fa 1 -p "$csv" -n 128 -r "$repeat" 2>"$out/llama_bench_$type.log" |
   tee "$out/llama_bench_$type.md"
 for p in $prompts; do
-  echo "== turbospark: $ts bench --device cuda -m $gguf --prompt $p --decode 128 --repeat $repeat"
-  "$ts" bench --device cuda -m "$gguf" --prompt "$p" --decode 128 --repeat "$repeat" 2>>"$out/turbospark_$type.log" |
+  echo "== turbospark: $ts bench --device cuda -m $gguf --prompt $p --decode 128 --repeat $repeat --random-decode"
+  "$ts" bench --device cuda -m "$gguf" --prompt "$p" --decode 128 --repeat "$repeat" --random-decode 2>>"$out/turbospark_$type.log" |
     tee -a "$out/turbospark_$type.txt"
 done
 if [[ "${PROFILE:-0}" == 1 ]]; then
