@@ -212,13 +212,11 @@ class CpuBackend final : public Backend {
     const int64_t T = x.rows, hidden = x.cols;
     const int64_t n_experts = int64_t(experts.size());
     // CpuPrecision: the micro-batch's size decides the rounding of every expert's matmuls.
-    moe_gemm_rounding_ = precision_.gemm_above_rows > 0 && T > precision_.gemm_above_rows;
-    moe_decode_ = precision_.gemm_above_rows > 0 && T <= precision_.gemm_above_rows;
+    moe_rows_ = T;
     struct Reset {
-      bool& gemm;
-      bool& decode;
-      ~Reset() { gemm = decode = false; }
-    } reset{moe_gemm_rounding_, moe_decode_};
+      int64_t& rows;
+      ~Reset() { rows = 0; }
+    } reset{moe_rows_};
     auto& by_expert = by_expert_;  // kept across calls: no allocation per decode token once warm
     if (int64_t(by_expert.size()) < n_experts) by_expert.resize(size_t(n_experts));
     for (auto& rows : by_expert) rows.clear();
@@ -320,14 +318,17 @@ class CpuBackend final : public Backend {
   std::vector<const ExpertWeights*> used_experts_;
 
   CpuPrecision precision_;
-  bool moe_gemm_rounding_ = false;  // inside moe_experts of a micro-batch past gemm_above_rows
-  bool moe_decode_ = false;         // inside moe_experts of a micro-batch of at most gemm_above_rows
+  int64_t moe_rows_ = 0;  // the rows of the moe_experts call in progress (0 outside one)
+  // CpuPrecision::gemm_above_rows > 0 and inside moe_experts: whether the micro-batch is past
+  // the bound (every expert matmul rounds as a GEMM) or within it (CUDA's MoE decode kernels).
+  bool moe_gemm_rounding() const { return precision_.gemm_above_rows > 0 && moe_rows_ > precision_.gemm_above_rows; }
+  bool moe_decode() const { return precision_.gemm_above_rows > 0 && moe_rows_ > 0 && !moe_gemm_rounding(); }
   std::vector<float> rounded_x_;
 
   // CpuPrecision::gemm_above_rows: x as a tensor-core GEMM reads it (bf16, or tf32 for f32
   // weights: 10 mantissa bits), round to nearest even.
   Mat gemm_input(const WeightView& w, const Mat& x) {
-    const bool round = precision_.gemm_above_rows > 0 && (x.rows > precision_.gemm_above_rows || moe_gemm_rounding_);
+    const bool round = precision_.gemm_above_rows > 0 && (x.rows > precision_.gemm_above_rows || moe_gemm_rounding());
     if (!round) return x;
     rounded_x_.resize(size_t(x.rows * x.cols));
     const bool tf32 = w.dtype == DType::F32;
@@ -453,7 +454,7 @@ class CpuBackend final : public Backend {
   void matmul_view(const WeightView& w, const Mat& x_in, const Mat& y) {
     const Mat x = gemm_input(w, x_in);
     if (w.dtype == DType::MXFP4) {
-      if (precision_.float_mxfp4 && moe_decode_) {
+      if (precision_.float_mxfp4 && moe_decode()) {
         cpu::mxfp4_matmul_int8(pool_, w, x, y);  // CUDA's MoE decode kernels: int8, as the CPU's
       } else if (precision_.float_mxfp4) {
         cpu::mxfp4_matmul_exact(pool_, w, x, y);
