@@ -667,8 +667,20 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
     // inter 96 gives the down pass k * 3 (expert, block) items per warp; odd output rows.
     cases.push_back({q40p, q40p, 16, 8, rows, 160, 96, GluKind::kSilu, true, false});
     cases.push_back({q40p, q40p, 12, 3, rows, 96, 32, GluKind::kGelu, false, true});
-    // Top-10 (Qwen4-Exp): the f32 down kernel takes its experts 8 at a time, so two rounds.
+    // Top-10 (Qwen4-Exp): the f32 down kernel takes its experts 8 at a time, so two rounds;
+    // the split bf16 down kernel gives two of its eight warps a second expert.
     cases.push_back({bf16, mx, 16, 10, rows, 64, 96, GluKind::kSilu, true, false});
+    cases.push_back({bf16, bf16, 16, 10, rows, 64, 96, GluKind::kSilu, true, false});
+  }
+  // Decode sizes of the bf16 kernels with 16-byte units (two gate/up rows a warp, the down pass
+  // split over warps, four output rows a block): down rows of 68 (a partial last block of four;
+  // gate/up rows not 16-byte aligned, so those take the scalar-load kernel), expert rows of
+  // 1088 (two passes of the down kernel's 96 units a lane group, the second partial), 40 inter
+  // rows (gate/up warps past the end of a block's 16 rows).
+  for (int64_t rows : {1, 3, 8}) {
+    cases.push_back({bf16, bf16, 9, 8, rows, 68, 96, GluKind::kSilu, false, false});
+    cases.push_back({bf16, bf16, 8, 4, rows, 256, 1088, GluKind::kClamped, true, true});
+    cases.push_back({f16, f16, 8, 3, rows, 128, 40, GluKind::kGelu, true, false});
   }
   // The Qwen3-30B-A3B expert shape at half width (hidden 1024, inter 384), decode rows.
   for (int64_t rows : {1, 2}) cases.push_back({q40p, q40p, 9, 8, rows, 1024, 384, GluKind::kSilu, false, false});

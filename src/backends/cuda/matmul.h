@@ -98,6 +98,11 @@ bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_
 // splits each token's experts over a block's warps (TURBOSPARK_CUDA_MOE_DOWN_SPLIT likewise).
 int moe_gate_up_rows_per_warp(int64_t n_pairs, int64_t inter);
 bool moe_down_split(int64_t inter);
+// The f32-activation decode kernels of 16-byte-unit experts (vector-aligned BF16 / F16): inter
+// rows a gate/up warp (1 or 2; TURBOSPARK_CUDA_MOE_WIDE_WARPS=0 gives 1) and whether the down pass
+// splits each token's experts over a block's warps (TURBOSPARK_CUDA_MOE_DOWN_SPLIT=0: not).
+int moe_unit_gate_up_rows_per_warp();
+bool moe_unit_down_split();
 // repack.cu: a ggml Q4_0 weight in device memory (any 2-byte-aligned row stride) rewritten
 // into code and f16 scale planes at dst (256-byte aligned, q4_0_planes_bytes long: codes
 // first, scales at *scales_offset); returns the view kernels read as FmtQ4_0Planes.

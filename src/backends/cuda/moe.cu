@@ -10,6 +10,9 @@
 //     matrix) against x[t] and writes glu(...) to h[pair]. Grid (inter / 8, rows * k).
 //   down: one warp per (t, hidden row) loops over the k experts of row t, so the weighted sum
 //     is formed in registers: no atomics, deterministic, out written once. Grid (hidden / 8, rows).
+//   Experts of 16-byte units (vector-aligned BF16 / F16) take two inter rows a gate/up warp and
+//   a down pass with the experts split over a block's warps, four output rows a block, its first
+//   weights loaded before the PDL wait (moe_down_unit_split_kernel).
 //   Bound: HBM on the k selected experts' bytes (3 * inter * hidden per expert and row); the
 //     gate/up kernel prefetches the down rows into L2 (when they fit) so they stream during it.
 //   Formats read in 32-element blocks (kBlock32: Q4_0 in planes) take block32 variants of both
@@ -112,55 +115,70 @@ constexpr int kDecodeRowsPerBlock = kDecodeThreads / kWarp;
 // down pass then finds in L2 instead of HBM (Q4_0 30B-A3B: 7 MB a layer, 0.5 MB left to read).
 // The host asks for them only while what they bring fits in half the L2 (see prefetch_l2):
 // bf16 experts of that shape (50 MB of gate/up a layer) evicted their own prefetched rows.
-// (Two inter rows a warp measured the same as one: 300.7 / 299.2 vs 300.1 / 301.7 tok/s.)
-template <class F>
+// kRW inter rows a warp (moe_gate_up_rows_per_warp): each x unit a lane loads then meets 2 kRW
+// weight units, and the grid is 1 / kRW as many blocks (bf16 30B-A3B shape, one row a warp:
+// 768 blocks, 1.16 waves at five an SM, 64% of DRAM peak under ncu).
+template <class F, int kRW>
 __global__ void __launch_bounds__(kDecodeThreads)
     moe_gate_up_gemv_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ x,
                             int64_t x_stride, const int32_t* __restrict__ idx, float* __restrict__ h, int64_t ldh,
                             bool prefetch, bool prefetch_down) {
   pdl_begin();
+  constexpr int64_t kBlockRows = int64_t(kDecodeRowsPerBlock) * kRW;
   const int64_t pair = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
-  const int64_t i = int64_t(blockIdx.x) * kDecodeRowsPerBlock + threadIdx.x / kWarp;
+  const int64_t i0 = int64_t(blockIdx.x) * kBlockRows + threadIdx.x / kWarp * kRW;
   const int32_t e = idx[pair];
   if (prefetch && threadIdx.x == 0 && valid_expert(e, p)) {
     const MoeExpertDesc& d = experts[e];
-    prefetch_weight_rows(d.gate, int64_t(blockIdx.x) * kDecodeRowsPerBlock, kDecodeRowsPerBlock);
-    prefetch_weight_rows(d.up, int64_t(blockIdx.x) * kDecodeRowsPerBlock, kDecodeRowsPerBlock);
+    prefetch_weight_rows(d.gate, int64_t(blockIdx.x) * kBlockRows, kBlockRows);
+    prefetch_weight_rows(d.up, int64_t(blockIdx.x) * kBlockRows, kBlockRows);
     if (prefetch_down) {
       const int64_t share = (p.hidden + gridDim.x - 1) / gridDim.x;
       prefetch_weight_rows(d.down, int64_t(blockIdx.x) * share, share);
     }
   }
-  if (i >= p.inter) return;
+  if (i0 >= p.inter) return;  // whole warps: i0 is the warp's
   if (!valid_expert(e, p)) {
-    if (lane == 0) h[pair * ldh + i] = nan_f32();
+    if (lane < kRW && i0 + lane < p.inter) h[pair * ldh + i0 + lane] = nan_f32();
     return;
   }
   const MoeExpertDesc& d = experts[e];
-  const WeightRow wg = weight_row(d.gate, i), wu = weight_row(d.up, i);
+  WeightRow wg[kRW], wu[kRW];
+#pragma unroll
+  for (int r = 0; r < kRW; ++r) {
+    const int64_t i = i0 + r < p.inter ? i0 + r : p.inter - 1;  // past the end: read a valid row, drop it
+    wg[r] = weight_row(d.gate, i);
+    wu[r] = weight_row(d.up, i);
+  }
   const float* xr = x + (pair / p.k) * x_stride;
   const int64_t n_units = p.hidden / kUnit;
-  float g = 0.f, u = 0.f;
+  float g[kRW] = {}, u[kRW] = {};
 #pragma unroll 2
   for (int64_t q = lane; q < n_units; q += kWarp) {
-    float vg[kUnit], vu[kUnit], xv[kUnit];
-    F::unit(wg, q, vg);
-    F::unit(wu, q, vu);
+    float vg[kRW][kUnit], vu[kRW][kUnit], xv[kUnit];
+#pragma unroll
+    for (int r = 0; r < kRW; ++r) F::unit(wg[r], q, vg[r]), F::unit(wu[r], q, vu[r]);
     load_x8(xr + q * kUnit, xv);
 #pragma unroll
-    for (int c = 0; c < kUnit; ++c) g = fmaf(vg[c], xv[c], g), u = fmaf(vu[c], xv[c], u);
+    for (int r = 0; r < kRW; ++r)
+#pragma unroll
+      for (int c = 0; c < kUnit; ++c) g[r] = fmaf(vg[r][c], xv[c], g[r]), u[r] = fmaf(vu[r][c], xv[c], u[r]);
   }
   if constexpr (F::kTail) {
     for (int64_t c = n_units * kUnit + lane; c < p.hidden; c += kWarp) {
       const float xc = __ldg(xr + c);
-      g = fmaf(F::elem(wg, c), xc, g);
-      u = fmaf(F::elem(wu, c), xc, u);
+#pragma unroll
+      for (int r = 0; r < kRW; ++r) g[r] = fmaf(F::elem(wg[r], c), xc, g[r]), u[r] = fmaf(F::elem(wu[r], c), xc, u[r]);
     }
   }
-  g = warp_sum(g);
-  u = warp_sum(u);
-  if (lane == 0) h[pair * ldh + i] = biased_glu(d, p, i, g, u);
+  float gi = 0.f, ui = 0.f;  // lane r < kRW keeps row i0 + r's sums
+#pragma unroll
+  for (int r = 0; r < kRW; ++r) {
+    const float gs = warp_sum(g[r]), us = warp_sum(u[r]);
+    if (lane == r) gi = gs, ui = us;
+  }
+  if (lane < kRW && i0 + lane < p.inter) h[pair * ldh + i0 + lane] = biased_glu(d, p, i0 + lane, gi, ui);
 }
 
 // The k experts' partial dots are weighted and summed per lane, and the warp reduces once.
@@ -241,6 +259,114 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   }
   acc = warp_sum(acc);
   if (lane == 0) out[t * out_stride + o] = bad ? nan_f32() : acc;
+}
+
+// down for formats of 16-byte units (kHasUnitBits: vector-aligned BF16 / F16), the experts
+// split over a block's warps: a block of kUnitDownWarps warps covers kUnitDownRows output rows of
+// one token, warp w takes experts j = w, w + kUnitDownWarps, ... (each one's id, weight and rows
+// found once), lane l the units u = l, l + 32, ... of those rows, kUnitDownUnits of them a row
+// per pass (a 768-wide row in one pass), so each h value it loads meets kUnitDownRows weight
+// units. The first pass of the warp's first expert is loaded, as raw words, before the PDL wait
+// (the routing and the weights were written before the gate/up kernel this one follows: see
+// moe_down_q4_kernel); h after. Lanes' weighted partial sums are reduced per warp and the warps'
+// sums added in warp order in shared memory: deterministic. (moe_down_gemv_kernel, one warp a row
+// looping over the experts, ran the bf16 30B-A3B shape at 38% of DRAM peak: 21 us for 25 MB,
+// 128 registers, 24% occupancy, ncu.)
+constexpr int kUnitDownWarps = 8;
+constexpr int kUnitDownRows = 4;
+constexpr int kUnitDownUnits = 3;
+
+template <class F>
+__global__ void __launch_bounds__(kUnitDownWarps * kWarp, 2)
+    moe_down_unit_split_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const float* __restrict__ h,
+                               int64_t ldh, const int32_t* __restrict__ idx, const float* __restrict__ weight,
+                               float* __restrict__ out, int64_t out_stride) {
+  constexpr int kR = kUnitDownRows, kS = kUnitDownUnits, kW = kUnitDownWarps;
+  constexpr int64_t kPass = int64_t(kWarp) * kS;  // units a warp covers per row and pass
+  __shared__ float part[kW][kR];
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t o0 = int64_t(blockIdx.x) * kR;
+  int64_t o[kR];
+#pragma unroll
+  for (int r = 0; r < kR; ++r) o[r] = o0 + r < p.hidden ? o0 + r : p.hidden - 1;  // past the end: dropped
+  const int64_t n_units = p.inter / kUnit;
+  int32_t e = warp < p.k ? __ldcg(idx + t * p.k + warp) : 0;
+  uint4 c[kS][kR];  // the pass in flight: the first one loaded here, the others in the loop
+#pragma unroll
+  for (int s = 0; s < kS; ++s)
+#pragma unroll
+    for (int r = 0; r < kR; ++r) c[s][r] = make_uint4(0, 0, 0, 0);
+  if (warp < p.k && valid_expert(e, p)) {
+    const MoeExpertDesc& d = experts[e];
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      const WeightRow wr = weight_row(d.down, o[r]);
+#pragma unroll
+      for (int s = 0; s < kS; ++s)
+        if (lane + kWarp * s < n_units) c[s][r] = ld_u128(wr.data + (lane + kWarp * s) * 16);
+    }
+  }
+  pdl_begin();
+  float acc[kR] = {};
+  bool bad = false;
+  for (int j = warp; j < p.k; j += kW) {
+    const int64_t pair = t * p.k + j;
+    if (j != warp) e = __ldcg(idx + pair);
+    if (!valid_expert(e, p)) {
+      bad = true;
+      continue;
+    }
+    const float wt = __ldcg(weight + pair);
+    const MoeExpertDesc& d = experts[e];
+    WeightRow wr[kR];
+#pragma unroll
+    for (int r = 0; r < kR; ++r) wr[r] = weight_row(d.down, o[r]);
+    const float* hr = h + pair * ldh;
+    float y[kR] = {};
+    for (int64_t u0 = 0; u0 < n_units; u0 += kPass) {
+      if (j != warp || u0 != 0) {
+#pragma unroll
+        for (int s = 0; s < kS; ++s)
+#pragma unroll
+          for (int r = 0; r < kR; ++r)
+            c[s][r] = u0 + lane + kWarp * s < n_units ? ld_u128(wr[r].data + (u0 + lane + kWarp * s) * 16)
+                                                       : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int s = 0; s < kS; ++s) {
+        const int64_t u = u0 + lane + kWarp * s;
+        if (u >= n_units) continue;
+        float hv[kUnit];
+        load_x8(hr + u * kUnit, hv);
+#pragma unroll
+        for (int r = 0; r < kR; ++r) {
+          float wv[kUnit];
+          F::bits(c[s][r], wv);
+#pragma unroll
+          for (int i = 0; i < kUnit; ++i) y[r] = fmaf(wv[i], hv[i], y[r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      if (lane == 0 && d.down_bias) y[r] += d.down_bias[o[r]];
+      acc[r] = fmaf(wt, y[r], acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kR; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r) part[warp][r] = acc[r];
+  }
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x < kR && o0 + threadIdx.x < p.hidden) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) v += part[w][threadIdx.x];
+    out[t * out_stride + o0 + threadIdx.x] = bad ? nan_f32() : v;
+  }
 }
 
 // Formats read in 32-element blocks (kBlock32, e.g. Q4_0 in planes): each lane owns whole
@@ -1118,6 +1244,17 @@ bool moe_down_split(int64_t inter) {
   return inter >= 32 * 32;
 }
 
+int moe_unit_gate_up_rows_per_warp() {
+  // The same switch as the int8 kernels': 1 = two rows a warp, 0 = one; unset = two.
+  const int forced = env_switch("TURBOSPARK_CUDA_MOE_WIDE_WARPS");
+  return forced == 0 ? 1 : 2;
+}
+
+bool moe_unit_down_split() {
+  // The same switch as the int8 kernels': 1 / 0 forces; unset = split.
+  return env_switch("TURBOSPARK_CUDA_MOE_DOWN_SPLIT") != 0;
+}
+
 bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter) {
   if (hidden % kSmallK != 0 || inter % kSmallK != 0) return false;
   if (std::max(small_smem_bytes(true, hidden), small_smem_bytes(false, inter)) > 200 * 1024) return false;
@@ -1253,9 +1390,19 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
             const int64_t down_bytes = n_pairs * e0.down.view.rows * e0.down.view.row_bytes;
             const bool prefetch = l2_prefetch_enabled() && gate_up_bytes <= device_l2_bytes() / 2;
             const bool down = prefetch && gate_up_bytes + down_bytes <= device_l2_bytes() / 2;
-            const dim3 grid(unsigned((inter + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(n_pairs));
-            launch(moe_gate_up_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh,
-                   prefetch, down);
+            const int rows_per_warp = kHasUnitBits<F> ? moe_unit_gate_up_rows_per_warp() : 1;
+            const int64_t block_rows = int64_t(kDecodeRowsPerBlock) * rows_per_warp;
+            const dim3 grid(unsigned((inter + block_rows - 1) / block_rows), unsigned(n_pairs));
+            if constexpr (kHasUnitBits<F>) {
+              if (rows_per_warp == 2) {
+                launch(moe_gate_up_gemv_kernel<F, 2>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh,
+                       prefetch, down);
+              }
+            }
+            if (rows_per_warp == 1) {
+              launch(moe_gate_up_gemv_kernel<F, 1>, grid, kDecodeThreads, 0, stream, descs, p, xa, xs, idx, h, ldh,
+                     prefetch, down);
+            }
           }
           TS_CUDA_LAUNCH_CHECK("moe gate_up gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
                                inter, hidden, rows, k);
@@ -1272,9 +1419,20 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
             launch(moe_down_block32_kernel<F>, grid, kDownBlockThreads, 0, stream, descs, p, h, ldh, idx, weight,
                    out.data, out.stride);
           } else {
-            const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
-            launch(moe_down_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh, idx, weight, out.data,
-                   out.stride);
+            bool split = false;
+            if constexpr (kHasUnitBits<F>) {
+              split = moe_unit_down_split();
+              if (split) {
+                const dim3 grid(unsigned((hidden + kUnitDownRows - 1) / kUnitDownRows), unsigned(rows));
+                launch(moe_down_unit_split_kernel<F>, grid, kUnitDownWarps * kWarp, 0, stream, descs, p, h, ldh, idx,
+                       weight, out.data, out.stride);
+              }
+            }
+            if (!split) {
+              const dim3 grid(unsigned((hidden + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock), unsigned(rows));
+              launch(moe_down_gemv_kernel<F>, grid, kDecodeThreads, 0, stream, descs, p, h, ldh, idx, weight, out.data,
+                     out.stride);
+            }
           }
           TS_CUDA_LAUNCH_CHECK("moe down gemv {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
                                inter, rows, k);

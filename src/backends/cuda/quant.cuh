@@ -154,13 +154,17 @@ struct FmtHalf {
     if constexpr (kType == DType::BF16) return bf16_bits_to_f32(uint16_t(h));
     else return f16_bits_to_f32(uint16_t(h));
   }
+  // A unit's 16 bytes as loaded (kVec) to its 8 values: kernels that load units ahead of their
+  // use (before a PDL wait) keep the 4 raw words, not the 8 floats.
+  static __device__ __forceinline__ void bits(const uint4& q, float (&v)[kUnit]) {
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[2 * i] = cvt(words[i] & 0xFFFF), v[2 * i + 1] = cvt(words[i] >> 16);
+  }
   static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
     const uint8_t* p = w.data + u * 16;
     if constexpr (kVec) {
-      const uint4 q = ld_u128(p);
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[2 * i] = cvt(words[i] & 0xFFFF), v[2 * i + 1] = cvt(words[i] >> 16);
+      bits(ld_u128(p), v);
     } else {
 #pragma unroll
       for (int i = 0; i < kUnit; ++i) v[i] = cvt(ld_u16(p + 2 * i));
@@ -168,6 +172,11 @@ struct FmtHalf {
   }
   static __device__ __forceinline__ float elem(const WeightRow& w, int64_t i) { return cvt(ld_u16(w.data + 2 * i)); }
 };
+
+// Formats whose units are 16 bytes loaded whole and decoded by F::bits (vector-aligned F16 and
+// BF16 rows): kernels may hold a unit's raw words in flight and decode them later.
+template <class F>
+constexpr bool kHasUnitBits = F::kAlign == 16 && requires(const uint4& q, float (&v)[kUnit]) { F::bits(q, v); };
 
 // ---- ggml 32-element blocks: 4 units per block -------------------------------------------------
 // Unit p (0..3) of a block is elements 8p..8p+7: the low (p < 2) or high (p >= 2) nibbles of
