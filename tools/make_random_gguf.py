@@ -65,6 +65,20 @@ PRESETS = {
     # For tests: gpt-oss's layout on the tiny tokenizer.
     "tiny-gpt-oss": dict(vocab=512, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
                          inter=64, experts=16, top_k=4, moe_inter=64, arch="gpt-oss"),
+    # Qwen4-Exp at Flash-Next widths (arch qwen4exp, llama.cpp's layout; see write_qwen4exp):
+    # GatedDeltaNet layers with a QSA layer every third, hyper-connections, one n-gram PLE layer,
+    # 512 experts top-10 with a gated shared expert. Reduced depth by default (8: 6 + 2).
+    "qwen4exp-flash-next": dict(vocab=248320, hidden=2048, layers=8, heads=16, kv_heads=2, head_dim=256,
+                                inter=512, experts=512, top_k=10, moe_inter=512, arch="qwen4exp",
+                                hc=4, hc_rank=320, gdn_k_heads=16, gdn_v_heads=32, gdn_dim=128, conv=4,
+                                index_heads=8, index_dim=128, index_budget=2048, index_ratio=16,
+                                ngram=3, heads_per_ngram=8, ngram_base=200000, rope_dims=64),
+    # For tests: the same layout on the tiny tokenizer (3 layers: GDN, GDN, QSA).
+    "tiny-qwen4exp": dict(vocab=512, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=32,
+                          inter=32, experts=16, top_k=4, moe_inter=32, arch="qwen4exp",
+                          hc=2, hc_rank=32, gdn_k_heads=2, gdn_v_heads=4, gdn_dim=32, conv=4,
+                          index_heads=2, index_dim=32, index_budget=64, index_ratio=4,
+                          ngram=3, heads_per_ngram=2, ngram_base=97, rope_dims=8),
 }
 
 
@@ -209,8 +223,11 @@ def main():
     if skew > 0 and args.type not in ("q4_0", "q8_0"):
         sys.exit(f"make_random_gguf: --router-skew needs --type q4_0 or q8_0 (an exact 32-dim anchor), got {args.type}")
     arch = s.get("arch") or ("qwen3moe" if moe else "qwen3")
-    if arch == "gpt-oss" and skew > 0:
-        sys.exit(f"make_random_gguf: --router-skew is not supported for gpt-oss presets ({args.preset})")
+    if arch in ("gpt-oss", "qwen4exp") and skew > 0:
+        sys.exit(f"make_random_gguf: --router-skew is not supported for {arch} presets ({args.preset})")
+    if arch == "qwen4exp" and args.type != "q8_0":
+        sys.exit(f"make_random_gguf: {args.preset} is written in q8_0 (what llama.cpp's converter gives it), "
+                 f"not {args.type}")
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
 
@@ -233,6 +250,8 @@ def main():
     w.add_add_bos_token(False)
     if arch == "gpt-oss":
         write_gpt_oss(gguf, w, s, qtype, rng)
+    elif arch == "qwen4exp":
+        write_qwen4exp(gguf, w, s, qtype, rng, eos)
     else:
         write_qwen3(gguf, w, s, qtype, rng, skew, moe, args.type)
     w.write_header_to_file()
@@ -360,6 +379,157 @@ def write_gpt_oss(gguf, w, s, qtype, rng):
                 w.add_tensor(p + name, data)
             else:
                 w.add_tensor(p + name, data, raw_dtype=raw)
+
+
+def primes_from(start, n):
+    """The first n primes >= start."""
+    out, v = [], start
+    while len(out) < n:
+        if v > 1 and all(v % d for d in range(2, int(v ** 0.5) + 1)):
+            out.append(v)
+        v += 1
+    return out
+
+
+def write_qwen4exp(gguf, w, s, qtype, rng, eos):
+    """Qwen4-Exp as llama.cpp's converter writes it (conversion/qwen4exp.py; its metadata keys and
+    tensor names, which turbospark's GGUF loader maps back to transformers' model): layers
+    (i + 1) % 3 == 0 are QSA attention (q with its output gate, q/k norms, the indexer's q and k
+    projections), the others GatedDeltaNet (fused q|k|v, z gate, alpha, beta, A stored as
+    -exp(A_log), causal conv), every layer hyper-connections for attention and FFN, layer 0 the
+    n-gram PLE (its table of 16 heads over primes from ngram_base, f16), every layer a routed MoE
+    (experts in --type) with a sigmoid-gated shared expert. Weights are --type (q8_0) where the
+    converter quantizes; norms, routers, conv kernels and the GatedDeltaNet's A and dt in f32, as
+    it keeps them. The (1 + w) norms are stored as 1 + w, here 1. Random routers over the whole
+    hidden state (symmetric codes: no shared direction; measure with `logits --router-stats`).
+    llama.cpp needs the PLE width to equal the hidden size (16 heads x 128 at Flash-Next widths)
+    and mRoPE sections within the rotary dims (both hold here)."""
+    h, hd, nh, nkv, e, mi = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["experts"], s["moe_inter"]
+    hc, rank = s["hc"], s["hc_rank"]
+    ch = hc * h
+    nk, nv, dd, conv = s["gdn_k_heads"], s["gdn_v_heads"], s["gdn_dim"], s["conv"]
+    conv_dim = 2 * nk * dd + nv * dd
+    ih, idim = s["index_heads"], s["index_dim"]
+    ngram, per = s["ngram"], s["heads_per_ngram"]
+    ple_heads = (ngram - 1) * per
+    if h % ple_heads:
+        sys.exit(f"make_random_gguf: hidden {h} is not a multiple of the {ple_heads} PLE heads")
+    ple_row = h // ple_heads
+    layers = s["layers"]
+    recurrent = [(i + 1) % 3 != 0 for i in range(layers)]
+    if all(recurrent):
+        recurrent[-1] = False  # at least one QSA layer
+    a = "qwen4exp."
+    T = gguf.GGUFValueType
+    w.add_context_length(32768)
+    w.add_embedding_length(h)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_freq_base(10000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(e)
+    w.add_expert_used_count(s["top_k"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_uint32(a + "expert_feed_forward_length", mi)
+    w.add_uint32(a + "expert_shared_feed_forward_length", s["inter"])
+    w.add_uint32(a + "ssm.conv_kernel", conv)
+    w.add_uint32(a + "ssm.state_size", dd)
+    w.add_uint32(a + "ssm.group_count", nk)
+    w.add_uint32(a + "ssm.time_step_rank", nv)
+    w.add_uint32(a + "ssm.inner_size", nv * dd)
+    w.add_key_value(a + "attention.recurrent_layers", recurrent, T.ARRAY, sub_type=T.BOOL)
+    w.add_uint32(a + "full_attention_interval", 3)
+    w.add_uint32(a + "rope.dimension_count", s["rope_dims"])
+    half = s["rope_dims"] // 2
+    sections = [half - 2 * (half // 3), half // 3, half // 3, 0]
+    w.add_key_value(a + "rope.dimension_sections", sections, T.ARRAY, sub_type=T.INT32)
+    w.add_uint32(a + "hyper_connection.count", hc)
+    w.add_uint32(a + "hyper_connection.low_rank", rank)
+    w.add_uint32(a + "attention.indexer.head_count", ih)
+    w.add_uint32(a + "attention.indexer.key_length", idim)
+    w.add_uint32(a + "attention.indexer.top_k", s["index_budget"])
+    w.add_key_value(a + "attention.compress_ratios", [0 if r else s["index_ratio"] for r in recurrent], T.ARRAY,
+                    sub_type=T.INT32)
+    sizes = primes_from(s["ngram_base"], ple_heads)
+    offsets = [int(sum(sizes[:i])) for i in range(ple_heads)]
+    ple_rows = (sum(sizes) + 127) // 128 * 128
+    w.add_key_value(a + "ple.layers", [0], T.ARRAY, sub_type=T.INT32)
+    w.add_uint32(a + "ple.ngram_size", ngram)
+    w.add_uint32(a + "ple.heads_per_ngram", per)
+    w.add_uint32(a + "ple.conv_kernel", 4)
+    w.add_uint32(a + "ple.eos_token_id", eos)
+    w.add_uint32(a + "ple.image_token_id", s["vocab"] - 1)
+    w.add_uint32(a + "embedding_length_per_layer_input", ple_row)
+    multipliers = [int(v) | 1 for v in rng.integers(1 << 40, 1 << 52, size=ngram, dtype=np.int64)]
+    w.add_key_value(a + "ple.layer_multipliers", multipliers, T.ARRAY, sub_type=T.UINT64)
+    w.add_key_value(a + "ple.head_offsets", offsets, T.ARRAY, sub_type=T.UINT64)
+    w.add_key_value(a + "ple.head_vocab_sizes", sizes, T.ARRAY, sub_type=T.UINT64)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    ones = lambda n: np.ones(n, dtype=np.float32)
+    f32 = lambda *shape, scale: (scale * rng.standard_normal(shape)).astype(np.float32)
+    blocks = lambda rows, cols, extra=(): random_blocks(gguf, qtype, rows, cols, rng, extra)
+
+    def put(name, data):
+        if data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+
+    put("token_embd.weight", blocks(s["vocab"], h))
+    put("output.weight", blocks(s["vocab"], h))
+    put("output_hc_norm.weight", ones(ch))
+    put("output_hc_down.weight", blocks(rank, ch))
+    put("output_hc_up.weight", blocks(ch, rank))
+    # Blocks of one shape are drawn once and written for every layer that has them.
+    shared = {
+        "hc": {"down": blocks(rank, ch), "up": blocks(ch, rank), "inject": blocks(hc, ch)},
+        "gdn": {"attn_qkv.weight": blocks(conv_dim, h), "attn_gate.weight": blocks(nv * dd, h),
+                "ssm_alpha.weight": blocks(nv, h), "ssm_beta.weight": blocks(nv, h),
+                "ssm_out.weight": blocks(h, nv * dd)},
+        "qsa": {"attn_q.weight": blocks(2 * nh * hd, h), "attn_k.weight": blocks(nkv * hd, h),
+                "attn_v.weight": blocks(nkv * hd, h), "attn_output.weight": blocks(h, nh * hd),
+                "indexer.q_proj.weight": blocks(ih * idim, h), "indexer.k_proj.weight": blocks(idim, h)},
+        "moe": {"ffn_gate_exps.weight": blocks(mi, h, (e,)), "ffn_up_exps.weight": blocks(mi, h, (e,)),
+                "ffn_down_exps.weight": blocks(h, mi, (e,)), "ffn_gate_shexp.weight": blocks(s["inter"], h),
+                "ffn_up_shexp.weight": blocks(s["inter"], h), "ffn_down_shexp.weight": blocks(h, s["inter"])},
+    }
+    conv_w = f32(conv_dim, conv, scale=0.5)
+    for layer in range(layers):
+        p = f"blk.{layer}."
+        for part in ("attn", "ffn"):
+            put(p + f"hc_{part}_norm.weight", ones(ch))
+            put(p + f"hc_{part}_down.weight", shared["hc"]["down"])
+            put(p + f"hc_{part}_up.weight", shared["hc"]["up"])
+            put(p + f"hc_{part}_inject.weight", shared["hc"]["inject"])
+        if recurrent[layer]:
+            put(p + "ssm_a", -np.exp(rng.uniform(0.0, np.log(16.0), nv)).astype(np.float32))
+            put(p + "ssm_conv1d.weight", conv_w)
+            put(p + "ssm_dt.bias", f32(nv, scale=0.5))
+            put(p + "ssm_norm.weight", ones(dd))
+            for name, data in shared["gdn"].items():
+                put(p + name, data)
+        else:
+            put(p + "attn_q_norm.weight", ones(hd))
+            put(p + "attn_k_norm.weight", ones(hd))
+            put(p + "indexer.q_norm.weight", ones(idim))
+            put(p + "indexer.k_norm.weight", ones(idim))
+            for name, data in shared["qsa"].items():
+                put(p + name, data)
+        if layer == 0:
+            put(p + "ple_key.weight", blocks(ch, h))
+            put(p + "ple_value.weight", blocks(h, h))
+            for n in ("ple_norm_key", "ple_norm_query", "ple_norm_conv"):
+                put(p + n + ".weight", ones(ch))
+            put(p + "ple_conv1d.weight", f32(ch, 4, scale=0.5).astype(np.float16))
+        put(p + "ffn_gate_inp.weight", f32(e, h, scale=1.0 / np.sqrt(h)))
+        put(p + "ffn_gate_inp_shexp.weight", f32(1, h, scale=1.0 / np.sqrt(h)))
+        for name, data in shared["moe"].items():
+            put(p + name, data)
+    table = (rng.standard_normal((ple_rows, ple_row)) / np.sqrt(ple_row)).astype(np.float16)
+    put("per_layer_token_embd.weight", table)
 
 
 if __name__ == "__main__":

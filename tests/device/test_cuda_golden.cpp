@@ -657,6 +657,26 @@ TEST(CudaGgufGolden, Qwen4ExpTiledFileMatchesTheCpuAtCudaPrecision) {
   }
 }
 
+// The same model as llama.cpp's converter writes it in Q8_0 (the layout of the Flash-Next
+// benchmark file, tools/make_random_gguf.py --preset qwen4exp-flash-next): its Q8_0 GEMVs,
+// hyper-connection mixers and experts on CUDA, held to the CPU at CUDA's precision (the weights'
+// own rounding keeps it off the bf16 goldens), at chunk sizes 0, 1 and 5.
+TEST(CudaGgufGolden, Qwen4ExpQ8FileMatchesTheCpuAtCudaPrecision) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string path = fixture("qwen4_exp_mm_tiny") + "/qwen4_exp_mm_tiny-q8_0.gguf";
+  ASSERT_TRUE(std::filesystem::exists(path)) << path;
+  auto cuda = make_cuda_backend(0);
+  LoadedModel m = load_model(path, *cuda);
+  const Golden g = load_golden("qwen4_exp_mm_tiny");
+  for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5)}) {
+    Session s(*m.model, *cuda);
+    const std::vector<float> logits = s.feed(g.tokens, chunk, true);
+    const std::vector<float> want = cpu_at_cuda_precision(path, g.tokens, chunk, cuda->preferred_prefill_batch());
+    ASSERT_EQ(logits.size(), want.size());
+    EXPECT_LT(max_rel_error(logits.data(), want.data(), want.size()), kCudaVsCpuAtItsPrecisionTol) << "chunk " << chunk;
+  }
+}
+
 // A Q4_0 GGUF (tools/fixtures/requantize_gguf.py) on CUDA against the CPU backend on the same
 // file in both device layouts: planes (the default; repack.cu rewrites Q4_0 at upload) and
 // TURBOSPARK_CUDA_Q4_0_PLANES=0, ggml's blocks. Decode rows (chunks 1 and 7) quantize their

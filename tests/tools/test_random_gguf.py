@@ -7,7 +7,8 @@ The benchmark files route by token (near uniform: an expert cache's worst case) 
 take half the routings, and an LRU cache of a quarter of a layer's experts replayed over the
 picks. Also: the skew is the same at every depth, the same seed writes the same file, bad
 arguments are refused with one line and exit 1, and the gpt-oss layout (tiny-gpt-oss) loads as
-gpt-oss with MXFP4 experts and routes over all of them.
+gpt-oss with MXFP4 experts and routes over all of them, as does the qwen4exp layout
+(tiny-qwen4exp, the Flash-Next benchmark file's at tiny widths) as Qwen4-Exp.
 """
 import collections
 import os
@@ -144,6 +145,34 @@ class RandomGgufRouting(unittest.TestCase):
             counts = np.bincount(layer_picks.ravel(), minlength=16)
             self.assertEqual(int((counts > 0).sum()), 16, f"layer {layer}: {counts}")
             self.assertGreaterEqual(half_takers(layer_picks), 5, f"layer {layer}: {counts}")
+
+    def test_qwen4exp_layout_loads_and_routes_over_all(self):
+        # llama.cpp's qwen4exp layout (the Flash-Next benchmark file's, at tiny widths): two
+        # GatedDeltaNet layers and a QSA layer, the PLE table on layer 0, Q8_0 weights.
+        out = os.path.join(self.tmp.name, "qwen4exp.gguf")
+        p = make(out, preset="tiny-qwen4exp", qtype="q8_0")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        import gguf
+        r = gguf.GGUFReader(out)
+        types = {t.name: t.tensor_type for t in r.tensors}
+        self.assertEqual(types["blk.0.ffn_gate_exps.weight"], gguf.GGMLQuantizationType.Q8_0)
+        self.assertIn("blk.0.attn_qkv.weight", types)  # GatedDeltaNet
+        self.assertIn("blk.2.indexer.q_proj.weight", types)  # QSA
+        self.assertIn("per_layer_token_embd.weight", types)
+        self.assertEqual(list(r.fields["qwen4exp.attention.compress_ratios"].contents()), [0, 0, 4])
+        info = subprocess.run([TS, "inspect", "-m", out], capture_output=True, text=True)
+        self.assertEqual(info.returncode, 0, info.stderr)
+        self.assertIn("model_type qwen4_exp_text", info.stdout)
+        lp = picks(out, self.tmp.name)
+        self.assertEqual(lp.shape[0], 3)
+        for layer, layer_picks in enumerate(lp):
+            counts = np.bincount(layer_picks.ravel(), minlength=16)
+            self.assertEqual(int((counts > 0).sum()), 16, f"layer {layer}: {counts}")
+            self.assertGreaterEqual(half_takers(layer_picks), 5, f"layer {layer}: {counts}")
+        bad = make(os.path.join(self.tmp.name, "bad.gguf"), preset="tiny-qwen4exp", qtype="q4_0")
+        self.assertEqual(bad.returncode, 1)
+        self.assertEqual(len(bad.stderr.strip().splitlines()), 1, bad.stderr)
+        self.assertIn("q8_0", bad.stderr)
 
 
 if __name__ == "__main__":
