@@ -410,8 +410,8 @@ TEST(CudaMatmul, MatchesCpuBackendFloatPaths) {
 // The int8-activation GEMV formats on matrices with rows enough for the dp4a path (and one
 // without: split-K keeps f32 activations): the CPU backend quantizes activations the same way,
 // so on the dp4a path the two agree to f32 summation order at every decode row count; the f32
-// path is held to kInt8Tol against the CPU's int8 result. Q4_0 (both layouts) takes the
-// whole-block dp4a kernel (gemv_q4_dp4a_kernel) wherever its codes fit shared memory.
+// path is held to kInt8Tol against the CPU's int8 result. Q4_0 (both layouts) and Q8_0 take the
+// whole-block dp4a kernel (gemv_q4_dp4a_kernel) wherever their codes fit shared memory.
 TEST(CudaMatmul, Int8ActivationPathsMatchCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
@@ -427,9 +427,9 @@ TEST(CudaMatmul, Int8ActivationPathsMatchCpuBackend) {
           const BothMatmuls y = cpu_and_cuda_matmul(*cpu, mm, f, rows, out, in, seed);
           const bool int8 = y.int8;
           int8_cases += int8;
-          if (f.dtype == DType::Q4_0) {
-            // Both Q4_0 layouts take the whole-block dp4a kernel while the codes (1.25 bytes an
-            // activation) fit the 48 KiB of shared memory a block gets without opting in.
+          if (f.dtype == DType::Q4_0 || f.dtype == DType::Q8_0) {
+            // Both Q4_0 layouts and Q8_0 take the whole-block dp4a kernel while the codes (1.25
+            // bytes an activation) fit the 48 KiB of shared memory a block gets without opting in.
             EXPECT_EQ(int8, rows * in * 5 / 4 <= 48 * 1024) << f.name() << " rows " << rows << " in " << in;
           } else if (out == 129 && in >= 2048) {
             EXPECT_FALSE(int8) << f.name() << ": f32 activations (a 129-row matrix splits K)";
@@ -681,6 +681,12 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
     cases.push_back({bf16, bf16, 9, 8, rows, 68, 96, GluKind::kSilu, false, false});
     cases.push_back({bf16, bf16, 8, 4, rows, 256, 1088, GluKind::kClamped, true, true});
     cases.push_back({f16, f16, 8, 3, rows, 128, 40, GluKind::kGelu, true, false});
+    // Q8_0 on the int8 decode kernels: ggml's 34-byte blocks put every other block's codes at
+    // 2 mod 4 (FmtQ8_0::codes32's shifted loads), and 3-block rows every other row's start;
+    // top-10 (the down pass's general loop), and expert rows past 32 blocks (its split form).
+    cases.push_back({q8, q8, 16, 8, rows, 160, 96, GluKind::kSilu, true, false});
+    cases.push_back({q8, q8, 12, 10, rows, 96, 64, GluKind::kGelu, false, true});
+    cases.push_back({q8, q8, 8, 4, rows, 256, 1088, GluKind::kClamped, true, true});
   }
   // The Qwen3-30B-A3B expert shape at half width (hidden 1024, inter 384), decode rows.
   for (int64_t rows : {1, 2}) cases.push_back({q40p, q40p, 9, 8, rows, 1024, 384, GluKind::kSilu, false, false});
@@ -734,10 +740,10 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
 }
 
 // BF16 experts run in float on the CPU backend: agree with it (decode and prefill). For Q4_0,
-// Q8_0 and MXFP4 experts the CPU quantizes x and the hidden activations to int8. The CUDA Q4_0
-// and MXFP4 decode kernels quantize them the same way, so the two agree to f32 summation order
-// plus the rare h element whose code flips at a rounding boundary (one step of amax / 127):
-// 1e-4. Q8_0 decode keeps them f32 on CUDA: held to kInt8Tol (the activation rounding, ~5e-3).
+// Q8_0 and MXFP4 experts the CPU quantizes x and the hidden activations to int8. The CUDA
+// decode kernels of all three quantize them the same way, so the two agree to f32 summation
+// order plus the rare h element whose code flips at a rounding boundary (one step of amax /
+// 127): 1e-4.
 TEST(CudaMoe, MatchesCpuBackend) {
   auto cpu = make_cpu_backend(2);
   cuda::WeightMatmul mm;
@@ -777,7 +783,8 @@ TEST(CudaMoe, MatchesCpuBackend) {
       DevMat dx(rows, hidden, hidden), dout(rows, hidden, hidden);
       dx.upload(x);
       const bool both_int8 = cuda::moe_int8_activations(dev[0], rows, k);
-      EXPECT_EQ(both_int8, (f.dtype == DType::Q4_0 || f.dtype == DType::MXFP4) && rows <= cuda::kMoeDecodeMaxRows)
+      EXPECT_EQ(both_int8, (f.dtype == DType::Q4_0 || f.dtype == DType::MXFP4 || f.dtype == DType::Q8_0) &&
+                               rows <= cuda::kMoeDecodeMaxRows)
           << f.name() << " rows " << rows;
       const double tol = rows > cuda::kMoeDecodeMaxRows ? kMoeBf16Tol : both_int8 ? 1e-4 : int8 ? kInt8Tol : kF32Tol;
       // Every variant of the int8 decode kernels (gate/up rows a warp, down split over warps).

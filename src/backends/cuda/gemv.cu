@@ -13,13 +13,13 @@
 // kernel on L1 rather than HBM. warps_per_group > 1 (split-K inside the block, reduced in
 // shared memory) only when the matrix has too few rows to occupy the GPU otherwise.
 //
-// Q4_0 (in planes, the CUDA backend's layout, or ggml's blocks) takes gemv_q4_dp4a_kernel
-// while the activation codes fit shared memory: a lane owns whole 32-element blocks, the block
-// quantizes x per 32 as the CPU backend does (q8.cuh), eight dp4a a block (Q4_0 30B-A3B decode
-// 295 -> 393 tok/s on the H200). Otherwise Q4_0 in planes reads whole blocks per thread with f32
-// activations (kBlock32, quant.cuh).
+// Q4_0 (in planes, the CUDA backend's layout, or ggml's blocks) and Q8_0 take
+// gemv_q4_dp4a_kernel while the activation codes fit shared memory: a lane owns whole
+// 32-element blocks, the block quantizes x per 32 as the CPU backend does (q8.cuh), eight dp4a a
+// block (Q4_0 30B-A3B decode 295 -> 393 tok/s on the H200). Otherwise Q4_0 in planes reads
+// whole blocks per thread with f32 activations (kBlock32, quant.cuh).
 //
-// The other 32-element ggml formats (Q4_1, Q5_0, Q5_1, Q8_0) take the unit-wise dp4a variant
+// The other 32-element ggml formats (Q4_1, Q5_0, Q5_1; Q8_0 past the codes' shared memory) take the unit-wise dp4a variant
 // when the matrix has rows enough for blocks of one-warp groups (LM heads, wide FFNs): the
 // block quantizes its activation rows to int8 in shared memory first (q8.cuh), then each unit
 // is two dp4a on the raw codes and one scale, fewer instructions than the f32 dequantize.
@@ -248,13 +248,13 @@ __global__ void __launch_bounds__(kGemvThreads)
   WeightRow wr[kRowsW];
 #pragma unroll
   for (int j = 0; j < kRowsW; ++j) wr[j] = weight_row(w, o0 + j < w.rows ? o0 + j : w.rows - 1);  // past the end: dropped
-  uint4 c[kPre][kRowsW];
+  codes32_t<F> c[kPre][kRowsW];
   float d[kPre][kRowsW];
 #pragma unroll
   for (int p = 0; p < kPre; ++p)
 #pragma unroll
     for (int j = 0; j < kRowsW; ++j) {
-      c[p][j] = make_uint4(0, 0, 0, 0);
+      c[p][j] = codes32_t<F>{};
       d[p][j] = 0.f;
       if (lane + 32 * p < nb) F::codes32(wr[j], lane + 32 * p, c[p][j], d[p][j]);
     }
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   const Q8x32Rows xq = quantize_q8x32_rows(x, x_stride, n_rows, w.cols, q8_smem);
   __syncthreads();
   float acc[kMaxRows][kRowsW] = {};
-  auto accumulate = [&](int64_t b, const uint4 (&cb)[kRowsW], const float (&db)[kRowsW]) {
+  auto accumulate = [&](int64_t b, const codes32_t<F> (&cb)[kRowsW], const float (&db)[kRowsW]) {
 #pragma unroll
     for (int r = 0; r < kMaxRows; ++r) {
       if (r < n_rows) {
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kGemvThreads)
         float2 dsv;
         xq.block(r, b, lo, hi, dsv);
 #pragma unroll
-        for (int j = 0; j < kRowsW; ++j) acc[r][j] += q4_dot_q8x32(cb[j], db[j], lo, hi, dsv);
+        for (int j = 0; j < kRowsW; ++j) acc[r][j] += codes32_dot_q8x32<F>(cb[j], db[j], lo, hi, dsv);
       }
     }
   };
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   for (int p = 0; p < kPre; ++p)
     if (lane + 32 * p < nb) accumulate(lane + 32 * p, c[p], d[p]);
   for (int64_t b = lane + 32 * kPre; b < nb; b += kWarp) {
-    uint4 cb[kRowsW];
+    codes32_t<F> cb[kRowsW];
     float db[kRowsW];
 #pragma unroll
     for (int j = 0; j < kRowsW; ++j) F::codes32(wr[j], b, cb[j], db[j]);
@@ -341,7 +341,7 @@ bool use_q8(bool has_q8, int64_t rows, int64_t out_rows, int64_t cols, int num_s
          gemv_warps_per_group(out_rows, cols, gemv_out_per_group(rows), num_sms) == 1;
 }
 
-// The Q4_0 whole-block dp4a kernel applies while the activation rows' codes fit a block's
+// The whole-block dp4a kernel (Q4_0, Q8_0) applies while the activation rows' codes fit a block's
 // shared memory (every decode GEMV of the 30B-A3B and 8B shapes at one row).
 bool use_q4_dp4a(bool has_codes32, int64_t rows, int64_t cols) {
   return has_codes32 && q4_dp4a_enabled() && cols % 32 == 0 && q8x32_bytes(rows, cols) <= kQ8SmemMax;
@@ -410,7 +410,7 @@ void add_gemv_job(GemvJobs& jobs, const WeightView& w, const Mat& y, int num_sms
 template <class F, int kMaxRows, int kOut>
 void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
               cudaStream_t stream) {
-  if constexpr (kHasQ4Codes32<F>) {
+  if constexpr (kHasGemvCodes32<F>) {
     if (use_q4_dp4a(true, y.rows, w.cols)) {
       const WeightView* one[] = {&w};
       run_q4_dp4a<F, kMaxRows>(one, x, x_stride, std::span<const Mat>(&y, 1), num_sms, stream);
@@ -440,7 +440,7 @@ void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& 
 template <class F, int kMaxRows, int kOut>
 void run_gemv_jobs(std::span<const WeightView* const> ws, const float* x, int64_t x_stride, std::span<const Mat> ys,
                    int num_sms, cudaStream_t stream) {
-  if constexpr (kHasQ4Codes32<F>) {
+  if constexpr (kHasGemvCodes32<F>) {
     if (use_q4_dp4a(true, ys[0].rows, ws[0]->cols)) {
       run_q4_dp4a<F, kMaxRows>(ws, x, x_stride, ys, num_sms, stream);
       return;
@@ -461,9 +461,9 @@ bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms) {
   const DType dtype = w.dtype;
   const int64_t out_rows = w.rows, cols = w.cols;
   if (rows < 1 || rows > kGemvMaxRows) return false;
-  static_assert(kHasQ4Codes32<FmtQ4_0> && kHasQ4Codes32<FmtQ4_0Planes> && !kHasQ4Codes32<FmtQ4_1> && !kHasQ4Codes32<FmtMXFP4> &&
-                !kHasQ4Codes32<FmtQ8_0>);
-  if (use_q4_dp4a(dtype == DType::Q4_0, rows, cols)) return true;
+  static_assert(kHasGemvCodes32<FmtQ4_0> && kHasGemvCodes32<FmtQ4_0Planes> && kHasGemvCodes32<FmtQ8_0> &&
+                !kHasGemvCodes32<FmtQ4_1> && !kHasGemvCodes32<FmtMXFP4>);
+  if (use_q4_dp4a(dtype == DType::Q4_0 || dtype == DType::Q8_0, rows, cols)) return true;
   const bool has_q8 = (dtype == DType::Q4_0 && !is_q4_0_planes(w)) || dtype == DType::Q4_1 || dtype == DType::Q5_0 ||
                       dtype == DType::Q5_1 || dtype == DType::Q8_0;
   static_assert(kHasQ8<FmtQ4_0> && kHasQ8<FmtQ4_1> && kHasQ8<FmtQ5_0> && kHasQ8<FmtQ5_1> && kHasQ8<FmtQ8_0> &&
@@ -487,7 +487,8 @@ bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float
     // One format for all (ggml Q4_0 and its planes are two), none empty, none on the per-block
     // int8 path (the Q4_0 whole-block dp4a kernel takes jobs: it applies to all or none).
     if (w.dtype != ws[0]->dtype || is_q4_0_planes(w) != is_q4_0_planes(*ws[0]) || w.rows == 0 ||
-        (gemv_int8_activations(w, rows, num_sms) && !use_q4_dp4a(w.dtype == DType::Q4_0, rows, w.cols)))
+        (gemv_int8_activations(w, rows, num_sms) &&
+         !use_q4_dp4a(w.dtype == DType::Q4_0 || w.dtype == DType::Q8_0, rows, w.cols)))
       return false;
   }
   bool done = false;

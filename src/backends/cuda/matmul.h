@@ -85,7 +85,7 @@ bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float
 bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms);
 // moe.cu: whether moe_experts over these experts (expert 0's views) at `rows` rows and top-k
 // quantizes x and the hidden activations to int8 per 32 (the dp4a decode kernels: both
-// projections Q4_0, or both MXFP4; sizes multiples of 32, k <= 32);
+// projections Q4_0, both MXFP4 or both Q8_0; sizes multiples of 32, k <= 32);
 // else the decode path keeps them f32.
 bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k);
 // Whether a grouped (more than kMoeDecodeMaxRows rows) MoE call of n_pairs (row, expert) pairs

@@ -19,11 +19,13 @@
 //   (below) where the int8 kernels do not apply: each lane owns whole blocks (one 16-byte load
 //   each), a warp two output rows, and the down pass spreads the k experts' blocks over the
 //   warp's lanes instead of looping.
-//   Q4_0 experts (either layout) and MXFP4 experts take the int8-activation kernels instead
-//   (moe_int8_activations, below): x quantized once per block of 32 inter rows, h written as
-//   BlockQ8x32 codes by the gate/up pass, eight dp4a per 32-element block and lane (MXFP4's
-//   codes looked up as int8 first: q8.cuh mxfp4_dot_q8x32; gpt-oss-20b's MoE took 182 us a
-//   layer on the f32 unit-wise kernels, eager). (Per-unit dp4a variants of the
+//   Q4_0 experts (either layout), MXFP4 and Q8_0 experts take the int8-activation kernels
+//   instead (moe_int8_activations, below): x quantized once per block of 32 inter rows, h
+//   written as BlockQ8x32 codes by the gate/up pass, eight dp4a per 32-element block and lane
+//   (MXFP4's codes looked up as int8 first: q8.cuh mxfp4_dot_q8x32; gpt-oss-20b's MoE took 182
+//   us a layer on the f32 unit-wise kernels, eager; Q8_0's codes as stored, read from ggml's
+//   34-byte blocks by FmtQ8_0::codes32: the Flash-Next-shaped Qwen4-Exp GGUF's MoE took 188 us
+//   a layer on the f32 kernels, eager). (Per-unit dp4a variants of the
 //   kernels above measured slower: a block covering 8 output rows did not amortize its own
 //   quantization of x.)
 //
@@ -511,13 +513,13 @@ __global__ void __launch_bounds__(32 / kR * kWarp, kR == 2 ? 2 : 3)
 #pragma unroll
   for (int r = 0; r < kR; ++r) wg[r] = weight_row(d.gate, i0 + r), wu[r] = weight_row(d.up, i0 + r);
   const int64_t nb = p.hidden / 32;
-  uint4 cg[kQ4Pre][kR], cu[kQ4Pre][kR];
+  codes32_t<F> cg[kQ4Pre][kR], cu[kQ4Pre][kR];
   float dg[kQ4Pre][kR], du[kQ4Pre][kR];
 #pragma unroll
   for (int q = 0; q < kQ4Pre; ++q)
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
-      cg[q][r] = cu[q][r] = make_uint4(0, 0, 0, 0);
+      cg[q][r] = cu[q][r] = codes32_t<F>{};
       dg[q][r] = du[q][r] = 0.f;
       if (lane + 32 * q < nb) {
         F::codes32(wg[r], lane + 32 * q, cg[q][r], dg[q][r]);
@@ -533,7 +535,7 @@ __global__ void __launch_bounds__(32 / kR * kWarp, kR == 2 ? 2 : 3)
   const Q8x32Rows xq = quantize_q8x32_rows(x + (pair / p.k) * x_stride, x_stride, 1, p.hidden, xq_smem);
   __syncthreads();
   float g[kR] = {}, u[kR] = {};
-  auto accumulate = [&](int64_t b, const uint4 (&bg)[kR], const float (&sg)[kR], const uint4 (&bu)[kR],
+  auto accumulate = [&](int64_t b, const codes32_t<F> (&bg)[kR], const float (&sg)[kR], const codes32_t<F> (&bu)[kR],
                         const float (&su)[kR]) {
     int4 lo, hi;
     float2 dsv;
@@ -548,7 +550,7 @@ __global__ void __launch_bounds__(32 / kR * kWarp, kR == 2 ? 2 : 3)
   for (int q = 0; q < kQ4Pre; ++q)
     if (lane + 32 * q < nb) accumulate(lane + 32 * q, cg[q], dg[q], cu[q], du[q]);
   for (int64_t b = lane + 32 * kQ4Pre; b < nb; b += kWarp) {
-    uint4 bg[kR], bu[kR];
+    codes32_t<F> bg[kR], bu[kR];
     float sg[kR], su[kR];
 #pragma unroll
     for (int r = 0; r < kR; ++r) F::codes32(wg[r], b, bg[r], sg[r]), F::codes32(wu[r], b, bu[r], su[r]);
@@ -603,13 +605,13 @@ __global__ void __launch_bounds__(kDownBlockThreads)
     const bool live = valid_expert(e, p);
     const MoeExpertDesc& d = experts[live ? e : 0];
     const WeightRow wr[2] = {weight_row(d.down, o[0]), weight_row(d.down, o[1])};
-    uint4 c0[kPre][2];
+    codes32_t<F> c0[kPre][2];
     float s0[kPre][2];
 #pragma unroll
     for (int q = 0; q < kPre; ++q)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        c0[q][r] = make_uint4(0, 0, 0, 0);
+        c0[q][r] = codes32_t<F>{};
         s0[q][r] = 0.f;
         const int32_t b = lane % lanes + q * lanes;
         if (live && b < nb) F::codes32(wr[r], b, c0[q][r], s0[q][r]);
@@ -631,7 +633,7 @@ __global__ void __launch_bounds__(kDownBlockThreads)
       }
 #pragma unroll 4
       for (int32_t b = lane % lanes + kPre * lanes; b < nb; b += lanes) {
-        uint4 c[2];
+        codes32_t<F> c[2];
         float s[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) F::codes32(wr[r], b, c[r], s[r]);
@@ -657,7 +659,7 @@ __global__ void __launch_bounds__(kDownBlockThreads)
       const float wt = __shfl_sync(0xffffffffu, w_lane, j);
       if (it >= items || !valid_expert(e, p)) continue;
       const MoeExpertDesc& d = experts[e];
-      uint4 c[2];
+      codes32_t<F> c[2];
       float s[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) F::codes32(weight_row(d.down, o[r]), b, c[r], s[r]);
@@ -700,7 +702,7 @@ __global__ void __launch_bounds__(kDownSplitWarps * kWarp)
   // This warp's first expert and its first blocks before the wait (the routing and the weights
   // were written before the gate/up kernel this one follows: see moe_down_q4_kernel); h after.
   int32_t e = warp < p.k ? __ldcg(idx + t * p.k + warp) : 0;
-  uint4 c0[2] = {};
+  codes32_t<F> c0[2] = {};
   float s0[2] = {};
   if (warp < p.k && valid_expert(e, p) && lane < nb) {
 #pragma unroll
@@ -722,7 +724,7 @@ __global__ void __launch_bounds__(kDownSplitWarps * kWarp)
     float y[2] = {};
 #pragma unroll 2
     for (int32_t b = lane; b < nb; b += kWarp) {
-      uint4 c[2];
+      codes32_t<F> c[2];
       float sc[2];
       if (j == warp && b == lane) {
         c[0] = c0[0], c[1] = c0[1], sc[0] = s0[0], sc[1] = s0[1];
@@ -1204,7 +1206,7 @@ const WeightMatmul::MoeTable& WeightMatmul::moe_table(const std::vector<ExpertWe
 bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k) {
   const int64_t hidden = e0.gate.view.cols, inter = e0.gate.view.rows;
   const DType t = e0.gate.view.dtype;
-  const bool format = (t == DType::Q4_0 || t == DType::MXFP4) && e0.down.view.dtype == t;
+  const bool format = (t == DType::Q4_0 || t == DType::MXFP4 || t == DType::Q8_0) && e0.down.view.dtype == t;
   return rows >= 1 && rows <= kMoeDecodeMaxRows && q4_dp4a_enabled() && format && hidden % 32 == 0 &&
          inter % 32 == 0 && k <= kWarp && q8x32_bytes(1, hidden) <= kQ8SmemMax;
 }

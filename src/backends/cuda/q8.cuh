@@ -119,12 +119,26 @@ __device__ __forceinline__ float q8_unit_dot(int32_t c0, int32_t c1, float a, fl
 //   sum_i d (c_i - 8) dx q_i = d (dx sum_i c_i q_i - 8 s),  s = dx sum_i q_i (BlockQ8x32's s).
 // About one instruction per weight, against ~12 for the unit-wise f32 dequantize (ncu).
 
-// Formats whose 32-element blocks F::codes32 reads as 16 code bytes and a scale: Q4_0 (either
-// layout; the dense GEMV's dp4a path takes these only) and MXFP4 (the MoE decode kernels).
+// Formats whose 32-element blocks F::codes32 reads as codes and a scale: Q4_0 (either layout;
+// the dense GEMV's dp4a path takes these only) and MXFP4, 16 code bytes (uint4); Q8_0, 32 code
+// bytes (its F::Codes32, Q8Codes). The MoE decode kernels take all three.
 template <class F>
-constexpr bool kHasCodes32 = requires(const WeightRow& w, int64_t b, uint4& c, float& d) { F::codes32(w, b, c, d); };
+struct Codes32Of {
+  using type = uint4;
+};
 template <class F>
-constexpr bool kHasQ4Codes32 = kHasCodes32<F> && F::kDType == DType::Q4_0;
+  requires requires { typename F::Codes32; }
+struct Codes32Of<F> {
+  using type = typename F::Codes32;
+};
+template <class F>
+using codes32_t = typename Codes32Of<F>::type;
+template <class F>
+constexpr bool kHasCodes32 = requires(const WeightRow& w, int64_t b, codes32_t<F>& c, float& d) { F::codes32(w, b, c, d); };
+// The dense GEMV's whole-block dp4a kernel (gemv.cu gemv_q4_dp4a_kernel): Q4_0 and Q8_0, whose
+// CPU matmuls quantize activations per 32 the same way.
+template <class F>
+constexpr bool kHasGemvCodes32 = kHasCodes32<F> && (F::kDType == DType::Q4_0 || F::kDType == DType::Q8_0);
 
 // Activation rows quantized per 32 as core/quant.cpp's quantize_row_q8x32 does (the CPU
 // backend's BlockQ8x32): codes [rows][cols] int8, then {d, s} [rows][cols / 32] as float2.
@@ -240,11 +254,27 @@ __device__ __forceinline__ float mxfp4_dot_q8x32(const uint4& c, float d, const 
   return d * dsv.x * float(s);
 }
 
+// Q8_0's 32 signed codes (words a: elements 0..15, b: 16..31) against a BlockQ8x32: eight dp4a
+// on the codes as stored; w = d * code, so no offset term.
+__device__ __forceinline__ float q8_0_dot_q8x32(const Q8Codes& c, float d, const int4& lo, const int4& hi, float2 dsv) {
+  int s = 0;
+  s = __dp4a(int(c.a.x), lo.x, s);
+  s = __dp4a(int(c.a.y), lo.y, s);
+  s = __dp4a(int(c.a.z), lo.z, s);
+  s = __dp4a(int(c.a.w), lo.w, s);
+  s = __dp4a(int(c.b.x), hi.x, s);
+  s = __dp4a(int(c.b.y), hi.y, s);
+  s = __dp4a(int(c.b.z), hi.z, s);
+  s = __dp4a(int(c.b.w), hi.w, s);
+  return d * dsv.x * float(s);
+}
+
 // The block dot of a kHasCodes32 format.
 template <class F>
-__device__ __forceinline__ float codes32_dot_q8x32(const uint4& c, float d, const int4& lo, const int4& hi,
+__device__ __forceinline__ float codes32_dot_q8x32(const codes32_t<F>& c, float d, const int4& lo, const int4& hi,
                                                    float2 dsv) {
   if constexpr (F::kDType == DType::MXFP4) return mxfp4_dot_q8x32(c, d, lo, hi, dsv);
+  else if constexpr (F::kDType == DType::Q8_0) return q8_0_dot_q8x32(c, d, lo, hi, dsv);
   else return q4_dot_q8x32(c, d, lo, hi, dsv);
 }
 

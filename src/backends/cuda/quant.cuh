@@ -337,10 +337,38 @@ struct FmtQ5_1 {
   }
 };
 
+// A Q8_0 block's 32 codes as four-byte words (a: elements 0..15, b: 16..31), for the int8 MoE
+// decode kernels (q8.cuh q8_0_dot_q8x32).
+struct Q8Codes {
+  uint4 a, b;
+};
+
 struct FmtQ8_0 {
   static constexpr DType kDType = DType::Q8_0;
   static constexpr int kAlign = 2;
   static constexpr bool kTail = false;
+  using Codes32 = Q8Codes;
+  // Block b's codes and scale. ggml's 34-byte blocks leave the codes 2-byte aligned: eight
+  // 4-byte loads from the aligned word at or below them, shifted into place by 0 or 16 bits (the
+  // last word's top half then comes from one 2-byte load inside the block), instead of sixteen
+  // 2-byte loads.
+  static __device__ __forceinline__ void codes32(const WeightRow& w, int64_t b, Q8Codes& c, float& d) {
+    const uint8_t* blk = w.data + b * int64_t(sizeof(BlockQ8_0));
+    const uint8_t* q = blk + 2;
+    const uintptr_t off = reinterpret_cast<uintptr_t>(q) & 3;  // 0 or 2
+    const uint32_t* base = reinterpret_cast<const uint32_t*>(q - off);
+    uint32_t v[9];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __ldg(base + i);
+    v[8] = off ? ld_u16(q + 30) : 0u;  // codes 30, 31 (the 8 words end 2 bytes short of them)
+    const uint32_t sh = uint32_t(off) * 8;
+    uint32_t o[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = __funnelshift_r(v[i], v[i + 1], sh);
+    c.a = make_uint4(o[0], o[1], o[2], o[3]);
+    c.b = make_uint4(o[4], o[5], o[6], o[7]);
+    d = f16_at(blk);
+  }
   static __device__ __forceinline__ void unit(const WeightRow& w, int64_t u, float (&v)[kUnit]) {
     const uint8_t* blk = w.data + (u >> 2) * int64_t(sizeof(BlockQ8_0));
     const float d = f16_at(blk);
