@@ -17,6 +17,7 @@
 #include "backends/cpu/mxfp4.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/quant.h"
 #include "core/thread_pool.h"
 #include "ops/backend.h"
 #include "unit/mxfp4_matrix.h"
@@ -294,6 +295,82 @@ TEST(CpuPrecision, Mxfp4MoeDecodeReadsInt8ActivationsAsCudaDoes) {
   EXPECT_NE(run(cuda_like, 3), run(all_float, 3));
   // Nine rows: the GEMM's bf16 inputs into the exact f32 path, not int8.
   EXPECT_NE(run(cuda_like, 9), run(CpuPrecision{.gemm_above_rows = 8}, 9));
+}
+
+// CUDA's int8 MoE decode kernels take Q4_0, MXFP4 and Q8_0 experts whose projections share the
+// format; others (here Q8_0 gate/up over an F16 down, as llama.cpp's converter writes tiny
+// experts) run its f32-activation kernels. At a decode micro-batch the CPU at CUDA's precision
+// then computes the Q8_0 matmuls in f32 on the dequantized weights (bit for bit the experts
+// widened to F32), where all-Q8_0 experts keep the CPU's own int8 path (bit for bit the plain
+// backend).
+TEST(CpuPrecision, MoeDecodeOfMixedFormatsReadsF32ActivationsAsCudaDoes) {
+  const int64_t hidden = 64, inter = 32;
+  const int n_experts = 4, k = 2, rows = 3;
+  struct Stored {
+    std::vector<uint8_t> bytes;
+    std::vector<float> values;  // the stored weights, widened
+    WeightView view(DType t, int64_t r, int64_t c) const {
+      WeightView v;
+      v.dtype = t;
+      v.data = bytes.data();
+      v.rows = r;
+      v.cols = c;
+      v.row_bytes = row_bytes(t, c);
+      return v;
+    }
+  };
+  auto store = [](DType t, int64_t r, int64_t c, uint32_t seed) {
+    Stored s;
+    const std::vector<float> w = randoms(size_t(r * c), seed);
+    s.bytes.resize(size_t(r * row_bytes(t, c)));
+    s.values.resize(size_t(r * c));
+    for (int64_t i = 0; i < r; ++i) {
+      quantize_row(t, w.data() + i * c, s.bytes.data() + i * row_bytes(t, c), c);
+      dequantize_row(t, s.bytes.data() + i * row_bytes(t, c), s.values.data() + i * c, c);
+    }
+    return s;
+  };
+  std::vector<Stored> mats;
+  for (int e = 0; e < n_experts; ++e) {
+    mats.push_back(store(DType::Q8_0, inter, hidden, 50 + 3 * e));
+    mats.push_back(store(DType::Q8_0, inter, hidden, 51 + 3 * e));
+    mats.push_back(store(DType::F16, hidden, inter, 52 + 3 * e));
+    mats.push_back(store(DType::Q8_0, hidden, inter, 52 + 3 * e));
+  }
+  auto experts = [&](bool mixed, bool widened) {
+    std::vector<ExpertWeights> ex(n_experts);
+    for (int e = 0; e < n_experts; ++e) {
+      const Stored* m = &mats[size_t(4 * e)];
+      auto as = [&](const Stored& st, DType t, int64_t r, int64_t c) {
+        if (!widened) return st.view(t, r, c);
+        WeightView v;
+        v.dtype = DType::F32;
+        v.data = st.values.data();
+        v.rows = r;
+        v.cols = c;
+        v.row_bytes = c * 4;
+        return v;
+      };
+      ex[size_t(e)].gate.view = as(m[0], DType::Q8_0, inter, hidden);
+      ex[size_t(e)].up.view = as(m[1], DType::Q8_0, inter, hidden);
+      ex[size_t(e)].down.view = mixed ? as(m[2], DType::F16, hidden, inter) : as(m[3], DType::Q8_0, hidden, inter);
+    }
+    return ex;
+  };
+  auto run = [&](const CpuPrecision& p, const std::vector<ExpertWeights>& ex) {
+    auto be = make_cpu_backend(1, p);
+    std::vector<int32_t> idx(size_t(rows * k));
+    for (int64_t t = 0; t < rows; ++t) idx[size_t(t * k)] = int32_t(t % 4), idx[size_t(t * k + 1)] = int32_t((t + 1) % 4);
+    const std::vector<float> wts(size_t(rows * k), 0.5f);
+    std::vector<float> x = randoms(size_t(rows * hidden), 7), out(size_t(rows * hidden));
+    be->moe_experts(ex, Mat(x.data(), rows, hidden), idx.data(), wts.data(), k, Mat(out.data(), rows, hidden));
+    return out;
+  };
+  const CpuPrecision cuda_like{.gemm_above_rows = 8, .float_mxfp4 = true};
+  EXPECT_EQ(run(cuda_like, experts(true, false)), run(CpuPrecision{}, experts(true, true)));
+  EXPECT_NE(run(cuda_like, experts(true, false)), run(CpuPrecision{}, experts(true, false)));
+  EXPECT_EQ(run(cuda_like, experts(false, false)), run(CpuPrecision{}, experts(false, false)));
+  EXPECT_NE(run(cuda_like, experts(false, false)), run(CpuPrecision{}, experts(false, true)));
 }
 
 TEST(CpuPrecision, KvRowsAreStoredAsBf16) {

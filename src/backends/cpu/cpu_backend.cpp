@@ -213,6 +213,7 @@ class CpuBackend final : public Backend {
     const int64_t n_experts = int64_t(experts.size());
     // CpuPrecision: the micro-batch's size decides the rounding of every expert's matmuls.
     moe_rows_ = T;
+    moe_int8_formats_ = experts.empty() || cuda_moe_int8_formats(experts[0], k);
     struct Reset {
       int64_t& rows;
       ~Reset() { rows = 0; }
@@ -324,6 +325,32 @@ class CpuBackend final : public Backend {
   bool moe_gemm_rounding() const { return precision_.gemm_above_rows > 0 && moe_rows_ > precision_.gemm_above_rows; }
   bool moe_decode() const { return precision_.gemm_above_rows > 0 && moe_rows_ > 0 && !moe_gemm_rounding(); }
   std::vector<float> rounded_x_;
+  // Whether CUDA's int8 MoE decode kernels take the experts of the moe_experts call in progress
+  // (cuda::moe_int8_activations' formats: Q4_0, MXFP4 or Q8_0 on both projections alike, sizes
+  // multiples of 32, top-k <= 32). Where they do not, CUDA's decode kernels read f32 activations,
+  // and a quantized expert matmul here does the same (float_matmul) instead of its int8 path.
+  bool moe_int8_formats_ = true;
+  std::vector<float> float_weight_;
+
+  static bool cuda_moe_int8_formats(const ExpertWeights& e0, int k) {
+    const DType t = e0.gate.view.dtype;
+    return (t == DType::Q4_0 || t == DType::MXFP4 || t == DType::Q8_0) && e0.down.view.dtype == t &&
+           e0.up.view.dtype == t && e0.gate.view.cols % 32 == 0 && e0.gate.view.rows % 32 == 0 && k <= 32;
+  }
+
+  // y = x W^T in f32 with W's values dequantized: a quantized matmul as CUDA's f32-activation
+  // decode kernels compute it (CpuPrecision; tests only, so the whole weight is widened).
+  void float_matmul(const WeightView& w, const Mat& x, const Mat& y) {
+    float_weight_.resize(size_t(w.rows * w.cols));
+    for (int64_t r = 0; r < w.rows; ++r) dequantize_row(w.dtype, w.row(r), float_weight_.data() + r * w.cols, w.cols);
+    WeightView f;
+    f.dtype = DType::F32;
+    f.data = float_weight_.data();
+    f.rows = w.rows;
+    f.cols = w.cols;
+    f.row_bytes = w.cols * 4;
+    cpu::matmul(pool_, f, x, y);
+  }
 
   // CpuPrecision::gemm_above_rows: x as a tensor-core GEMM reads it (bf16, or tf32 for f32
   // weights: 10 mantissa bits), round to nearest even.
@@ -453,8 +480,11 @@ class CpuBackend final : public Backend {
   // Quantized formats have their own kernels; models never see the difference.
   void matmul_view(const WeightView& w, const Mat& x_in, const Mat& y) {
     const Mat x = gemm_input(w, x_in);
-    if (w.dtype == DType::MXFP4) {
-      if (precision_.float_mxfp4 && moe_decode()) {
+    if (moe_decode() && !moe_int8_formats_ && is_quantized(w.dtype) && w.dtype != DType::INT4_AFFINE &&
+        w.dtype != DType::MXFP4) {
+      float_matmul(w, x, y);
+    } else if (w.dtype == DType::MXFP4) {
+      if (precision_.float_mxfp4 && moe_decode() && moe_int8_formats_) {
         cpu::mxfp4_matmul_int8(pool_, w, x, y);  // CUDA's MoE decode kernels: int8, as the CPU's
       } else if (precision_.float_mxfp4) {
         cpu::mxfp4_matmul_exact(pool_, w, x, y);
