@@ -112,6 +112,33 @@ __device__ __forceinline__ float biased_glu(const MoeExpertDesc& d, const MoePar
 constexpr int kDecodeThreads = 256;  // 8 warps = 8 output rows per block
 constexpr int kDecodeRowsPerBlock = kDecodeThreads / kWarp;
 
+// The f32 gate/up kernels' warps (kR inter rows from i0 of one pair): the rows' gate and up
+// weights (rows past inter read the last one; their sums are dropped), and the sums reduced
+// and written to h through the bias and GLU, lane r < kR writing row i0 + r.
+template <int kR>
+__device__ __forceinline__ void gate_up_rows(const MoeExpertDesc& d, const MoeParams& p, int64_t i0, WeightRow (&wg)[kR],
+                                             WeightRow (&wu)[kR]) {
+#pragma unroll
+  for (int r = 0; r < kR; ++r) {
+    const int64_t i = i0 + r < p.inter ? i0 + r : p.inter - 1;
+    wg[r] = weight_row(d.gate, i);
+    wu[r] = weight_row(d.up, i);
+  }
+}
+
+template <int kR>
+__device__ __forceinline__ void store_gate_up_rows(const float (&g)[kR], const float (&u)[kR], const MoeExpertDesc& d,
+                                                   const MoeParams& p, int64_t i0, float* __restrict__ h_row) {
+  const int lane = threadIdx.x % kWarp;
+  float gi = 0.f, ui = 0.f;
+#pragma unroll
+  for (int r = 0; r < kR; ++r) {
+    const float gs = warp_sum(g[r]), us = warp_sum(u[r]);
+    if (lane == r) gi = gs, ui = us;
+  }
+  if (lane < kR && i0 + lane < p.inter) h_row[i0 + lane] = biased_glu(d, p, i0 + lane, gi, ui);
+}
+
 // Once the expert is known, thread 0 asks L2 (prefetch_l2) for the block's gate and up rows
 // and, with prefetch_down, for its share (1 / gridDim.x) of the expert's down matrix, which the
 // down pass then finds in L2 instead of HBM (Q4_0 30B-A3B: 7 MB a layer, 0.5 MB left to read).
@@ -147,12 +174,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   const MoeExpertDesc& d = experts[e];
   WeightRow wg[kRW], wu[kRW];
-#pragma unroll
-  for (int r = 0; r < kRW; ++r) {
-    const int64_t i = i0 + r < p.inter ? i0 + r : p.inter - 1;  // past the end: read a valid row, drop it
-    wg[r] = weight_row(d.gate, i);
-    wu[r] = weight_row(d.up, i);
-  }
+  gate_up_rows<kRW>(d, p, i0, wg, wu);
   const float* xr = x + (pair / p.k) * x_stride;
   const int64_t n_units = p.hidden / kUnit;
   float g[kRW] = {}, u[kRW] = {};
@@ -174,13 +196,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int r = 0; r < kRW; ++r) g[r] = fmaf(F::elem(wg[r], c), xc, g[r]), u[r] = fmaf(F::elem(wu[r], c), xc, u[r]);
     }
   }
-  float gi = 0.f, ui = 0.f;  // lane r < kRW keeps row i0 + r's sums
-#pragma unroll
-  for (int r = 0; r < kRW; ++r) {
-    const float gs = warp_sum(g[r]), us = warp_sum(u[r]);
-    if (lane == r) gi = gs, ui = us;
-  }
-  if (lane < kRW && i0 + lane < p.inter) h[pair * ldh + i0 + lane] = biased_glu(d, p, i0 + lane, gi, ui);
+  store_gate_up_rows<kRW>(g, u, d, p, i0, h + pair * ldh);
 }
 
 // The k experts' partial dots are weighted and summed per lane, and the warp reduces once.
@@ -263,6 +279,54 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   if (lane == 0) out[t * out_stride + o] = bad ? nan_f32() : acc;
 }
 
+// The split down kernels (moe_down_unit_split_kernel, moe_down_q4_split_kernel): a block of kW
+// warps covers kR output rows o of token t, warp `warp` taking experts j = warp, warp + kW, ...,
+// its first id `e` read by the caller before the PDL wait. split_down_expert: pair's expert (the
+// id read here past the first), null and `bad` set for an invalid id. split_down_weigh: the
+// expert's kR row sums of this lane into acc, weighted, its bias added on lane 0.
+__device__ __forceinline__ const MoeExpertDesc* split_down_expert(const MoeExpertDesc* __restrict__ experts,
+                                                                  const MoeParams& p, const int32_t* __restrict__ idx,
+                                                                  int64_t pair, bool first, int32_t& e, bool& bad) {
+  if (!first) e = __ldcg(idx + pair);
+  if (!valid_expert(e, p)) {
+    bad = true;
+    return nullptr;
+  }
+  return &experts[e];
+}
+
+template <int kR>
+__device__ __forceinline__ void split_down_weigh(const MoeExpertDesc& d, float wt, const int64_t (&o)[kR], float (&y)[kR],
+                                                 float (&acc)[kR]) {
+#pragma unroll
+  for (int r = 0; r < kR; ++r) {
+    if (threadIdx.x % kWarp == 0 && d.down_bias) y[r] += d.down_bias[o[r]];
+    acc[r] = fmaf(wt, y[r], acc[r]);
+  }
+}
+
+// Then each warp's sums reduced, the warps' added in warp order (deterministic) into rows
+// o0 .. o0 + kR - 1 of token t's output, NaN where any warp met an invalid id.
+template <int kW, int kR>
+__device__ __forceinline__ void split_down_store(float (&acc)[kR], bool bad, float (&part)[kW][kR], int64_t t,
+                                                 int64_t o0, const MoeParams& p, float* __restrict__ out,
+                                                 int64_t out_stride) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int r = 0; r < kR; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r) part[warp][r] = acc[r];
+  }
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x < kR && o0 + threadIdx.x < p.hidden) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) v += part[w][threadIdx.x];
+    out[t * out_stride + o0 + threadIdx.x] = bad ? nan_f32() : v;
+  }
+}
+
 // down for formats of 16-byte units (kHasUnitBits: vector-aligned BF16 / F16), the experts
 // split over a block's warps: a block of kUnitDownWarps warps covers kUnitDownRows output rows of
 // one token, warp w takes experts j = w, w + kUnitDownWarps, ... (each one's id, weight and rows
@@ -314,18 +378,14 @@ __global__ void __launch_bounds__(kUnitDownWarps * kWarp, 2)
   bool bad = false;
   for (int j = warp; j < p.k; j += kW) {
     const int64_t pair = t * p.k + j;
-    if (j != warp) e = __ldcg(idx + pair);
-    if (!valid_expert(e, p)) {
-      bad = true;
-      continue;
-    }
-    const float wt = __ldcg(weight + pair);
-    const MoeExpertDesc& d = experts[e];
+    const MoeExpertDesc* dp = split_down_expert(experts, p, idx, pair, j == warp, e, bad);
+    if (!dp) continue;
+    const MoeExpertDesc& d = *dp;
+    float y[kR] = {};
     WeightRow wr[kR];
 #pragma unroll
     for (int r = 0; r < kR; ++r) wr[r] = weight_row(d.down, o[r]);
     const float* hr = h + pair * ldh;
-    float y[kR] = {};
     for (int64_t u0 = 0; u0 < n_units; u0 += kPass) {
       if (j != warp || u0 != 0) {
 #pragma unroll
@@ -350,25 +410,9 @@ __global__ void __launch_bounds__(kUnitDownWarps * kWarp, 2)
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      if (lane == 0 && d.down_bias) y[r] += d.down_bias[o[r]];
-      acc[r] = fmaf(wt, y[r], acc[r]);
-    }
+    split_down_weigh<kR>(d, __ldcg(weight + pair), o, y, acc);
   }
-#pragma unroll
-  for (int r = 0; r < kR; ++r) acc[r] = warp_sum(acc[r]);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kR; ++r) part[warp][r] = acc[r];
-  }
-  bad = __syncthreads_or(bad);
-  if (threadIdx.x < kR && o0 + threadIdx.x < p.hidden) {
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kW; ++w) v += part[w][threadIdx.x];
-    out[t * out_stride + o0 + threadIdx.x] = bad ? nan_f32() : v;
-  }
+  split_down_store<kW, kR>(acc, bad, part, t, o0, p, out, out_stride);
 }
 
 // Formats read in 32-element blocks (kBlock32, e.g. Q4_0 in planes): each lane owns whole
@@ -395,12 +439,7 @@ __global__ void __launch_bounds__(kGateUpBlockThreads)
   }
   const MoeExpertDesc& d = experts[e];
   WeightRow wg[kBlockRowsPerWarp], wu[kBlockRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kBlockRowsPerWarp; ++r) {
-    const int64_t i = i0 + r < p.inter ? i0 + r : p.inter - 1;  // past the end: read a valid row, drop it
-    wg[r] = weight_row(d.gate, i);
-    wu[r] = weight_row(d.up, i);
-  }
+  gate_up_rows<kBlockRowsPerWarp>(d, p, i0, wg, wu);
   const float* xr = x + (pair / p.k) * x_stride;
   const int64_t n_blocks = p.hidden / 32;
   float g[kBlockRowsPerWarp] = {}, u[kBlockRowsPerWarp] = {};
@@ -414,19 +453,7 @@ __global__ void __launch_bounds__(kGateUpBlockThreads)
 #pragma unroll
     for (int r = 0; r < kBlockRowsPerWarp; ++r) g[r] += F::dot32(bg[r], xv), u[r] += F::dot32(bu[r], xv);
   }
-#pragma unroll
-  for (int r = 0; r < kBlockRowsPerWarp; ++r) {
-    g[r] = warp_sum(g[r]);
-    u[r] = warp_sum(u[r]);
-  }
-  if (lane < kBlockRowsPerWarp && i0 + lane < p.inter) {
-    const int64_t i = i0 + lane;
-    float gi = g[0], ui = u[0];
-#pragma unroll
-    for (int r = 1; r < kBlockRowsPerWarp; ++r)
-      if (lane == r) gi = g[r], ui = u[r];
-    h[pair * ldh + i] = biased_glu(d, p, i, gi, ui);
-  }
+  store_gate_up_rows<kBlockRowsPerWarp>(g, u, d, p, i0, h + pair * ldh);
 }
 
 // One warp per two output rows of token t: its lanes stride over the (expert j, block b)
@@ -713,15 +740,11 @@ __global__ void __launch_bounds__(kDownSplitWarps * kWarp)
   bool bad = false;
   for (int j = warp; j < p.k; j += kDownSplitWarps) {
     const int64_t pair = t * p.k + j;
-    if (j != warp) e = __ldcg(idx + pair);
-    if (!valid_expert(e, p)) {
-      bad = true;
-      continue;
-    }
-    const float wt = __ldcg(weight + pair);
-    const MoeExpertDesc& d = experts[e];
-    const WeightRow wr[2] = {weight_row(d.down, o[0]), weight_row(d.down, o[1])};
+    const MoeExpertDesc* dp = split_down_expert(experts, p, idx, pair, j == warp, e, bad);
+    if (!dp) continue;
+    const MoeExpertDesc& d = *dp;
     float y[2] = {};
+    const WeightRow wr[2] = {weight_row(d.down, o[0]), weight_row(d.down, o[1])};
 #pragma unroll 2
     for (int32_t b = lane; b < nb; b += kWarp) {
       codes32_t<F> c[2];
@@ -738,22 +761,9 @@ __global__ void __launch_bounds__(kDownSplitWarps * kWarp)
 #pragma unroll
       for (int r = 0; r < 2; ++r) y[r] += codes32_dot_q8x32<F>(c[r], sc[r], lo, hi, dsv);
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (lane == 0 && d.down_bias) y[r] += d.down_bias[o[r]];
-      acc[r] = fmaf(wt, y[r], acc[r]);
-    }
+    split_down_weigh<2>(d, __ldcg(weight + pair), o, y, acc);
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) acc[r] = warp_sum(acc[r]);
-  if (lane == 0) part[warp][0] = acc[0], part[warp][1] = acc[1];
-  bad = __syncthreads_or(bad);
-  if (threadIdx.x < 2 && o0 + threadIdx.x < p.hidden) {
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDownSplitWarps; ++w) v += part[w][threadIdx.x];
-    out[t * out_stride + o0 + threadIdx.x] = bad ? nan_f32() : v;
-  }
+  split_down_store<kDownSplitWarps, 2>(acc, bad, part, t, o0, p, out, out_stride);
 }
 
 // ---- prefill: grouping -------------------------------------------------------------------------
