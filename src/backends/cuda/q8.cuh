@@ -119,9 +119,9 @@ __device__ __forceinline__ float q8_unit_dot(int32_t c0, int32_t c1, float a, fl
 //   sum_i d (c_i - 8) dx q_i = d (dx sum_i c_i q_i - 8 s),  s = dx sum_i q_i (BlockQ8x32's s).
 // About one instruction per weight, against ~12 for the unit-wise f32 dequantize (ncu).
 
-// Formats whose 32-element blocks F::codes32 reads as codes and a scale: Q4_0 (either layout;
-// the dense GEMV's dp4a path takes these only) and MXFP4, 16 code bytes (uint4); Q8_0, 32 code
-// bytes (its F::Codes32, Q8Codes). The MoE decode kernels take all three.
+// Formats whose 32-element blocks F::codes32 reads as codes and a scale: Q4_0 (either layout)
+// and MXFP4, 16 code bytes (uint4); Q8_0, 32 code bytes (its F::Codes32, Q8Codes). The MoE
+// decode kernels take all three, the dense GEMV's whole-block kernel Q4_0 and Q8_0 (below).
 template <class F>
 struct Codes32Of {
   using type = uint4;
