@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Writes a random-weight qwen3moe / qwen3 / gpt-oss GGUF at a real model's shape, quantized the
-way llama-quantize stores it, so turbospark and llama.cpp benchmark the very same file.
+"""Writes a random-weight qwen3moe / qwen3 / gpt-oss / qwen4exp GGUF at a real model's shape,
+quantized the way llama-quantize stores it, so turbospark and llama.cpp benchmark the very same
+file.
 
 The CUDA benches need a Qwen3-30B-A3B-shape GGUF in Q4_0 or Q4_K. Converting a bf16 checkpoint
 would need 61 GB of safetensors first (the device machine's disk is 64 GB), so this writes the
@@ -31,6 +32,10 @@ llama-bench and `turbospark bench`, which feed token ids, not text.
 --preset gpt-oss-20b writes llama.cpp's gpt-oss layout: MXFP4 expert stacks (random codes, one
 block exponent), --type for attention, embeddings and the output (q8_0 is what published files
 use), f32 norms, sinks, biases and routers (random rows: MXFP4 and Q8_0 codes are symmetric).
+
+--preset qwen4exp-flash-next writes llama.cpp's qwen4exp layout at Qwen3.8-Flash-Next widths
+(GatedDeltaNet and QSA layers, hyper-connections, the n-gram PLE table, 512 experts top-10 with a
+gated shared expert) in q8_0, as llama.cpp's converter quantizes it: see write_qwen4exp.
 
 Needs numpy and gguf-py: the `gguf` package from PyPI (scripts/setup.sh installs it) or
 llama.cpp's own copy (from the llama-cpp-python sdist; see bench/build_llama_cpp.sh), e.g. on
