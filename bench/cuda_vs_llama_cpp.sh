@@ -2,7 +2,8 @@
 # turbospark vs llama.cpp on CUDA, same GGUF file, same run (run on the device machine).
 #
 # Writes a random-weight GGUF with tools/make_random_gguf.py (llama.cpp's gguf-py writes it):
-# Qwen3-30B-A3B's shape by default, gpt-oss-20b's with PRESET=gpt-oss-20b (MXFP4 experts), then
+# Qwen3-30B-A3B's shape by default, gpt-oss-20b's with PRESET=gpt-oss-20b (MXFP4 experts), or
+# Qwen4-Exp's at Flash-Next widths with PRESET=qwen4exp-flash-next (8 layers, Q8_0), then
 # benchmarks it with llama.cpp's `llama-bench -ngl 99 -fa 1` and with `turbospark bench --device
 # cuda --random-decode` (random decode tokens, as llama-bench's tg feeds) at each prompt length.
 # Random routing spreads over the experts (codes symmetric about zero).
@@ -16,8 +17,9 @@
 #   LLAMA_SRC_TAR  bench/trim_llama_cpp_cuda.sh's tarball: built here first (all cores, ~4 min)
 #   GGUF_PY      llama.cpp's gguf-py folder (required unless the GGUF already exists)
 #   TS           turbospark binary (default build-cuda/turbospark)
-#   PRESET       qwen3-30b-a3b (default) or gpt-oss-20b
-#   GGUF_TYPE    q4_0 (default; q8_0 for gpt-oss-20b, whose experts are MXFP4 whatever it says), q4_k or q8_0
+#   PRESET       qwen3-30b-a3b (default), gpt-oss-20b or qwen4exp-flash-next
+#   GGUF_TYPE    q4_0 (default; q8_0 for gpt-oss-20b, whose experts are MXFP4 whatever it says, and the
+#                only type of qwen4exp-flash-next), q4_k or q8_0
 #   LAYERS       depth (default: the preset's, the real model's)
 #   PROMPTS      prompt lengths (default "512 2048 8192")
 #   REPEAT       repetitions, medians reported (default 3)
@@ -42,7 +44,8 @@ preset="${PRESET:-qwen3-30b-a3b}"
 case "$preset" in
   qwen3-30b-a3b) type="${GGUF_TYPE:-q4_0}" layers="${LAYERS:-48}" ;;
   gpt-oss-20b) type="${GGUF_TYPE:-q8_0}" layers="${LAYERS:-24}" ;;
-  *) echo "cuda_vs_llama_cpp.sh: PRESET must be qwen3-30b-a3b or gpt-oss-20b, got '$preset'" >&2; exit 2 ;;
+  qwen4exp-flash-next) type="${GGUF_TYPE:-q8_0}" layers="${LAYERS:-8}" ;;
+  *) echo "cuda_vs_llama_cpp.sh: PRESET must be qwen3-30b-a3b, gpt-oss-20b or qwen4exp-flash-next, got '$preset'" >&2; exit 2 ;;
 esac
 prompts="${PROMPTS:-512 2048 8192}"
 repeat="${REPEAT:-3}"
