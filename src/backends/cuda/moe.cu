@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(kDownBlockThreads)
   }
 }
 
-// ---- decode, Q4_0 and MXFP4 with int8 activations in whole blocks (q8.cuh) --------------------
+// ---- decode, Q4_0, MXFP4 and Q8_0 with int8 activations in whole blocks (q8.cuh) -------------
 // gate/up: a block covers 32 consecutive inter rows of one pair, kR a warp, its lanes taking
 // whole 32-element blocks of the gate and up rows (the first kQ4Pre of each loaded before x is
 // quantized, so the loads are in flight meanwhile). The block
