@@ -21,21 +21,64 @@ namespace {
 // Softmax top-k of one router row by a whole block:
 //   warp 0: p_e = exp(l_e - max) over lanes holding experts lane, lane + 32, ..., the sum of
 //   each lane's in slot order then a warp tree, p_e *= 1 / sum;
-//   every thread: the rank of its experts by (p desc, index asc), i.e. the pick order of
-//   repeated arg-max with ties to the lower index; rank < k is pick `rank` (one pass over the
-//   row in shared memory per expert instead of k dependent rounds of warp shuffles);
+//   every warp: the k largest of its slice of the row by (p desc, index asc), in k rounds of
+//   warp arg-max with ties to the lower index; then warp 0 the k largest of the warps'
+//   candidates the same way: the pick order of repeated arg-max over the whole row, as the CPU
+//   and torch.topk pick. (Each thread ranking its experts against the whole row took O(E^2)
+//   shared-memory reads: with 512 experts the router of a Flash-Next-shaped Qwen4-Exp took 29 us
+//   a decode layer under ncu.)
 //   thread 0: renormalize by the picks' sum in pick order, then the per-expert scale.
 // A row whose probabilities hold a NaN (a NaN or infinite logit) routes to expert -1, which the
 // expert kernels turn into NaN outputs.
 constexpr int kRouteMaxExperts = 512;
 constexpr int kRouteMaxK = 16;
+// block_route's block sizes: 4 to 8 warps (a lane holds up to kRouteMaxExperts / 128 experts of
+// its warp's slice; the candidates of up to 8 warps fit shared memory).
+constexpr int kRouteMinThreads = 128, kRouteMaxThreads = 256;
+constexpr int kRouteSlotsPerLane = kRouteMaxExperts / kRouteMinThreads;
 
 struct RouteSmem {
   float p[kRouteMaxExperts];
   int32_t idx[kRouteMaxK];
   float w[kRouteMaxK];
+  float cand_p[kRouteMaxThreads / kWarp * kRouteMaxK];
+  int32_t cand_e[kRouteMaxThreads / kWarp * kRouteMaxK];
   int nan;
 };
+
+// (value, index) arg-max across the warp: larger value wins, equal values go to the lower index.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+  }
+}
+
+// The k largest of n (value, index) pairs spread over a warp's lanes (slot j of lane l holds pair
+// l + 32 j; values >= 0, absent ones -1 with index INT_MAX), by rounds of warp arg-max: pick r
+// of the warp to out_p[r] / out_e[r] (lane 0 writes).
+__device__ __forceinline__ void warp_top_k(float (&v)[kRouteSlotsPerLane], int (&id)[kRouteSlotsPerLane], int k,
+                                           float* out_p, int32_t* out_e) {
+  const int lane = threadIdx.x % kWarp;
+  for (int r = 0; r < k; ++r) {
+    float bv = -1.f;
+    int bi = 0x7fffffff, slot = -1;
+#pragma unroll
+    for (int j = 0; j < kRouteSlotsPerLane; ++j)
+      if (v[j] > bv || (v[j] == bv && id[j] < bi)) bv = v[j], bi = id[j], slot = j;
+    float wv = bv;
+    int wi = bi;
+    warp_argmax(wv, wi);
+    if (slot >= 0 && bi == wi && bi != 0x7fffffff) {
+#pragma unroll
+      for (int j = 0; j < kRouteSlotsPerLane; ++j)
+        if (j == slot) v[j] = -1.f, id[j] = 0x7fffffff;
+    }
+    if (lane == 0) out_p[r] = wv, out_e[r] = wi;
+  }
+}
 
 // All threads of the block call it (it holds __syncthreads); blockDim.x a multiple of 32.
 // On return s.idx[0..k) / s.w[0..k) are the row's picks.
@@ -76,16 +119,31 @@ __device__ __forceinline__ void block_route(const float* __restrict__ logits, in
     if (lane == 0) s.nan = nan;
   }
   __syncthreads();
+  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (!s.nan) {
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-      const float pe = s.p[e];
-      int rank = 0;
-      for (int o = 0; o < n_experts; ++o) {
-        const float po = s.p[o];
-        rank += po > pe || (po == pe && o < e);
-      }
-      if (rank < k) s.idx[rank] = e, s.w[rank] = pe;
+    const int per = (n_experts + warps - 1) / warps, lo = warp * per, hi = min(n_experts, lo + per);
+    float v[kRouteSlotsPerLane];
+    int id[kRouteSlotsPerLane];
+#pragma unroll
+    for (int j = 0; j < kRouteSlotsPerLane; ++j) {
+      const int e = lo + lane + j * kWarp;
+      v[j] = e < hi ? s.p[e] : -1.f;
+      id[j] = e < hi ? e : 0x7fffffff;
     }
+    warp_top_k(v, id, k, s.cand_p + warp * k, s.cand_e + warp * k);
+  }
+  __syncthreads();
+  if (!s.nan && warp == 0) {
+    const int n = warps * k;
+    float v[kRouteSlotsPerLane];
+    int id[kRouteSlotsPerLane];
+#pragma unroll
+    for (int j = 0; j < kRouteSlotsPerLane; ++j) {
+      const int c = lane + j * kWarp;
+      v[j] = c < n ? s.cand_p[c] : -1.f;
+      id[j] = c < n ? s.cand_e[c] : 0x7fffffff;
+    }
+    warp_top_k(v, id, k, s.w, s.idx);
   }
   __syncthreads();
   if (threadIdx.x == 0 && !s.nan) {
@@ -101,16 +159,7 @@ __device__ __forceinline__ void block_route(const float* __restrict__ logits, in
 }
 
 constexpr int kRouterThreads = 128;
-
-// (value, index) arg-max across the warp: larger value wins, equal values go to the lower index.
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-  }
-}
+static_assert(kRouterThreads >= kRouteMinThreads && kRouterThreads <= kRouteMaxThreads);
 
 // One block per row (block_route). It replaced one warp per row taking k dependent rounds of
 // shuffled arg-max (5.3 us a decode layer under ncu); measured only together with the L2
@@ -138,6 +187,7 @@ __global__ void __launch_bounds__(kRouterThreads)
 // GEMV and a top-k kernel (4.3 + 5.2 us a decode layer under ncu, mostly ramp and drain).
 // Summation order differs from the GEMV's (8-column chunks per thread, then a block tree).
 constexpr int kRouterGemvThreads = 256;
+static_assert(kRouterGemvThreads >= kRouteMinThreads && kRouterGemvThreads <= kRouteMaxThreads);
 constexpr int kRouterMaxRows = 8;
 
 template <bool kBf16>
