@@ -294,6 +294,16 @@ class GgufParser {
     f_.alignment_ = v;
   }
 
+  // blocks x bytes a block, refused past 2^62 bytes: the element bound alone let an F32 tensor of
+  // 2^62 elements wrap its byte count to 0, which then passed every bounds check (found by
+  // fuzz_gguf: a 0-byte buffer written 4 bytes a value).
+  size_t checked_bytes(uint64_t blocks, uint64_t bytes_per_block, const std::string& what) const {
+    constexpr uint64_t kMaxBytes = uint64_t(1) << 62;
+    if (bytes_per_block != 0 && blocks > kMaxBytes / bytes_per_block)
+      fail("{}: {} has implausible dims ({} blocks of {} bytes)", f_.path(), what, blocks, bytes_per_block);
+    return size_t(blocks * bytes_per_block);
+  }
+
   void parse_tensor_info(uint64_t index) {
     const std::string& path = f_.path();
     GgufTensor t;
@@ -321,7 +331,7 @@ class GgufParser {
       if (t.dims[0] % kGgmlMxfp4Block != 0)
         fail("{}: tensor {}: ne0 = {} is not a multiple of the MXFP4 block size {}", path, t.name, t.dims[0],
              kGgmlMxfp4Block);
-      t.nbytes = size_t(numel / kGgmlMxfp4Block * kGgmlMxfp4BlockBytes);
+      t.nbytes = checked_bytes(numel / kGgmlMxfp4Block, kGgmlMxfp4BlockBytes, what);
     } else {
       if (!dtype_from_ggml(t.ggml_type, &t.dtype))
         fail("{}: tensor {} has unsupported ggml type {} ({})", path, t.name, t.ggml_type, ggml_type_name(t.ggml_type));
@@ -329,7 +339,7 @@ class GgufParser {
       if (t.dims[0] % block != 0)
         fail("{}: tensor {}: ne0 = {} is not a multiple of the {} block size {}", path, t.name, t.dims[0],
              dtype_name(t.dtype), block);
-      t.nbytes = size_t(numel / uint64_t(block) * uint64_t(block_bytes(t.dtype)));
+      t.nbytes = checked_bytes(numel / uint64_t(block), uint64_t(block_bytes(t.dtype)), what);
     }
     if (t.offset % f_.alignment_ != 0)
       fail("{}: tensor {}: data offset {} is not a multiple of the alignment {}", path, t.name, t.offset,

@@ -473,6 +473,11 @@ TEST(GgufErrors, SizeMustMatchTypeAndDims) {
   GgufBuilder h = valid_builder();
   h.tensors[2].dims = {1ull << 40, 1ull << 40};
   expect_refused(h.build(), {"tensor output_norm.weight has implausible dims"});
+  // Within the element bound but not the byte bound: 2^62 F32 values would be 2^64 bytes, which
+  // wrapped to 0 and passed the bounds checks (fuzz_gguf).
+  GgufBuilder b = valid_builder();
+  b.tensors[2].dims = {1ull << 62};
+  expect_refused(b.build(), {"tensor output_norm.weight has implausible dims"});
 }
 
 TEST(GgufErrors, DuplicatesAndOverlaps) {
