@@ -71,9 +71,20 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
       fail("{}: tensor {}: unsupported dtype {}", path, name, e["dtype"].dump());
     }
     if (!e["shape"].is_array()) fail("{}: tensor {}: shape is not an array", path, name);
+    // Elements and bytes bounded by 2^62 as each dim is taken, so no product below wraps (a
+    // wrapped byte count could even equal the data range's length; fuzz_safetensors found the
+    // signed overflow).
+    constexpr uint64_t kMaxBytes = uint64_t(1) << 62;
+    const uint64_t elem_bytes = std::max<uint64_t>(1, dtype_size(t.dtype));
+    uint64_t elems = 1;
     for (const auto& d : e["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0) fail("{}: tensor {}: bad shape {}", path, name, e["shape"].dump());
-      t.shape.push_back(d.get<int64_t>());
+      const uint64_t n = uint64_t(d.get<int64_t>());
+      if (n != 0 && elems > kMaxBytes / elem_bytes / n)
+        fail("{}: tensor {}: implausible shape {} (its {} values pass 2^62 bytes)", path, name, e["shape"].dump(),
+             dtype_name(t.dtype));
+      elems *= n;
+      t.shape.push_back(int64_t(n));
     }
     const json& off = e["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
@@ -84,7 +95,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
       fail("{}: tensor {}: data_offsets [{}, {}] past the end of the data ({} bytes; file truncated?)", path, name,
            b, en, data_size);
     }
-    uint64_t want = uint64_t(t.numel()) * dtype_size(t.dtype);
+    const uint64_t want = elems * elem_bytes;
     if (en - b != want) {
       fail("{}: tensor {}: {} bytes for {} {} (expected {})", path, name, en - b, dtype_name(t.dtype),
            t.shape_str(), want);

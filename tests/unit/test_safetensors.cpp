@@ -88,6 +88,14 @@ TEST(Safetensors, RejectsCorruptHeaders) {
   fresh();
   set_header(path, R"({"w":{"dtype":"BF16","shape":[4,-4],"data_offsets":[0,32]}})");
   expect_error(path, "bad shape");
+  // A shape whose element or byte count overflows 64 bits (2^63 x 2 bf16 values wrap to 0
+  // bytes, which an empty data range would match) is refused before any product wraps.
+  fresh();
+  set_header(path, R"({"w":{"dtype":"BF16","shape":[9223372036854775807,2],"data_offsets":[0,0]}})");
+  expect_error(path, "implausible shape");
+  fresh();
+  set_header(path, R"({"w":{"dtype":"F32","shape":[299999999999999,999999999999],"data_offsets":[0,32]}})");
+  expect_error(path, "implausible shape");
   spit(path, "abc");
   expect_error(path, "truncated");
   // A header length of 100 GB (in a file of 10 bytes) and one over the library's 100 MB bound
