@@ -82,6 +82,14 @@ struct Weight {
 // Elementwise activations for Backend::unary and Backend::mul_act.
 enum class Act : uint8_t { kIdentity, kSilu, kSigmoid, kGeluTanh, kTanh };
 
+// y = post * act(pre * y), Backend::unary's arguments, as an activation a matmul's output
+// takes (Backend::matmul_shared_input).
+struct MatmulAct {
+  Act act = Act::kIdentity;
+  float pre = 1.f, post = 1.f;
+  bool is_identity() const { return act == Act::kIdentity && pre == 1.f && post == 1.f; }
+};
+
 // One routed expert: gated FFN [hidden] -> [inter] -> [hidden], act(gate) * up: SwiGLU, or
 // GeGLU (GELU-tanh) for Gemma 4.
 struct ExpertWeights {
@@ -322,13 +330,30 @@ class Backend {
   virtual void matmul(const Weight& w, const Mat& x, const Mat& y) = 0;
   // ys[i] = x ws[i]^T for several weights over the same x (an attention layer's q, k and v):
   // the same results as one matmul each, which is what it does unless a backend can do better
-  // (CUDA: one GEMV launch at decode).
-  virtual void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys) {
+  // (CUDA: one GEMV launch at decode). With acts (one per weight, or empty), each output then
+  // becomes acts[i](ys[i]) as unary() computes it: the default runs unary after the matmuls, a
+  // GPU backend applies it as the GEMV stores (a decode step's small projections followed by an
+  // activation: one launch instead of two each).
+  virtual void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys,
+                                   std::span<const MatmulAct> acts = {}) {
     for (size_t i = 0; i < ws.size(); ++i) matmul(*ws[i], x, ys[i]);
+    for (size_t i = 0; i < acts.size(); ++i)
+      if (!acts[i].is_identity()) unary(ys[i], acts[i].act, acts[i].pre, acts[i].post, ys[i]);
   }
   // y[t, :] += bias (length y.cols)
   virtual void add_bias(const Mat& y, const float* bias) = 0;
   virtual void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset = 0.f) = 0;
+  // rmsnorm of each of a row's `groups` equal column ranges on its own, range g scaled by
+  // weight[g * cols / groups ...] (hyper-connection streams side by side in one row): the same
+  // results as one rmsnorm per range, which is the default; one launch on a GPU backend.
+  virtual void rmsnorm_groups(const Mat& x, const float* weight, int groups, float eps, const Mat& y,
+                              float weight_offset = 0.f) {
+    TS_CHECK(groups > 0 && x.cols % groups == 0 && y.cols == x.cols, "rmsnorm_groups: [{}, {}] in {} groups", x.rows,
+             x.cols, groups);
+    const int64_t w = x.cols / groups;
+    for (int g = 0; g < groups; ++g)
+      rmsnorm(x.cols_slice(g * w, w), weight + g * w, eps, y.cols_slice(g * w, w), weight_offset);
+  }
   // x += residual, then y = rmsnorm(x): a decoder's residual add and the next norm, one launch on
   // a GPU backend. The default runs add then rmsnorm.
   virtual void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y,

@@ -382,12 +382,74 @@ TEST(CudaMatmul, SharedInputEqualsSeparateMatmulsBitForBit) {
       }
       const WeightView* ws[3] = {&dws[0].view, &dws[1].view, &dws[2].view};
       const Mat ys[3] = {fused[0].mat, fused[1].mat, fused[2].mat};
-      mm.matmul_shared_input(ws, dx.mat, ys, nullptr);
+      mm.matmul_shared_input(ws, dx.mat, ys, {}, nullptr);
       for (int i = 0; i < 3; ++i) mm.matmul(dws[i].view, dx.mat, alone[i].mat, nullptr);
       for (int i = 0; i < 3; ++i)
         EXPECT_EQ(fused[i].download(), alone[i].download())
             << f.name() << " + " << f3.name() << " rows " << rows << " job " << i;
     }
+  }
+}
+
+// matmul_shared_input with activations (the GEMV applying acts[i] as it stores): every output
+// equals its own matmul followed by cuda::unary, for every format, decode row counts, five and
+// six weights (launches of max_gemv_jobs() at most, in order), every activation with pre and
+// post factors, a mix of formats that cannot share a launch (the unfused fallback), and one
+// weight alone with an activation. Both sides compute post * act(pre * v) on the same f32 v, so
+// the bound is a few ulp (a wrong activation, factor or job moves outputs by O(1)).
+TEST(CudaMatmul, SharedInputActivationsEqualMatmulThenUnary) {
+  cuda::WeightMatmul mm;
+  uint32_t seed = 7500;
+  const std::vector<Format> formats = all_formats();
+  const MatmulAct kinds[] = {{Act::kSilu, 0.25f, 1.f}, {Act::kSigmoid, 0.25f, 2.f}, {},
+                             {Act::kGeluTanh, 1.f, 1.f}, {Act::kTanh, 0.5f, -3.f}, {Act::kIdentity, 2.f, 0.5f}};
+  for (size_t fi = 0; fi < formats.size(); ++fi) {
+    const Format& f = formats[fi];
+    const int64_t in = f.is_float() ? 203 : f.granule() * 3;
+    for (int64_t rows : {int64_t(1), int64_t(3), int64_t(8)})
+      for (int n : {1, 5, 6}) {
+        // rows 8 with six weights: the last is of the next format (its launch falls back).
+        const Format& last = rows == 8 && n == 6 ? formats[(fi + 1) % formats.size()] : f;
+        if (in % last.granule() != 0) continue;
+        const int64_t outs[6] = {129, 7, 1000, 32, 1, 300};
+        std::vector<HostWeight> hws;
+        std::vector<DevWeight> dws;
+        hws.reserve(size_t(n));
+        dws.reserve(size_t(n));
+        for (int i = 0; i < n; ++i) {
+          const Format& fw = i == n - 1 ? last : f;
+          hws.push_back(make_weight(fw, outs[i], in, seed++));
+          dws.push_back(upload(hws.back(), fw.planes));
+        }
+        const std::vector<float> x = random_floats(size_t(rows * in), seed++, -2.f, 2.f);
+        DevMat dx(rows, in, in + 4);
+        dx.upload(x);
+        std::vector<DevMat> fused, alone;
+        std::vector<const WeightView*> ws;
+        std::vector<Mat> ys;
+        std::vector<MatmulAct> acts;
+        for (int i = 0; i < n; ++i) {
+          fused.emplace_back(rows, outs[i], outs[i] + 3);
+          alone.emplace_back(rows, outs[i], outs[i]);
+          fused.back().buf.poison();
+          alone.back().buf.poison();
+          ws.push_back(&dws[size_t(i)].view);
+          acts.push_back(kinds[(size_t(i) + fi + size_t(rows)) % std::size(kinds)]);
+        }
+        for (int i = 0; i < n; ++i) ys.push_back(fused[size_t(i)].mat);
+        mm.matmul_shared_input(ws, dx.mat, ys, acts, nullptr);
+        for (int i = 0; i < n; ++i) {
+          const MatmulAct& a = acts[size_t(i)];
+          mm.matmul(dws[size_t(i)].view, dx.mat, alone[size_t(i)].mat, nullptr);
+          cuda::unary(alone[size_t(i)].mat, a.act, a.pre, a.post, alone[size_t(i)].mat, nullptr);
+        }
+        for (int i = 0; i < n; ++i) {
+          const std::vector<float> got = fused[size_t(i)].download(), want = alone[size_t(i)].download();
+          EXPECT_LE(normalized_error(got, want), 1e-6)
+              << f.name() << " + " << last.name() << " rows " << rows << " weights " << n << " job " << i << " act "
+              << int(acts[size_t(i)].act);
+        }
+      }
   }
 }
 

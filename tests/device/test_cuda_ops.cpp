@@ -82,6 +82,34 @@ TEST(CudaOps, RmsNorm) {
         }
 }
 
+// rmsnorm_groups (hyper-connection streams side by side): each row's groups normed on their own
+// with their slice of the weight, against the CPU's per-group rmsnorm calls; the warp-per-row
+// (<= 1024 columns a group) and block-per-row kernels, strided rows, in place.
+TEST(CudaOps, RmsNormGroups) {
+  REQUIRE_GPU();
+  for (int64_t rows : {int64_t(1), int64_t(3), int64_t(17)})
+    for (int groups : {1, 2, 4})
+      for (int64_t cols : {int64_t(7), int64_t(64), int64_t(100), int64_t(1030), int64_t(2048)})
+        for (int64_t pad : kPads) {
+          const int64_t width = cols * groups;
+          SCOPED_TRACE(shape(rows, width, pad) + " groups " + std::to_string(groups));
+          Strided x(rows, width, pad, 5 + uint32_t(width), -2.f, 2.f);
+          Strided y(rows, width, pad, 6);
+          const std::vector<float> w = random_floats(size_t(width), 7, -0.5f, 1.5f);
+          DeviceBuffer<float> dw(w);
+          cpu().rmsnorm_groups(x.h(), w.data(), groups, 1e-6f, y.h(), 1.f);
+          y.poison();
+          cuda::rmsnorm_groups(x.d(), dw.get(), groups, 1e-6f, y.d(), 1.f, stream());
+          EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+          if (pad) {
+            EXPECT_TRUE(y.dev_pads_poisoned());
+          }
+          cpu().rmsnorm_groups(x.h(), w.data(), groups, 1e-6f, x.h(), 0.f);
+          cuda::rmsnorm_groups(x.d(), dw.get(), groups, 1e-6f, x.d(), 0.f, stream());
+          EXPECT_LT(normalized_error(x.dev_dense(), x.host_dense()), 1e-6);
+        }
+}
+
 // ---------------- elementwise ----------------
 
 TEST(CudaOps, AddAndBias) {

@@ -392,15 +392,20 @@ class CudaBackend final : public Backend {
 
   // ---- ops ----
   void matmul(const Weight& w, const Mat& x, const Mat& y) override { matmul_->matmul(w.view, x, y, stream_); }
-  void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys) override {
+  void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys,
+                           std::span<const MatmulAct> acts = {}) override {
     TS_CHECK(ws.size() <= 8, "matmul_shared_input: {} weights (at most 8)", ws.size());
     std::array<const WeightView*, 8> views{};
     for (size_t i = 0; i < ws.size(); ++i) views[i] = &ws[i]->view;
-    matmul_->matmul_shared_input(std::span<const WeightView* const>(views.data(), ws.size()), x, ys, stream_);
+    matmul_->matmul_shared_input(std::span<const WeightView* const>(views.data(), ws.size()), x, ys, acts, stream_);
   }
   void add_bias(const Mat& y, const float* bias) override { cuda::add_bias(y, bias, stream_); }
   void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset) override {
     cuda::rmsnorm(x, weight, eps, y, weight_offset, stream_);
+  }
+  void rmsnorm_groups(const Mat& x, const float* weight, int groups, float eps, const Mat& y,
+                      float weight_offset = 0.f) override {
+    cuda::rmsnorm_groups(x, weight, groups, eps, y, weight_offset, stream_);
   }
   void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y,
                    float weight_offset) override {

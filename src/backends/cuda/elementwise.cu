@@ -7,6 +7,7 @@
 // 16-byte aligned with strides and widths multiples of 4, else 4 scalar accesses that are
 // still coalesced across the warp), y over rows. A block is 256 threads; short rows get
 // fewer threads in x and more rows in y so that no block is mostly idle.
+#include "backends/cuda/act.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
 
@@ -23,18 +24,6 @@ struct Operand {
   int64_t stride = 0;
   int col_step = 1;
 };
-
-__device__ __forceinline__ float apply_act(Act act, float v) {
-  // Precise expf/tanhf (no fast-math intrinsics): these match the CPU's std::exp/std::tanh to
-  // an ulp or two, so the tests can hold the CUDA path to 1e-6.
-  switch (act) {
-    case Act::kSilu: return v / (1.f + expf(-v));
-    case Act::kSigmoid: return 1.f / (1.f + expf(-v));
-    case Act::kGeluTanh: return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    case Act::kTanh: return tanhf(v);
-    default: return v;
-  }
-}
 
 struct AddOp {
   __device__ float operator()(float y, float x) const { return y + x; }
@@ -104,6 +93,7 @@ __global__ void __launch_bounds__(kThreads) split_heads_kernel(const float* __re
                                                                int head_dim, int width, float* __restrict__ a,
                                                                int64_t a_stride, float* __restrict__ b,
                                                                int64_t b_stride, int64_t rows) {
+  pdl_begin();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= width) return;
   const int h = c / head_dim, i = c - h * head_dim;
@@ -205,7 +195,7 @@ void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const M
   if (ab.rows == 0 || width == 0) return;
   // One thread per column of a (and of b): 1 read-pair and 2 writes, coalesced along columns.
   const Launch l = launch_shape(ab.rows, width);
-  split_heads_kernel<<<l.grid, l.block, 0, stream>>>(ab.data, ab.stride, head_dim, int(width), a.data, a.stride,
+  launch(split_heads_kernel, l.grid, l.block, 0, stream, ab.data, ab.stride, head_dim, int(width), a.data, a.stride,
                                                      b.data, b.stride, ab.rows);
   TS_CUDA_LAUNCH_CHECK("split_heads [{}, {}] heads {} head_dim {}", ab.rows, ab.cols, n_heads, head_dim);
 }

@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(kThreads)
                        const float* __restrict__ b, int64_t b_stride, const float* __restrict__ a_log,
                        const float* __restrict__ dt_bias, KeyHeads heads, int dk, int dv, int64_t key_dim, float* state,
                        int64_t state_stride, float* out, int64_t out_stride, int64_t rows) {
+  pdl_begin();
   __shared__ float q_s[kMaxDk], k_s[kMaxDk];
   __shared__ float red[kWarp];
   const int h = blockIdx.y, kh = heads.of(h);
@@ -156,6 +157,7 @@ __global__ void __launch_bounds__(kChunkThreads)
                              const float* __restrict__ a_log, const float* __restrict__ dt_bias, KeyHeads heads, int dk,
                              int dv, int64_t key_dim, float* state, int64_t state_stride, float* out,
                              int64_t out_stride, int64_t rows, int chunk) {
+  pdl_begin();
   extern __shared__ float smem[];
   const ChunkSmem L{dk, chunk};
   const int ks = L.ks();
@@ -330,8 +332,7 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
                                          int(smem)),
                     "gated_delta_rule (chunked): {} bytes of shared memory", smem);
       const dim3 chunk_grid(unsigned(ceil_div(dv, kTileV)), unsigned(n_v_heads));
-      gated_delta_chunk_kernel<<<chunk_grid, kChunkThreads, smem, stream>>>(
-          qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias, heads, dk, dv, key_dim,
+      launch(gated_delta_chunk_kernel, chunk_grid, kChunkThreads, smem, stream, qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias, heads, dk, dv, key_dim,
           state.data, state.stride, out.data, out.stride, qkv.rows, chunk);
       TS_CUDA_LAUNCH_CHECK("gated_delta_rule (chunks of {}) rows {} heads {}/{} dk {} dv {}", chunk, qkv.rows,
                            n_k_heads, n_v_heads, dk, dv);
@@ -340,7 +341,7 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
   }
   const dim3 grid(unsigned(ceil_div(dv, kColumns)), unsigned(n_v_heads));
   auto run = [&](auto kernel) {
-    kernel<<<grid, kThreads, 0, stream>>>(qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias,
+    launch(kernel, grid, kThreads, 0, stream, qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias,
                                           heads, dk, dv, key_dim, state.data, state.stride, out.data, out.stride,
                                           qkv.rows);
   };

@@ -20,6 +20,7 @@
 #include <algorithm>
 
 #include "backends/cuda/matmul.h"
+#include "backends/cuda/ops.h"
 #include "backends/cuda/quant.cuh"
 
 namespace turbospark::cuda {
@@ -278,9 +279,13 @@ void WeightMatmul::matmul(const WeightView& w, const Mat& x, const Mat& y, cudaS
 }
 
 void WeightMatmul::matmul_shared_input(std::span<const WeightView* const> ws, const Mat& x, std::span<const Mat> ys,
-                                       cudaStream_t stream) {
-  TS_CHECK(ws.size() == ys.size(), "matmul_shared_input: {} weights, {} outputs", ws.size(), ys.size());
-  if (x.rows >= 1 && x.rows <= kGemvMaxRows && ws.size() > 1) {
+                                       std::span<const MatmulAct> acts, cudaStream_t stream) {
+  TS_CHECK(ws.size() == ys.size() && (acts.empty() || acts.size() == ws.size()),
+           "matmul_shared_input: {} weights, {} outputs, {} activations", ws.size(), ys.size(), acts.size());
+  bool fused_acts = false;
+  for (const MatmulAct& a : acts) fused_acts = fused_acts || !a.is_identity();
+  size_t done = 0;
+  if (x.rows >= 1 && x.rows <= kGemvMaxRows && (ws.size() > 1 || fused_acts)) {
     bool shapes = true;
     for (size_t i = 0; i < ws.size(); ++i) {
       check_weight(*ws[i], "matmul");
@@ -289,10 +294,19 @@ void WeightMatmul::matmul_shared_input(std::span<const WeightView* const> ws, co
     if (shapes) {
       int64_t stride = 0;
       const float* xa = aligned_rows(x, &stride, stream);
-      if (launch_gemv_shared_input(ws, xa, stride, ys, num_sms_, stream)) return;
+      // Launches of up to max_gemv_jobs() weights each, in order, while they can share one.
+      while (done < ws.size()) {
+        const size_t n = std::min(ws.size() - done, size_t(max_gemv_jobs()));
+        const std::span<const MatmulAct> a = acts.empty() ? acts : acts.subspan(done, n);
+        if (!launch_gemv_shared_input(ws.subspan(done, n), xa, stride, ys.subspan(done, n), a, num_sms_, stream)) break;
+        done += n;
+      }
     }
   }
-  for (size_t i = 0; i < ws.size(); ++i) matmul(*ws[i], x, ys[i], stream);
+  for (size_t i = done; i < ws.size(); ++i) {
+    matmul(*ws[i], x, ys[i], stream);
+    if (!acts.empty() && !acts[i].is_identity()) unary(ys[i], acts[i].act, acts[i].pre, acts[i].post, ys[i], stream);
+  }
 }
 
 }  // namespace turbospark::cuda

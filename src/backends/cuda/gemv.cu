@@ -25,6 +25,7 @@
 // is two dp4a on the raw codes and one scale, fewer instructions than the f32 dequantize.
 // K-quants, MXFP4 and INT4-affine keep the f32 variant for now (the CPU quantizes their
 // activations per 256 or not at all; a dp4a path for them must match that).
+#include "backends/cuda/act.cuh"
 #include "backends/cuda/matmul.h"
 #include "backends/cuda/q8.cuh"
 #include "backends/cuda/quant.cuh"
@@ -38,8 +39,8 @@ constexpr int kGemvThreads = 256;  // 8 warps: up to 8 groups of one warp per bl
 // shared-memory reduction over its warps (split-K). acc is this thread's warp-reduced sums.
 template <int kMaxRows, int kOut>
 __device__ __forceinline__ void store_gemv(float (&acc)[kMaxRows][kOut], int n_rows, int64_t out_rows, int64_t o0,
-                                           float* __restrict__ y, int64_t y_stride, int warps_per_group, int group,
-                                           int t) {
+                                           float* __restrict__ y, int64_t y_stride, const MatmulAct& act,
+                                           int warps_per_group, int group, int t) {
 #pragma unroll
   for (int r = 0; r < kMaxRows; ++r)
 #pragma unroll
@@ -51,7 +52,7 @@ __device__ __forceinline__ void store_gemv(float (&acc)[kMaxRows][kOut], int n_r
       for (int r = 0; r < kMaxRows; ++r)
 #pragma unroll
         for (int j = 0; j < kOut; ++j)
-          if (r < n_rows && o0 + j < out_rows) y[r * y_stride + o0 + j] = acc[r][j];
+          if (r < n_rows && o0 + j < out_rows) y[r * y_stride + o0 + j] = apply_matmul_act(act, acc[r][j]);
     }
     return;
   }
@@ -68,7 +69,7 @@ __device__ __forceinline__ void store_gemv(float (&acc)[kMaxRows][kOut], int n_r
     const int r = t / kOut, j = t % kOut;
     float sum = 0.f;
     for (int i = 0; i < warps_per_group; ++i) sum += partial[group * warps_per_group + i][t];
-    if (r < n_rows && o0 + j < out_rows) y[r * y_stride + o0 + j] = sum;
+    if (r < n_rows && o0 + j < out_rows) y[r * y_stride + o0 + j] = apply_matmul_act(act, sum);
   }
 }
 
@@ -93,14 +94,17 @@ struct GemvPlace {
 };
 
 // Up to kMaxGemvJobs weights of one format over the same activations in one launch (q, k and
-// v of an attention layer: one launch instead of three, each a few microseconds of ramp and
-// drain at decode): blocks [block_end[j - 1], block_end[j]) compute job j exactly as a launch
-// of its own would (same groups, split-K and sums), so the outputs are bit-identical.
-constexpr int kMaxGemvJobs = 3;
+// v of an attention layer; a GatedDeltaNet layer's four input projections: one launch instead
+// of several, each a few microseconds of ramp and drain at decode): blocks [block_end[j - 1],
+// block_end[j]) compute job j exactly as a launch of its own would (same groups, split-K and
+// sums), so the outputs are bit-identical. Each job's outputs take its activation as they are
+// stored (identity: unchanged).
+constexpr int kMaxGemvJobs = 4;
 struct GemvJobs {
   DeviceWeight w[kMaxGemvJobs];
   float* y[kMaxGemvJobs];
   int64_t y_stride[kMaxGemvJobs];
+  MatmulAct act[kMaxGemvJobs];
   int warps_per_group[kMaxGemvJobs];
   int block_end[kMaxGemvJobs];  // cumulative block counts
   int n;
@@ -112,6 +116,7 @@ struct GemvJob {
   DeviceWeight w;
   float* y;
   int64_t y_stride;
+  MatmulAct act;
   int warps_per_group, block;
   __device__ __forceinline__ explicit GemvJob(const GemvJobs& jobs) {
     int job = 0;
@@ -120,6 +125,7 @@ struct GemvJob {
     w = jobs.w[0];
     y = jobs.y[0];
     y_stride = jobs.y_stride[0];
+    act = jobs.act[0];
     warps_per_group = jobs.warps_per_group[0];
     block = int(blockIdx.x);
 #pragma unroll
@@ -128,6 +134,7 @@ struct GemvJob {
         w = jobs.w[i];
         y = jobs.y[i];
         y_stride = jobs.y_stride[i];
+        act = jobs.act[i];
         warps_per_group = jobs.warps_per_group[i];
         block = int(blockIdx.x) - jobs.block_end[i - 1];
       }
@@ -223,7 +230,7 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
     }
   }
-  store_gemv<kMaxRows, kOut>(acc, n_rows, w.rows, o0, y, y_stride, warps_per_group, at.group, t);
+  store_gemv<kMaxRows, kOut>(acc, n_rows, w.rows, o0, y, y_stride, job.act, warps_per_group, at.group, t);
 }
 
 // Q4_0 (either layout) with int8 activations in whole 32-element blocks (q8.cuh): a warp
@@ -298,7 +305,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     for (int r = 0; r < kMaxRows; ++r)
 #pragma unroll
       for (int j = 0; j < kRowsW; ++j)
-        if (r < n_rows && o0 + j < w.rows) job.y[r * job.y_stride + o0 + j] = acc[r][j];
+        if (r < n_rows && o0 + j < w.rows) job.y[r * job.y_stride + o0 + j] = apply_matmul_act(job.act, acc[r][j]);
   }
 }
 
@@ -356,7 +363,7 @@ int q4_rows_per_warp(int64_t out_rows, int num_sms) {
 
 template <class F, int kMaxRows>
 void run_q4_dp4a(std::span<const WeightView* const> ws, const float* x, int64_t x_stride, std::span<const Mat> ys,
-                 int num_sms, cudaStream_t stream) {
+                 std::span<const MatmulAct> acts, int num_sms, cudaStream_t stream) {
   int64_t total_rows = 0;
   for (const WeightView* w : ws) total_rows += w->rows;
   const int rows_per_warp = q4_rows_per_warp(total_rows, num_sms);
@@ -369,6 +376,7 @@ void run_q4_dp4a(std::span<const WeightView* const> ws, const float* x, int64_t 
     jobs.w[jobs.n] = device_weight(*ws[i]);
     jobs.y[jobs.n] = ys[i].data;
     jobs.y_stride[jobs.n] = ys[i].stride;
+    if (i < acts.size()) jobs.act[jobs.n] = acts[i];
     jobs.warps_per_group[jobs.n] = 1;
     jobs.block_end[jobs.n] = int(prev + blocks);
     ++jobs.n;
@@ -391,7 +399,7 @@ void run_q4_dp4a(std::span<const WeightView* const> ws, const float* x, int64_t 
 
 // One job's launch geometry.
 template <class F, int kOut>
-void add_gemv_job(GemvJobs& jobs, const WeightView& w, const Mat& y, int num_sms) {
+void add_gemv_job(GemvJobs& jobs, const WeightView& w, const Mat& y, const MatmulAct& act, int num_sms) {
   const int64_t groups = (w.rows + kOut - 1) / kOut;
   const int warps_per_group = gemv_warps_per_group(w.rows, w.cols, kOut, num_sms, kBlock32<F>);
   const int groups_per_block = kGemvThreads / (warps_per_group * kWarp);
@@ -402,6 +410,7 @@ void add_gemv_job(GemvJobs& jobs, const WeightView& w, const Mat& y, int num_sms
   jobs.w[jobs.n] = device_weight(w);
   jobs.y[jobs.n] = y.data;
   jobs.y_stride[jobs.n] = y.stride;
+  jobs.act[jobs.n] = act;
   jobs.warps_per_group[jobs.n] = warps_per_group;
   jobs.block_end[jobs.n] = int(prev + blocks);
   ++jobs.n;
@@ -413,12 +422,12 @@ void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& 
   if constexpr (kHasGemvCodes32<F>) {
     if (use_q4_dp4a(true, y.rows, w.cols)) {
       const WeightView* one[] = {&w};
-      run_q4_dp4a<F, kMaxRows>(one, x, x_stride, std::span<const Mat>(&y, 1), num_sms, stream);
+      run_q4_dp4a<F, kMaxRows>(one, x, x_stride, std::span<const Mat>(&y, 1), {}, num_sms, stream);
       return;
     }
   }
   GemvJobs jobs{};
-  add_gemv_job<F, kOut>(jobs, w, y, num_sms);
+  add_gemv_job<F, kOut>(jobs, w, y, MatmulAct{}, num_sms);
   const int64_t blocks = jobs.block_end[0];
   const int warps_per_group = jobs.warps_per_group[0];
   const bool q8 = use_q8(kHasQ8<F>, y.rows, w.rows, w.cols, num_sms);
@@ -439,15 +448,16 @@ void run_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& 
 
 template <class F, int kMaxRows, int kOut>
 void run_gemv_jobs(std::span<const WeightView* const> ws, const float* x, int64_t x_stride, std::span<const Mat> ys,
-                   int num_sms, cudaStream_t stream) {
+                   std::span<const MatmulAct> acts, int num_sms, cudaStream_t stream) {
   if constexpr (kHasGemvCodes32<F>) {
     if (use_q4_dp4a(true, ys[0].rows, ws[0]->cols)) {
-      run_q4_dp4a<F, kMaxRows>(ws, x, x_stride, ys, num_sms, stream);
+      run_q4_dp4a<F, kMaxRows>(ws, x, x_stride, ys, acts, num_sms, stream);
       return;
     }
   }
   GemvJobs jobs{};
-  for (size_t i = 0; i < ws.size(); ++i) add_gemv_job<F, kOut>(jobs, *ws[i], ys[i], num_sms);
+  for (size_t i = 0; i < ws.size(); ++i)
+    add_gemv_job<F, kOut>(jobs, *ws[i], ys[i], i < acts.size() ? acts[i] : MatmulAct{}, num_sms);
   launch(gemv_kernel<F, kMaxRows, kOut, false>, dim3(unsigned(jobs.block_end[jobs.n - 1])), kGemvThreads, 0, stream,
          jobs, x, x_stride, int(ys[0].rows),
          gemv_prefetch_bytes(jobs.block_end[jobs.n - 1], num_sms));
@@ -471,9 +481,13 @@ bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms) {
   return use_q8(has_q8, rows, out_rows, cols, num_sms);
 }
 
+int max_gemv_jobs() { return kMaxGemvJobs; }
+
 bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float* x, int64_t x_stride,
-                              std::span<const Mat> ys, int num_sms, cudaStream_t stream) {
+                              std::span<const Mat> ys, std::span<const MatmulAct> acts, int num_sms,
+                              cudaStream_t stream) {
   if (ws.empty() || ws.size() > size_t(kMaxGemvJobs) || ws.size() != ys.size()) return false;
+  TS_CHECK(acts.empty() || acts.size() == ws.size(), "gemv: {} activations for {} weights", acts.size(), ws.size());
   const int64_t rows = ys[0].rows;
   if (rows < 1 || rows > kGemvMaxRows) return false;
   TS_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_stride % 4 == 0 && x_stride >= ws[0]->cols,
@@ -496,8 +510,8 @@ bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float
     using F = decltype(fmt);
     for (const WeightView* w : ws)
       if (!aligned_for<F>(*w)) return;  // float formats: the first view's load width must suit every view
-    if (rows == 1) run_gemv_jobs<F, 1, 4>(ws, x, x_stride, ys, num_sms, stream);
-    else run_gemv_jobs<F, kGemvMaxRows, 2>(ws, x, x_stride, ys, num_sms, stream);
+    if (rows == 1) run_gemv_jobs<F, 1, 4>(ws, x, x_stride, ys, acts, num_sms, stream);
+    else run_gemv_jobs<F, kGemvMaxRows, 2>(ws, x, x_stride, ys, acts, num_sms, stream);
     done = true;
   });
   return done;

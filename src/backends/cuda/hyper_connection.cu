@@ -19,6 +19,7 @@ constexpr int kThreads = 256;
 __global__ void __launch_bounds__(kThreads)
     hc_mix_kernel(const float* __restrict__ weight, int64_t w_stride, const float* __restrict__ normed,
                   int64_t n_stride, int n_streams, float* mixed, int64_t m_stride, int hidden) {
+  pdl_begin();
   const int i = blockIdx.x * kThreads + threadIdx.x;
   if (i >= hidden) return;
   const int64_t t = blockIdx.y;
@@ -33,6 +34,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     hc_inject_kernel(float* streams, int64_t s_stride, const float* __restrict__ branch, int64_t b_stride,
                      const float* __restrict__ inject, int64_t i_stride, int n_streams, int hidden) {
+  pdl_begin();
   const int64_t col = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (col >= int64_t(n_streams) * hidden) return;
   const int64_t t = blockIdx.y;
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(kThreads)
     ple_gate_kernel(const float* __restrict__ key, int64_t k_stride, const float* __restrict__ query,
                     int64_t q_stride, const float* __restrict__ value, int64_t v_stride, float* out,
                     int64_t o_stride, int hidden) {
+  pdl_begin();
   __shared__ float red[kWarp];
   const int64_t t = blockIdx.x;
   const int c = blockIdx.y;
@@ -74,8 +77,7 @@ void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixe
            normed.rows, normed.cols, mixed.rows, H, n_streams);
   check_rows("hc_mix", mixed.rows);
   if (mixed.rows == 0 || H == 0) return;
-  hc_mix_kernel<<<dim3(unsigned(ceil_div(H, kThreads)), unsigned(mixed.rows)), kThreads, 0, stream>>>(
-      weight.data, weight.stride, normed.data, normed.stride, n_streams, mixed.data, mixed.stride, int(H));
+  launch(hc_mix_kernel, dim3(unsigned(ceil_div(H, kThreads)), unsigned(mixed.rows)), kThreads, 0, stream, weight.data, weight.stride, normed.data, normed.stride, n_streams, mixed.data, mixed.stride, int(H));
   TS_CUDA_LAUNCH_CHECK("hc_mix [{}, {}] streams {}", mixed.rows, H, n_streams);
 }
 
@@ -87,8 +89,7 @@ void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_s
            branch.rows, H, inject.rows, inject.cols, n_streams);
   check_rows("hc_inject", streams.rows);
   if (streams.rows == 0 || H == 0) return;
-  hc_inject_kernel<<<dim3(unsigned(ceil_div(n_streams * H, kThreads)), unsigned(streams.rows)), kThreads, 0, stream>>>(
-      streams.data, streams.stride, branch.data, branch.stride, inject.data, inject.stride, n_streams, int(H));
+  launch(hc_inject_kernel, dim3(unsigned(ceil_div(n_streams * H, kThreads)), unsigned(streams.rows)), kThreads, 0, stream, streams.data, streams.stride, branch.data, branch.stride, inject.data, inject.stride, n_streams, int(H));
   TS_CUDA_LAUNCH_CHECK("hc_inject [{}, {}] streams {}", streams.rows, H, n_streams);
 }
 
@@ -102,8 +103,7 @@ void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams,
   TS_CHECK(out.data != value.data, "ple_gate: out may not alias value on CUDA");
   TS_CHECK(value.rows <= 0x7fffffff && n_streams <= 65535, "ple_gate: {} rows, {} streams", value.rows, n_streams);
   if (value.rows == 0 || H == 0) return;
-  ple_gate_kernel<<<dim3(unsigned(value.rows), unsigned(n_streams)), kThreads, 0, stream>>>(
-      key.data, key.stride, query.data, query.stride, value.data, value.stride, out.data, out.stride, int(H));
+  launch(ple_gate_kernel, dim3(unsigned(value.rows), unsigned(n_streams)), kThreads, 0, stream, key.data, key.stride, query.data, query.stride, value.data, value.stride, out.data, out.stride, int(H));
   TS_CUDA_LAUNCH_CHECK("ple_gate [{}, {}] streams {}", value.rows, H, n_streams);
 }
 

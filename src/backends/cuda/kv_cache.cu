@@ -23,6 +23,7 @@ __global__ void __launch_bounds__(kThreads)
                     int max_blocks, const int32_t* __restrict__ row_seq, int block_size, int width,
                     const float* __restrict__ k, int64_t k_stride, const float* __restrict__ v, int64_t v_stride,
                     const int64_t* __restrict__ positions, int64_t rows) {
+  pdl_begin();
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (c0 >= width) return;
   for (int64_t t = int64_t(blockIdx.y) * blockDim.y + threadIdx.y; t < rows; t += int64_t(gridDim.y) * blockDim.y) {
@@ -76,11 +77,11 @@ void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* 
   const int ty = kThreads / tx;
   const dim3 grid(unsigned((units + tx - 1) / tx), unsigned(std::min<int64_t>((k.rows + ty - 1) / ty, 65535)));
   if (vec) {
-    kv_write_kernel<true><<<grid, dim3(tx, ty), 0, stream>>>(static_cast<uint16_t*>(kv.k), static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq,
+    launch(kv_write_kernel<true>, grid, dim3(tx, ty), 0, stream, static_cast<uint16_t*>(kv.k), static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq,
                                                              kv.block_size, int(width), k.data, k.stride, v.data,
                                                              v.stride, positions, k.rows);
   } else {
-    kv_write_kernel<false><<<grid, dim3(tx, ty), 0, stream>>>(static_cast<uint16_t*>(kv.k), static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq,
+    launch(kv_write_kernel<false>, grid, dim3(tx, ty), 0, stream, static_cast<uint16_t*>(kv.k), static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq,
                                                               kv.block_size, int(width), k.data, k.stride, v.data,
                                                               v.stride, positions, k.rows);
   }

@@ -72,12 +72,15 @@ class DeviceScratch {
 // 16-byte aligned (x % 16 == 0, x_stride % 4 == 0) with w.cols floats each.
 void launch_gemv(const WeightView& w, const float* x, int64_t x_stride, const Mat& y, int num_sms,
                  cudaStream_t stream);
-// gemv.cu: the GEMVs of several weights (at most 3) over the same x in one launch, each output
-// bit-identical to its own launch_gemv. Returns false, launching nothing, where they cannot
-// share one (formats or load widths differ, a weight takes the int8 path, rows outside
-// 1..kGemvMaxRows): the caller then launches them one by one.
+// gemv.cu: the GEMVs of several weights (at most max_gemv_jobs()) over the same x in one
+// launch, each output bit-identical to its own launch_gemv, then acts[i] applied as it is
+// stored (acts empty, or one per weight; the same float ops as cuda::unary). Returns false,
+// launching nothing, where they cannot share one (formats or load widths differ, a weight takes
+// the per-unit int8 path, rows outside 1..kGemvMaxRows): the caller then launches them one by one.
+int max_gemv_jobs();
 bool launch_gemv_shared_input(std::span<const WeightView* const> ws, const float* x, int64_t x_stride,
-                              std::span<const Mat> ys, int num_sms, cudaStream_t stream);
+                              std::span<const Mat> ys, std::span<const MatmulAct> acts, int num_sms,
+                              cudaStream_t stream);
 // Whether a GEMV of a [out_rows, cols] weight of this format over `rows` activation rows
 // quantizes the activations to int8 per 32 (q8.cuh's dp4a paths: Q4_0 in either layout while
 // the codes fit a block's shared memory; ggml-layout Q4_1/Q5_0/Q5_1/Q8_0 for matrices with rows
@@ -132,10 +135,11 @@ class WeightMatmul {
   // y = x W^T, W [out, in] as stored, x [rows, in] f32, y [rows, out] f32 (strided rows).
   // GEMV for rows <= kGemvMaxRows, else bf16 cuBLASLt GEMM (TF32 for F32 weights).
   void matmul(const WeightView& w, const Mat& x, const Mat& y, cudaStream_t stream);
-  // ys[i] = x ws[i]^T for every i: one GEMV launch where launch_gemv_shared_input can, else
-  // one matmul each.
+  // ys[i] = acts[i](x ws[i]^T) for every i (acts empty: no activation): GEMV launches of up to
+  // max_gemv_jobs() weights where launch_gemv_shared_input can, else one matmul each followed by
+  // cuda::unary.
   void matmul_shared_input(std::span<const WeightView* const> ws, const Mat& x, std::span<const Mat> ys,
-                           cudaStream_t stream);
+                           std::span<const MatmulAct> acts, cudaStream_t stream);
   // out[t, :] = scale * dequantized row ids[t] of table, t < n (ids int32, device memory).
   void embedding(const WeightView& table, const int32_t* ids, int64_t n, float scale, const Mat& out,
                  cudaStream_t stream);

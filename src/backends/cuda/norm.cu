@@ -47,14 +47,16 @@ __device__ __forceinline__ float sum_squares(float* xr, const float* __restrict_
 template <bool kVec, bool kAdd>
 __global__ void rmsnorm_warp_kernel(float* x, int64_t x_stride, const float* __restrict__ residual, int64_t r_stride,
                                     const float* __restrict__ weight, float eps, float* y, int64_t y_stride,
-                                    int64_t rows, int cols, float weight_offset) {
+                                    int64_t rows, int cols, int groups, float weight_offset) {
   pdl_begin();
-  const int64_t row = int64_t(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
-  if (row >= rows) return;
+  const int64_t item = int64_t(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / kWarp;
+  if (item >= rows * groups) return;
   const int lane = threadIdx.x % kWarp;
-  float* xr = x + row * x_stride;
-  float* yr = y + row * y_stride;
-  float sum_sq = sum_squares<kVec, kAdd>(xr, residual + row * r_stride, cols, lane, kWarp);
+  const int64_t row = item / groups, g = item % groups;
+  float* xr = x + row * x_stride + g * cols;
+  float* yr = y + row * y_stride + g * cols;
+  weight += g * cols;
+  float sum_sq = sum_squares<kVec, kAdd>(xr, residual + row * r_stride + g * cols, cols, lane, kWarp);
   sum_sq = warp_sum(sum_sq);
   const float inv_rms = 1.f / sqrtf(sum_sq / float(cols) + eps);
   // y may alias x: every lane reads an element before writing that same element only.
@@ -77,13 +79,14 @@ template <bool kVec, bool kAdd>
 __global__ void __launch_bounds__(kBlockRowThreads)
     rmsnorm_block_kernel(float* x, int64_t x_stride, const float* __restrict__ residual, int64_t r_stride,
                          const float* __restrict__ weight, float eps, float* y, int64_t y_stride, int cols,
-                         float weight_offset) {
+                         int groups, float weight_offset) {
   pdl_begin();
   __shared__ float scratch[kWarp];
-  const int64_t row = blockIdx.x;
-  float* xr = x + row * x_stride;
-  float* yr = y + row * y_stride;
-  float sum_sq = sum_squares<kVec, kAdd>(xr, residual + row * r_stride, cols, threadIdx.x, blockDim.x);
+  const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
+  float* xr = x + row * x_stride + g * cols;
+  float* yr = y + row * y_stride + g * cols;
+  weight += g * cols;
+  float sum_sq = sum_squares<kVec, kAdd>(xr, residual + row * r_stride + g * cols, cols, threadIdx.x, blockDim.x);
   sum_sq = block_sum(sum_sq, scratch);  // contains the barrier that orders every read before any write
   const float inv_rms = 1.f / sqrtf(sum_sq / float(cols) + eps);
   if constexpr (kVec) {
@@ -106,47 +109,56 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 namespace {
 
+// groups > 1: each row's `groups` equal column ranges normed on their own (a warp or block
+// each), range g with weight + g * x.cols / groups.
 template <bool kAdd>
 void launch_rmsnorm(const Mat& x, const float* residual, int64_t r_stride, const float* weight, float eps,
-                    const Mat& y, float weight_offset, cudaStream_t stream) {
+                    const Mat& y, float weight_offset, int groups, cudaStream_t stream) {
   TS_CHECK(x.rows == y.rows && x.cols == y.cols, "rmsnorm: x [{}, {}] vs y [{}, {}]", x.rows, x.cols, y.rows, y.cols);
   TS_CHECK(x.cols > 0 && x.cols < (int64_t(1) << 31), "rmsnorm: {} columns", x.cols);
+  TS_CHECK(groups >= 1 && x.cols % groups == 0, "rmsnorm: {} columns in {} groups", x.cols, groups);
   if (x.rows == 0) return;
+  const int cols = int(x.cols / groups);
   const bool vec = aligned16(x.data) && aligned16(y.data) && aligned16(weight) && x.stride % 4 == 0 &&
-                   y.stride % 4 == 0 && x.cols % 4 == 0 && (!kAdd || (aligned16(residual) && r_stride % 4 == 0));
-  const int cols = int(x.cols);
-  if (x.cols <= kWarpRowMaxCols) {
+                   y.stride % 4 == 0 && cols % 4 == 0 && (!kAdd || (aligned16(residual) && r_stride % 4 == 0));
+  const int64_t items = x.rows * groups;
+  if (cols <= kWarpRowMaxCols) {
     // Warp per row: 8 rows per 256-thread block; a 1024-column row is 8 float4 loads per lane.
-    const int blocks = ceil_div(x.rows, kWarpRowsPerBlock);
+    const int blocks = ceil_div(items, kWarpRowsPerBlock);
     auto* kernel = vec ? rmsnorm_warp_kernel<true, kAdd> : rmsnorm_warp_kernel<false, kAdd>;
     launch(kernel, blocks, kWarpRowsPerBlock * kWarp, 0, stream, x.data, x.stride, residual, r_stride, weight, eps,
-           y.data, y.stride, x.rows, cols, weight_offset);
+           y.data, y.stride, x.rows, cols, groups, weight_offset);
   } else {
-    TS_CHECK(x.rows <= 0x7fffffff, "rmsnorm: {} rows", x.rows);
+    TS_CHECK(items <= 0x7fffffff, "rmsnorm: {} rows", items);
     // Block per row: 256 threads x float4 cover 1024 columns per sweep (hidden 8192: 8 sweeps).
     // A decode step's few rows get 1024 threads instead: the block is latency bound (read,
     // reduce, read again, write), and a 4096-column row then takes one float4 per thread
     // (5.5 us per call at 256 threads on the H200, measured with ncu).
-    const int threads = x.rows <= 16 ? kBlockRowThreads : 256;
+    const int threads = items <= 16 ? kBlockRowThreads : 256;
     auto* kernel = vec ? rmsnorm_block_kernel<true, kAdd> : rmsnorm_block_kernel<false, kAdd>;
-    launch(kernel, int(x.rows), threads, 0, stream, x.data, x.stride, residual, r_stride, weight, eps, y.data, y.stride,
-           cols, weight_offset);
+    launch(kernel, int(items), threads, 0, stream, x.data, x.stride, residual, r_stride, weight, eps, y.data, y.stride,
+           cols, groups, weight_offset);
   }
-  TS_CUDA_LAUNCH_CHECK("rmsnorm{} [{}, {}] (stride {} -> {})", kAdd ? " with residual add" : "", x.rows, x.cols,
-                       x.stride, y.stride);
+  TS_CUDA_LAUNCH_CHECK("rmsnorm{} [{}, {}] in {} groups (stride {} -> {})", kAdd ? " with residual add" : "", x.rows,
+                       x.cols, groups, x.stride, y.stride);
 }
 
 }  // namespace
 
 void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset, cudaStream_t stream) {
-  launch_rmsnorm<false>(x, nullptr, 0, weight, eps, y, weight_offset, stream);
+  launch_rmsnorm<false>(x, nullptr, 0, weight, eps, y, weight_offset, 1, stream);
+}
+
+void rmsnorm_groups(const Mat& x, const float* weight, int groups, float eps, const Mat& y, float weight_offset,
+                    cudaStream_t stream) {
+  launch_rmsnorm<false>(x, nullptr, 0, weight, eps, y, weight_offset, groups, stream);
 }
 
 void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y, float weight_offset,
                  cudaStream_t stream) {
   TS_CHECK(residual.rows == x.rows && residual.cols == x.cols, "add_rmsnorm: x [{}, {}] vs residual [{}, {}]",
            x.rows, x.cols, residual.rows, residual.cols);
-  launch_rmsnorm<true>(x, residual.data, residual.stride, weight, eps, y, weight_offset, stream);
+  launch_rmsnorm<true>(x, residual.data, residual.stride, weight, eps, y, weight_offset, 1, stream);
 }
 
 }  // namespace turbospark::cuda

@@ -24,6 +24,10 @@ namespace turbospark::cuda {
 // y = x * rsqrt(mean(x^2) + eps) * (weight + weight_offset) per row, f32; y may alias x.
 // Also run on [rows * heads, head_dim] views for per-head q/k norms.
 void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset, cudaStream_t stream);
+// Each of a row's `groups` equal column ranges normed on its own with its slice of weight
+// (one launch; Backend::rmsnorm_groups).
+void rmsnorm_groups(const Mat& x, const float* weight, int groups, float eps, const Mat& y, float weight_offset,
+                    cudaStream_t stream);
 // x += residual, then y = rmsnorm(x) (one launch; Backend::add_rmsnorm).
 void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y, float weight_offset,
                  cudaStream_t stream);

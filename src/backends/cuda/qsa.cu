@@ -58,6 +58,7 @@ constexpr int kScoreKeysPerCta = 16;   // split scoring: key blocks per CTA (two
 __global__ void __launch_bounds__(kThreads)
     qsa_store_kernel(const float* __restrict__ raw, int64_t raw_stride, const int64_t* __restrict__ positions,
                      float* table, int64_t table_stride, int d) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int64_t p = positions[t];
   for (int i = threadIdx.x; i < d; i += kThreads) table[p * table_stride + i] = raw[t * raw_stride + i];
@@ -67,6 +68,7 @@ __global__ void __launch_bounds__(kThreads)
     qsa_complete_kernel(const float* __restrict__ table, int64_t table_stride, const int64_t* __restrict__ positions,
                         int64_t rows, int ratio, const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
                         int rotary_dim, float eps, float* block_keys, int64_t bk_stride, int d) {
+  pdl_begin();
   extern __shared__ float pooled[];  // [d]
   __shared__ float red[kWarp];
   const int64_t first_block = positions[0] / ratio, end_block = (positions[rows - 1] + 1) / ratio;
@@ -181,6 +183,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     qsa_score_kernel(const float* __restrict__ index_q, int64_t q_stride, const int64_t* __restrict__ positions,
                      const float* __restrict__ block_keys, int64_t bk_stride, int n_heads, int d, int ratio,
                      ScoredIndex* scores, int64_t scores_stride, int32_t* nan_score) {
+  pdl_begin();
   extern __shared__ float q_s[];  // [n_heads * d]
   const int64_t t = blockIdx.y;
   const int n_blocks = int((positions[t] + 1) / ratio);
@@ -208,6 +211,7 @@ __global__ void __launch_bounds__(kSelectThreads)
                       int block_topk, int32_t* selected, int32_t* counts, int max_selected, int32_t* nan_score,
                       int64_t rows, ScoredIndex* spill, int64_t spill_stride, bool scores_ready,
                       bool serial_top_k, int32_t* threshold_rows) {
+  pdl_begin();
   extern __shared__ ScoredIndex smem_scored[];  // [n_blocks], unless they spill to global memory
   __shared__ int hist[kSelectThreads], warp_totals[kWarp], found[3], any_nan;
   ScoredIndex* scored = spill ? spill + int64_t(blockIdx.x) * spill_stride : smem_scored;
@@ -304,6 +308,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_selected_kernel(const float* __restrict__ q, int64_t q_stride, PagedKv kv, int n_heads, float scale,
                               const int32_t* __restrict__ selected, const int32_t* __restrict__ counts,
                               int max_selected, float* out, int64_t out_stride) {
+  pdl_begin();
   extern __shared__ float smem[];
   float* q_s = smem;                 // [head_dim]
   float* weights = smem + kv.head_dim;  // [max_selected]
@@ -335,6 +340,7 @@ __global__ void __launch_bounds__(kThreads)
                                     float scale, const int32_t* __restrict__ selected,
                                     const int32_t* __restrict__ counts, int max_selected, int n_splits,
                                     float* __restrict__ part) {
+  pdl_begin();
   extern __shared__ float smem[];
   float* q_s = smem;                  // [head_dim]
   float* p_s = smem + kv.head_dim;    // [kSplitKeys]
@@ -366,6 +372,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     attention_selected_combine_kernel(const float* __restrict__ part, int n_heads, int hd, int n_splits,
                                       float* out, int64_t out_stride) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
   const float* src = part + (t * n_heads + h) * n_splits * (int64_t(hd) + 2);
@@ -425,12 +432,11 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
            int64_t(qsa.block_topk) * r + r - 1);
   TS_CHECK(n <= 0x7fffffff, "qsa_select: {} rows", n);
   if (n == 0) return;
-  qsa_store_kernel<<<unsigned(n), kThreads, 0, stream>>>(raw_keys.data, raw_keys.stride, positions,
+  launch(qsa_store_kernel, unsigned(n), kThreads, 0, stream, raw_keys.data, raw_keys.stride, positions,
                                                          qsa.raw_keys.data, qsa.raw_keys.stride, d);
   TS_CUDA_LAUNCH_CHECK("qsa_select store [{}, {}]", n, d);
   const int64_t max_complete = (n + r - 1) / r + 1;
-  qsa_complete_kernel<<<unsigned(max_complete), kThreads, size_t(d) * 4, stream>>>(
-      qsa.raw_keys.data, qsa.raw_keys.stride, positions, n, r, qsa.k_norm, qsa.inv_freq, qsa.rotary_dim, qsa.eps,
+  launch(qsa_complete_kernel, unsigned(max_complete), kThreads, size_t(d) * 4, stream, qsa.raw_keys.data, qsa.raw_keys.stride, positions, n, r, qsa.k_norm, qsa.inv_freq, qsa.rotary_dim, qsa.eps,
       qsa.block_keys.data, qsa.block_keys.stride, d);
   TS_CUDA_LAUNCH_CHECK("qsa_select complete {} blocks of {} x {}", max_complete, r, d);
   // Every row sees at most block_keys.rows complete blocks (the table's length). Steps of a few
@@ -447,13 +453,11 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
     allow_smem(qsa_score_kernel, q_bytes, "qsa_select scoring (a row's index q)");
     const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>(ceil_div(qsa.block_keys.rows, kScoreKeysPerCta),
                                                                     kSpillBlocks / n));
-    qsa_score_kernel<<<dim3(unsigned(per_row), unsigned(n)), kSelectThreads, q_bytes, stream>>>(
-        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, buf,
+    launch(qsa_score_kernel, dim3(unsigned(per_row), unsigned(n)), kSelectThreads, q_bytes, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, buf,
         qsa.block_keys.rows, qsa.nan_score);
     TS_CUDA_LAUNCH_CHECK("qsa_select scores rows {} heads {} dim {} blocks up to {}", n, qsa.n_heads, d,
                          qsa.block_keys.rows);
-    qsa_select_kernel<<<unsigned(n), kSelectThreads, 0, stream>>>(
-        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
+    launch(qsa_select_kernel, unsigned(n), kSelectThreads, 0, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
         qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, true, serial,
         threshold_rows);
     TS_CUDA_LAUNCH_CHECK("qsa_select rows {} (split scoring)", n);
@@ -467,16 +471,14 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
   const bool fits = smem + attr.sharedSizeBytes <= size_t(limit);
   if (scores == QsaScores::kShared || (scores == QsaScores::kAuto && fits)) {
     allow_smem(qsa_select_kernel, smem, "qsa_select (scores of max_context / ratio key blocks)");
-    qsa_select_kernel<<<unsigned(n), kSelectThreads, smem, stream>>>(
-        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
+    launch(qsa_select_kernel, unsigned(n), kSelectThreads, smem, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
         qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, nullptr, 0, false, serial, threshold_rows);
   } else {
     TS_CHECK(spill, "qsa_select: {} key blocks' scores ({} bytes) exceed shared memory and no spill buffer was given",
              qsa.block_keys.rows, smem);
     const int64_t grid = std::min<int64_t>(n, kSpillBlocks);
     auto* buf = static_cast<ScoredIndex*>(spill->get(size_t(grid) * smem, stream, "qsa scores"));
-    qsa_select_kernel<<<unsigned(grid), kSelectThreads, 0, stream>>>(
-        index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
+    launch(qsa_select_kernel, unsigned(grid), kSelectThreads, 0, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
         qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, false, serial,
         threshold_rows);
   }
@@ -505,20 +507,17 @@ void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float 
     TS_CHECK(n_splits <= 65535, "attention_selected: {} pieces of {} keys", n_splits, kSplitKeys);
     const size_t split_smem = (size_t(kv.head_dim) + kSplitKeys) * 4;
     allow_smem(attention_selected_split_kernel, split_smem, "attention_selected (a piece's query and weights)");
-    attention_selected_split_kernel<<<dim3(unsigned(q.rows), unsigned(n_heads), unsigned(n_splits)), kThreads,
-                                      split_smem, stream>>>(q.data, q.stride, paged_kv(kv), n_heads, scale, selected,
+    launch(attention_selected_split_kernel, dim3(unsigned(q.rows), unsigned(n_heads), unsigned(n_splits)), kThreads, split_smem, stream, q.data, q.stride, paged_kv(kv), n_heads, scale, selected,
                                                             counts, max_selected, n_splits, scratch);
     TS_CUDA_LAUNCH_CHECK("attention_selected pieces rows {} heads {} head dim {} pieces {}", q.rows, n_heads,
                          kv.head_dim, n_splits);
-    attention_selected_combine_kernel<<<dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, 0, stream>>>(
-        scratch, n_heads, kv.head_dim, n_splits, out.data, out.stride);
+    launch(attention_selected_combine_kernel, dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, 0, stream, scratch, n_heads, kv.head_dim, n_splits, out.data, out.stride);
     TS_CUDA_LAUNCH_CHECK("attention_selected combine rows {} heads {} pieces {}", q.rows, n_heads, n_splits);
     return;
   }
   const size_t smem = (size_t(kv.head_dim) + size_t(max_selected)) * 4;
   allow_smem(attention_selected_kernel, smem, "attention_selected (the selection's weights)");
-  attention_selected_kernel<<<dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, smem, stream>>>(
-      q.data, q.stride, paged_kv(kv), n_heads, scale, selected, counts, max_selected, out.data, out.stride);
+  launch(attention_selected_kernel, dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, smem, stream, q.data, q.stride, paged_kv(kv), n_heads, scale, selected, counts, max_selected, out.data, out.stride);
   TS_CUDA_LAUNCH_CHECK("attention_selected rows {} heads {} head dim {} selected {}", q.rows, n_heads, kv.head_dim,
                        max_selected);
 }

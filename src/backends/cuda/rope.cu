@@ -23,6 +23,7 @@ constexpr int kHeadThreads = 8;
 __global__ void __launch_bounds__(kPairThreads* kHeadThreads)
     rope_kernel(float* x, int64_t stride, int n_heads, int head_dim, int half, const int64_t* __restrict__ positions,
                 const float* __restrict__ inv_freq, float attention_factor) {
+  pdl_begin();
   const int64_t row = blockIdx.x;
   float* xr = x + row * stride;
   const float pos = float(positions[row]);  // int64 -> float rounds to nearest, as the CPU's float(p)
@@ -51,8 +52,7 @@ void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t
   if (x.rows == 0 || rotary_dim == 0) return;
   TS_CHECK(x.rows <= 0x7fffffff, "rope: {} rows", x.rows);
   // Block per row, 32 x 8 threads: a row of 32 heads x 64 pairs is 8 passes of 256 threads.
-  rope_kernel<<<int(x.rows), dim3(kPairThreads, kHeadThreads), 0, stream>>>(
-      x.data, x.stride, n_heads, head_dim, rotary_dim / 2, positions, inv_freq, attention_factor);
+  launch(rope_kernel, int(x.rows), dim3(kPairThreads, kHeadThreads), 0, stream, x.data, x.stride, n_heads, head_dim, rotary_dim / 2, positions, inv_freq, attention_factor);
   TS_CUDA_LAUNCH_CHECK("rope [{}, {}] heads {} head_dim {} rotary_dim {}", x.rows, x.cols, n_heads, head_dim,
                        rotary_dim);
 }

@@ -7,12 +7,15 @@ namespace turbospark {
 void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out) {
   const int64_t rows = x.rows;
   Mat gate = s.gate.rows_slice(0, rows), up = s.up.rows_slice(0, rows);
-  be.matmul(w.gate, x, gate);
-  be.matmul(w.up, x, up);
+  // gate and up in one launch at decode on a GPU, with act(gate) in its store unless SwiGLU.
+  const Weight* in[] = {&w.gate, &w.up};
+  const Mat in_out[] = {gate, up};
   if (w.act == Act::kSilu) {
+    be.matmul_shared_input(in, x, in_out);
     be.swiglu(gate, up, gate);
   } else {
-    be.unary(gate, w.act, 1.f, 1.f, gate);
+    const MatmulAct acts[] = {{w.act, 1.f, 1.f}, {}};
+    be.matmul_shared_input(in, x, in_out, acts);
     be.mul_act(gate, up, Act::kIdentity);
   }
   be.matmul(w.down, gate, out);

@@ -29,10 +29,9 @@ void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDelta
   Mat qkv = s.qkv.rows_slice(0, rows), conv = s.qkv_conv.rows_slice(0, rows);
   Mat z = s.z.rows_slice(0, rows), core = s.core.rows_slice(0, rows);
   Mat a = s.a.rows_slice(0, rows), b = s.b.rows_slice(0, rows);
-  be.matmul(w.in_qkv, x, qkv);
-  be.matmul(w.in_z, x, z);
-  be.matmul(w.in_b, x, b);
-  be.matmul(w.in_a, x, a);
+  const Weight* in[] = {&w.in_qkv, &w.in_z, &w.in_b, &w.in_a};
+  const Mat in_out[] = {qkv, z, b, a};
+  be.matmul_shared_input(in, x, in_out);
   for (const auto& r : runs) {
     const Mat run_conv = conv.rows_slice(r.first, r.rows);
     be.causal_conv1d(qkv.rows_slice(r.first, r.rows), w.conv.data(), p.conv_kernel, 1, r.state->conv, Act::kSilu,

@@ -24,21 +24,21 @@ HyperConnectionWeights HyperConnectionWeights::load(const WeightLoader& ld, cons
 
 void hc_gated_residual(Backend& be, const HyperConnectionWeights& w, const Mat& streams, HyperConnectionScratch& s,
                        const Mat& mixed, const Mat* inject) {
-  const int64_t rows = streams.rows, H = w.hidden;
+  const int64_t rows = streams.rows;
   const float inv_c = 1.f / float(w.n_streams);
   Mat normed = s.normed.rows_slice(0, rows), low = s.low.rows_slice(0, rows), gate = s.gate.rows_slice(0, rows);
-  for (int c = 0; c < w.n_streams; ++c) {
-    be.rmsnorm(streams.cols_slice(c * H, H), w.norm.data() + c * H, w.eps, normed.cols_slice(c * H, H), 1.f);
-  }
-  be.matmul(w.down, normed, low);
-  be.unary(low, Act::kSilu, inv_c, 1.f, low);
-  be.matmul(w.up, low, gate);
-  be.unary(gate, Act::kSigmoid, 1.f, 1.f, gate);
+  // Every stream normed on its own, then the two products of the normed streams (the mixer's
+  // down projection and the inject weights) with their activations: two launches at decode.
+  be.rmsnorm_groups(streams, w.norm.data(), w.n_streams, w.eps, normed, 1.f);
+  const Weight* on_normed[] = {&w.down, &w.inject};
+  const Mat outs[] = {low, inject ? *inject : Mat{}};
+  const MatmulAct acts[] = {{Act::kSilu, inv_c, 1.f}, {Act::kSigmoid, inv_c, 2.f}};
+  const size_t n = inject ? 2 : 1;
+  be.matmul_shared_input(std::span(on_normed, n), normed, std::span(outs, n), std::span(acts, n));
+  const Weight* up[] = {&w.up};
+  const MatmulAct sigmoid[] = {{Act::kSigmoid, 1.f, 1.f}};
+  be.matmul_shared_input(up, low, std::span(&gate, 1), sigmoid);
   be.hc_mix(gate, normed, w.n_streams, mixed);
-  if (inject) {
-    be.matmul(w.inject, normed, *inject);
-    be.unary(*inject, Act::kSigmoid, inv_c, 2.f, *inject);
-  }
 }
 
 }  // namespace turbospark

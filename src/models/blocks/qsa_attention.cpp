@@ -10,8 +10,12 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
   const int id = qp.head_dim;
   // Queries normed and rotated at their positions; keys stored raw (pooled, normed and
   // rotated per complete block inside qsa_select).
+  // The indexer's and the attention's projections of x in one call (one launch at decode);
+  // qsa_attention reads q_gate, k and v from the scratch.
   Mat iqk = s.index_qk.rows_slice(0, rows);
-  be.matmul(w.index_qk, x, iqk);
+  const Weight* proj[] = {&w.index_qk, &w.q_gate, &w.k, &w.v};
+  const Mat proj_out[] = {iqk, s.q_gate.rows_slice(0, rows), s.k.rows_slice(0, rows), s.v.rows_slice(0, rows)};
+  be.matmul_shared_input(proj, x, proj_out);
   Mat iq = iqk.cols_slice(0, int64_t(qp.n_heads) * id);
   Mat ik = iqk.cols_slice(int64_t(qp.n_heads) * id, id);
   Mat iq_rows = s.index_q.rows_slice(0, rows);
@@ -49,10 +53,7 @@ void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, c
   const int hd = p.head_dim;
   Mat qg = s.q_gate.rows_slice(0, rows), q = s.q.rows_slice(0, rows), gate = s.gate.rows_slice(0, rows);
   Mat k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows), attn = s.attn.rows_slice(0, rows);
-  be.matmul(w.q_gate, x, qg);
-  be.split_heads(qg, p.n_heads, hd, q, gate);
-  be.matmul(w.k, x, k);
-  be.matmul(w.v, x, v);
+  be.split_heads(qg, p.n_heads, hd, q, gate);  // qg, k and v: projected by qsa_index
   be.rmsnorm(Mat(q.data, rows * p.n_heads, hd), w.q_norm.data(), p.norm_eps, Mat(q.data, rows * p.n_heads, hd), 1.f);
   be.rmsnorm(Mat(k.data, rows * p.n_kv_heads, hd), w.k_norm.data(), p.norm_eps, Mat(k.data, rows * p.n_kv_heads, hd), 1.f);
   be.rope(q, p.n_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);

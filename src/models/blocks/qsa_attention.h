@@ -45,11 +45,13 @@ struct QsaScratch {
 };
 
 // The indexer: fills s.selected / s.counts for every row of x; `runs` cover x's rows, each
-// selecting from (and adding its keys to) its sequence's key tables.
+// selecting from (and adding its keys to) its sequence's key tables. It also projects x into
+// s.q_gate, s.k and s.v for qsa_attention (all four projections share one GEMV launch at decode).
 void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w, const Mat& x,
                const int64_t* positions, std::span<const StateRows<const QsaState>> runs, QsaScratch& s);
 
-// The gated attention over the positions qsa_index selected.
+// The gated attention over the positions qsa_index selected, from the q_gate, k and v it
+// projected (x: the same rows qsa_index was given).
 void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, const QsaAttentionWeights& w,
                    const Mat& x, const int64_t* positions, const KvLayerView& kv, QsaScratch& s, const Mat& out);
 

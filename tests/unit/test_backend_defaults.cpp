@@ -1,0 +1,84 @@
+// Backend's default compositions (ops/backend.h) on the CPU backend: matmul_shared_input with
+// activations is each matmul followed by unary, and rmsnorm_groups is one rmsnorm per column
+// range with its slice of the weight; the CUDA backend's fused forms are held to these
+// (tests/device).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "ops/backend.h"
+
+namespace turbospark {
+namespace {
+
+std::vector<float> randoms(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-2.f, 2.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+Weight f32_weight(std::vector<float>& data, int64_t rows, int64_t cols) {
+  Weight w;
+  w.view.dtype = DType::F32;
+  w.view.data = data.data();
+  w.view.rows = rows;
+  w.view.cols = cols;
+  w.view.row_bytes = cols * 4;
+  return w;
+}
+
+TEST(BackendDefaults, SharedInputActivationsAreMatmulThenUnary) {
+  auto be = make_cpu_backend(2);
+  const int64_t rows = 3, in = 40;
+  std::vector<float> x = randoms(size_t(rows * in), 1);
+  std::vector<float> w0 = randoms(size_t(9 * in), 2), w1 = randoms(size_t(5 * in), 3), w2 = randoms(size_t(7 * in), 4);
+  const Weight ws[] = {f32_weight(w0, 9, in), f32_weight(w1, 5, in), f32_weight(w2, 7, in)};
+  const Weight* wp[] = {&ws[0], &ws[1], &ws[2]};
+  const MatmulAct acts[] = {{Act::kSilu, 0.25f, 1.f}, {}, {Act::kSigmoid, 0.5f, 2.f}};
+  std::vector<float> y[3], want[3];
+  Mat ys[3];
+  for (int i = 0; i < 3; ++i) {
+    y[i].assign(size_t(rows * ws[i].view.rows), 0.f);
+    want[i] = y[i];
+    ys[i] = Mat(y[i].data(), rows, ws[i].view.rows);
+  }
+  const Mat xm(x.data(), rows, in);
+  be->matmul_shared_input(wp, xm, ys, acts);
+  for (int i = 0; i < 3; ++i) {
+    const Mat wm(want[i].data(), rows, ws[i].view.rows);
+    be->matmul(ws[i], xm, wm);
+    if (!acts[i].is_identity()) be->unary(wm, acts[i].act, acts[i].pre, acts[i].post, wm);
+    EXPECT_EQ(y[i], want[i]) << "job " << i;
+  }
+  // The activations did apply: silu(v / 4) differs from v.
+  std::vector<float> plain(y[0].size());
+  be->matmul(ws[0], xm, Mat(plain.data(), rows, 9));
+  EXPECT_NE(plain, y[0]);
+}
+
+TEST(BackendDefaults, RmsnormGroupsNormsEachRangeWithItsWeights) {
+  auto be = make_cpu_backend(1);
+  const int64_t rows = 2, cols = 6, groups = 3, width = cols * groups, stride = width + 2;
+  std::vector<float> x = randoms(size_t(rows * stride), 5), w = randoms(size_t(width), 6);
+  std::vector<float> y(x.size(), -7.f), want(x.size(), -7.f);
+  be->rmsnorm_groups(Mat(x.data(), rows, width, stride), w.data(), int(groups), 1e-6f, Mat(y.data(), rows, width, stride),
+                     1.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xr = x.data() + r * stride + g * cols;
+      double ss = 0;
+      for (int64_t c = 0; c < cols; ++c) ss += double(xr[c]) * xr[c];
+      const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+      for (int64_t c = 0; c < cols; ++c) want[size_t(r * stride + g * cols + c)] = float(xr[c] * inv * (w[size_t(g * cols + c)] + 1.0));
+    }
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], want[i], 1e-5f * (1.f + std::fabs(want[i]))) << i;
+  EXPECT_THROW(be->rmsnorm_groups(Mat(x.data(), rows, 7), w.data(), 3, 1e-6f, Mat(y.data(), rows, 7)), Error);
+}
+
+}  // namespace
+}  // namespace turbospark
