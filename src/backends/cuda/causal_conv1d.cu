@@ -32,15 +32,16 @@ __device__ __forceinline__ float history(const float* in, int64_t in_stride, con
 // The state moved by one thread per channel (see above).
 __device__ __forceinline__ void move_state(const float* __restrict__ in, int64_t in_stride, float* state,
                                            int64_t state_stride, int64_t span, int64_t rows, int c) {
-  for (int64_t r = 0; r < span; ++r) state[r * state_stride + c] = history(in, in_stride, state, state_stride, span, rows + r, c);
+  for (int64_t r = 0; r < span; ++r)
+    state[r * state_stride + c] = history(in, in_stride, state, state_stride, span, rows + r, c);
 }
 
 // kMoveState: one tile of rows (gridDim.y == 1), the state moved after the outputs.
 template <bool kMoveState>
 __global__ void __launch_bounds__(kChannelThreads)
     conv_out_kernel(const float* __restrict__ in, int64_t in_stride, const float* __restrict__ w, int kernel,
-                    int dilation, float* state, int64_t state_stride, Act act, float* out,
-                    int64_t out_stride, int64_t rows, int channels) {
+                    int dilation, float* state, int64_t state_stride, Act act, float* out, int64_t out_stride,
+                    int64_t rows, int channels) {
   pdl_begin();
   const int c = blockIdx.x * kChannelThreads + threadIdx.x;
   if (c >= channels) return;

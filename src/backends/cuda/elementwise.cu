@@ -196,7 +196,7 @@ void split_heads(const Mat& ab, int n_heads, int head_dim, const Mat& a, const M
   // One thread per column of a (and of b): 1 read-pair and 2 writes, coalesced along columns.
   const Launch l = launch_shape(ab.rows, width);
   launch(split_heads_kernel, l.grid, l.block, 0, stream, ab.data, ab.stride, head_dim, int(width), a.data, a.stride,
-                                                     b.data, b.stride, ab.rows);
+         b.data, b.stride, ab.rows);
   TS_CUDA_LAUNCH_CHECK("split_heads [{}, {}] heads {} head_dim {}", ab.rows, ab.cols, n_heads, head_dim);
 }
 

@@ -332,8 +332,9 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
                                          int(smem)),
                     "gated_delta_rule (chunked): {} bytes of shared memory", smem);
       const dim3 chunk_grid(unsigned(ceil_div(dv, kTileV)), unsigned(n_v_heads));
-      launch(gated_delta_chunk_kernel, chunk_grid, kChunkThreads, smem, stream, qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias, heads, dk, dv, key_dim,
-          state.data, state.stride, out.data, out.stride, qkv.rows, chunk);
+      launch(gated_delta_chunk_kernel, chunk_grid, kChunkThreads, smem, stream, qkv.data, qkv.stride, a.data, a.stride,
+             b.data, b.stride, a_log, dt_bias, heads, dk, dv, key_dim, state.data, state.stride, out.data, out.stride,
+             qkv.rows, chunk);
       TS_CUDA_LAUNCH_CHECK("gated_delta_rule (chunks of {}) rows {} heads {}/{} dk {} dv {}", chunk, qkv.rows,
                            n_k_heads, n_v_heads, dk, dv);
       return;
@@ -342,8 +343,7 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
   const dim3 grid(unsigned(ceil_div(dv, kColumns)), unsigned(n_v_heads));
   auto run = [&](auto kernel) {
     launch(kernel, grid, kThreads, 0, stream, qkv.data, qkv.stride, a.data, a.stride, b.data, b.stride, a_log, dt_bias,
-                                          heads, dk, dv, key_dim, state.data, state.stride, out.data, out.stride,
-                                          qkv.rows);
+           heads, dk, dv, key_dim, state.data, state.stride, out.data, out.stride, qkv.rows);
   };
   // Registers per thread: kPer state values. The smallest instance that holds dk.
   const int per = ceil_div(dk, kParts);

@@ -77,7 +77,8 @@ void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixe
            normed.rows, normed.cols, mixed.rows, H, n_streams);
   check_rows("hc_mix", mixed.rows);
   if (mixed.rows == 0 || H == 0) return;
-  launch(hc_mix_kernel, dim3(unsigned(ceil_div(H, kThreads)), unsigned(mixed.rows)), kThreads, 0, stream, weight.data, weight.stride, normed.data, normed.stride, n_streams, mixed.data, mixed.stride, int(H));
+  launch(hc_mix_kernel, dim3(unsigned(ceil_div(H, kThreads)), unsigned(mixed.rows)), kThreads, 0, stream, weight.data,
+         weight.stride, normed.data, normed.stride, n_streams, mixed.data, mixed.stride, int(H));
   TS_CUDA_LAUNCH_CHECK("hc_mix [{}, {}] streams {}", mixed.rows, H, n_streams);
 }
 
@@ -89,7 +90,9 @@ void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_s
            branch.rows, H, inject.rows, inject.cols, n_streams);
   check_rows("hc_inject", streams.rows);
   if (streams.rows == 0 || H == 0) return;
-  launch(hc_inject_kernel, dim3(unsigned(ceil_div(n_streams * H, kThreads)), unsigned(streams.rows)), kThreads, 0, stream, streams.data, streams.stride, branch.data, branch.stride, inject.data, inject.stride, n_streams, int(H));
+  launch(hc_inject_kernel, dim3(unsigned(ceil_div(n_streams * H, kThreads)), unsigned(streams.rows)), kThreads, 0,
+         stream, streams.data, streams.stride, branch.data, branch.stride, inject.data, inject.stride, n_streams,
+         int(H));
   TS_CUDA_LAUNCH_CHECK("hc_inject [{}, {}] streams {}", streams.rows, H, n_streams);
 }
 
@@ -103,7 +106,8 @@ void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams,
   TS_CHECK(out.data != value.data, "ple_gate: out may not alias value on CUDA");
   TS_CHECK(value.rows <= 0x7fffffff && n_streams <= 65535, "ple_gate: {} rows, {} streams", value.rows, n_streams);
   if (value.rows == 0 || H == 0) return;
-  launch(ple_gate_kernel, dim3(unsigned(value.rows), unsigned(n_streams)), kThreads, 0, stream, key.data, key.stride, query.data, query.stride, value.data, value.stride, out.data, out.stride, int(H));
+  launch(ple_gate_kernel, dim3(unsigned(value.rows), unsigned(n_streams)), kThreads, 0, stream, key.data, key.stride,
+         query.data, query.stride, value.data, value.stride, out.data, out.stride, int(H));
   TS_CUDA_LAUNCH_CHECK("ple_gate [{}, {}] streams {}", value.rows, H, n_streams);
 }
 

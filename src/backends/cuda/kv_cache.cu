@@ -77,13 +77,13 @@ void kv_write(const KvLayerView& kv, const Mat& k, const Mat& v, const int64_t* 
   const int ty = kThreads / tx;
   const dim3 grid(unsigned((units + tx - 1) / tx), unsigned(std::min<int64_t>((k.rows + ty - 1) / ty, 65535)));
   if (vec) {
-    launch(kv_write_kernel<true>, grid, dim3(tx, ty), 0, stream, static_cast<uint16_t*>(kv.k), static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq,
-                                                             kv.block_size, int(width), k.data, k.stride, v.data,
-                                                             v.stride, positions, k.rows);
+    launch(kv_write_kernel<true>, grid, dim3(tx, ty), 0, stream, static_cast<uint16_t*>(kv.k),
+           static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq, kv.block_size, int(width), k.data,
+           k.stride, v.data, v.stride, positions, k.rows);
   } else {
-    launch(kv_write_kernel<false>, grid, dim3(tx, ty), 0, stream, static_cast<uint16_t*>(kv.k), static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq,
-                                                              kv.block_size, int(width), k.data, k.stride, v.data,
-                                                              v.stride, positions, k.rows);
+    launch(kv_write_kernel<false>, grid, dim3(tx, ty), 0, stream, static_cast<uint16_t*>(kv.k),
+           static_cast<uint16_t*>(kv.v), kv.block_table, kv.max_blocks, kv.row_seq, kv.block_size, int(width), k.data,
+           k.stride, v.data, v.stride, positions, k.rows);
   }
   TS_CUDA_LAUNCH_CHECK("kv_write rows {} kv_heads {} head_dim {} block_size {}", k.rows, kv.n_kv_heads, kv.head_dim,
                        kv.block_size);

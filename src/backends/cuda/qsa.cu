@@ -433,11 +433,12 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
   TS_CHECK(n <= 0x7fffffff, "qsa_select: {} rows", n);
   if (n == 0) return;
   launch(qsa_store_kernel, unsigned(n), kThreads, 0, stream, raw_keys.data, raw_keys.stride, positions,
-                                                         qsa.raw_keys.data, qsa.raw_keys.stride, d);
+         qsa.raw_keys.data, qsa.raw_keys.stride, d);
   TS_CUDA_LAUNCH_CHECK("qsa_select store [{}, {}]", n, d);
   const int64_t max_complete = (n + r - 1) / r + 1;
-  launch(qsa_complete_kernel, unsigned(max_complete), kThreads, size_t(d) * 4, stream, qsa.raw_keys.data, qsa.raw_keys.stride, positions, n, r, qsa.k_norm, qsa.inv_freq, qsa.rotary_dim, qsa.eps,
-      qsa.block_keys.data, qsa.block_keys.stride, d);
+  launch(qsa_complete_kernel, unsigned(max_complete), kThreads, size_t(d) * 4, stream, qsa.raw_keys.data,
+         qsa.raw_keys.stride, positions, n, r, qsa.k_norm, qsa.inv_freq, qsa.rotary_dim, qsa.eps, qsa.block_keys.data,
+         qsa.block_keys.stride, d);
   TS_CUDA_LAUNCH_CHECK("qsa_select complete {} blocks of {} x {}", max_complete, r, d);
   // Every row sees at most block_keys.rows complete blocks (the table's length). Steps of a few
   // rows (decode) score them across the GPU into `spill`, a row each, then select a CTA per row;
@@ -453,13 +454,14 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
     allow_smem(qsa_score_kernel, q_bytes, "qsa_select scoring (a row's index q)");
     const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>(ceil_div(qsa.block_keys.rows, kScoreKeysPerCta),
                                                                     kSpillBlocks / n));
-    launch(qsa_score_kernel, dim3(unsigned(per_row), unsigned(n)), kSelectThreads, q_bytes, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, buf,
-        qsa.block_keys.rows, qsa.nan_score);
+    launch(qsa_score_kernel, dim3(unsigned(per_row), unsigned(n)), kSelectThreads, q_bytes, stream, index_q.data,
+           index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, buf,
+           qsa.block_keys.rows, qsa.nan_score);
     TS_CUDA_LAUNCH_CHECK("qsa_select scores rows {} heads {} dim {} blocks up to {}", n, qsa.n_heads, d,
                          qsa.block_keys.rows);
-    launch(qsa_select_kernel, unsigned(n), kSelectThreads, 0, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
-        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, true, serial,
-        threshold_rows);
+    launch(qsa_select_kernel, unsigned(n), kSelectThreads, 0, stream, index_q.data, index_q.stride, positions,
+           qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, qsa.block_topk, selected, counts,
+           max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, true, serial, threshold_rows);
     TS_CUDA_LAUNCH_CHECK("qsa_select rows {} (split scoring)", n);
     return;
   }
@@ -471,16 +473,17 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
   const bool fits = smem + attr.sharedSizeBytes <= size_t(limit);
   if (scores == QsaScores::kShared || (scores == QsaScores::kAuto && fits)) {
     allow_smem(qsa_select_kernel, smem, "qsa_select (scores of max_context / ratio key blocks)");
-    launch(qsa_select_kernel, unsigned(n), kSelectThreads, smem, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
-        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, nullptr, 0, false, serial, threshold_rows);
+    launch(qsa_select_kernel, unsigned(n), kSelectThreads, smem, stream, index_q.data, index_q.stride, positions,
+           qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, qsa.block_topk, selected, counts,
+           max_selected, qsa.nan_score, n, nullptr, 0, false, serial, threshold_rows);
   } else {
     TS_CHECK(spill, "qsa_select: {} key blocks' scores ({} bytes) exceed shared memory and no spill buffer was given",
              qsa.block_keys.rows, smem);
     const int64_t grid = std::min<int64_t>(n, kSpillBlocks);
     auto* buf = static_cast<ScoredIndex*>(spill->get(size_t(grid) * smem, stream, "qsa scores"));
-    launch(qsa_select_kernel, unsigned(grid), kSelectThreads, 0, stream, index_q.data, index_q.stride, positions, qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r,
-        qsa.block_topk, selected, counts, max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, false, serial,
-        threshold_rows);
+    launch(qsa_select_kernel, unsigned(grid), kSelectThreads, 0, stream, index_q.data, index_q.stride, positions,
+           qsa.block_keys.data, qsa.block_keys.stride, qsa.n_heads, d, r, qsa.block_topk, selected, counts,
+           max_selected, qsa.nan_score, n, buf, qsa.block_keys.rows, false, serial, threshold_rows);
   }
   TS_CUDA_LAUNCH_CHECK("qsa_select rows {} heads {} dim {} blocks up to {}", n, qsa.n_heads, d, qsa.block_keys.rows);
 }
@@ -507,17 +510,20 @@ void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float 
     TS_CHECK(n_splits <= 65535, "attention_selected: {} pieces of {} keys", n_splits, kSplitKeys);
     const size_t split_smem = (size_t(kv.head_dim) + kSplitKeys) * 4;
     allow_smem(attention_selected_split_kernel, split_smem, "attention_selected (a piece's query and weights)");
-    launch(attention_selected_split_kernel, dim3(unsigned(q.rows), unsigned(n_heads), unsigned(n_splits)), kThreads, split_smem, stream, q.data, q.stride, paged_kv(kv), n_heads, scale, selected,
-                                                            counts, max_selected, n_splits, scratch);
+    launch(attention_selected_split_kernel, dim3(unsigned(q.rows), unsigned(n_heads), unsigned(n_splits)), kThreads,
+           split_smem, stream, q.data, q.stride, paged_kv(kv), n_heads, scale, selected, counts, max_selected, n_splits,
+           scratch);
     TS_CUDA_LAUNCH_CHECK("attention_selected pieces rows {} heads {} head dim {} pieces {}", q.rows, n_heads,
                          kv.head_dim, n_splits);
-    launch(attention_selected_combine_kernel, dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, 0, stream, scratch, n_heads, kv.head_dim, n_splits, out.data, out.stride);
+    launch(attention_selected_combine_kernel, dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, 0, stream, scratch,
+           n_heads, kv.head_dim, n_splits, out.data, out.stride);
     TS_CUDA_LAUNCH_CHECK("attention_selected combine rows {} heads {} pieces {}", q.rows, n_heads, n_splits);
     return;
   }
   const size_t smem = (size_t(kv.head_dim) + size_t(max_selected)) * 4;
   allow_smem(attention_selected_kernel, smem, "attention_selected (the selection's weights)");
-  launch(attention_selected_kernel, dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, smem, stream, q.data, q.stride, paged_kv(kv), n_heads, scale, selected, counts, max_selected, out.data, out.stride);
+  launch(attention_selected_kernel, dim3(unsigned(q.rows), unsigned(n_heads)), kThreads, smem, stream, q.data, q.stride,
+         paged_kv(kv), n_heads, scale, selected, counts, max_selected, out.data, out.stride);
   TS_CUDA_LAUNCH_CHECK("attention_selected rows {} heads {} head dim {} selected {}", q.rows, n_heads, kv.head_dim,
                        max_selected);
 }

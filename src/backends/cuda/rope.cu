@@ -52,7 +52,8 @@ void rope(const Mat& x, int n_heads, int head_dim, int rotary_dim, const int64_t
   if (x.rows == 0 || rotary_dim == 0) return;
   TS_CHECK(x.rows <= 0x7fffffff, "rope: {} rows", x.rows);
   // Block per row, 32 x 8 threads: a row of 32 heads x 64 pairs is 8 passes of 256 threads.
-  launch(rope_kernel, int(x.rows), dim3(kPairThreads, kHeadThreads), 0, stream, x.data, x.stride, n_heads, head_dim, rotary_dim / 2, positions, inv_freq, attention_factor);
+  launch(rope_kernel, int(x.rows), dim3(kPairThreads, kHeadThreads), 0, stream, x.data, x.stride, n_heads, head_dim,
+         rotary_dim / 2, positions, inv_freq, attention_factor);
   TS_CUDA_LAUNCH_CHECK("rope [{}, {}] heads {} head_dim {} rotary_dim {}", x.rows, x.cols, n_heads, head_dim,
                        rotary_dim);
 }
