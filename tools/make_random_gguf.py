@@ -207,6 +207,9 @@ def main():
     ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
     ap.add_argument("--type", default="q4_0", choices=["q4_0", "q4_k", "q8_0"])
     ap.add_argument("--layers", type=int, default=0, help="override the preset's depth")
+    ap.add_argument("--hidden", type=int, default=0,
+                    help="override the preset's hidden size (a multiple of 32; qwen4exp-flash-next: 2048, the "
+                         "reference config's; 2560 is the width the CUDA issue names)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--router-skew", type=float, default=0.0,
                     help="MoE: skew expert popularity by S logit spreads (default 0: near uniform; see above)")
@@ -218,6 +221,10 @@ def main():
     s = dict(PRESETS[args.preset])
     if args.layers:
         s["layers"] = args.layers
+    if args.hidden:
+        if args.hidden <= 0 or args.hidden % 32:
+            sys.exit(f"make_random_gguf: --hidden must be a positive multiple of 32, got {args.hidden}")
+        s["hidden"] = args.hidden
     qtype = gguf.GGMLQuantizationType[args.type.upper()]
     moe = s["experts"] > 0
     skew = args.router_skew
