@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,15 @@ inline bool bitwise_equal(const std::vector<float>& a, const std::vector<float>&
 }
 
 inline nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_text_file(path)); }
+
+// n floats drawn uniformly from [lo, hi) by a Mersenne twister seeded with seed.
+inline std::vector<float> uniform_floats(size_t n, uint32_t seed, float lo = -2.f, float hi = 2.f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
 
 // True when none of the n values is a NaN or an infinity.
 inline bool all_finite(const float* a, size_t n) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "test_util.h"
 
 namespace turbospark::testing {
 
@@ -86,11 +87,7 @@ class DeviceBuffer {
 };
 
 inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.f, float hi = 1.f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
+  return uniform_floats(n, seed, lo, hi);
 }
 
 inline std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {

@@ -10,17 +10,12 @@
 #include <vector>
 
 #include "ops/backend.h"
+#include "test_util.h"
 
 namespace turbospark {
 namespace {
 
-std::vector<float> randoms(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(-2.f, 2.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
+std::vector<float> randoms(size_t n, uint32_t seed) { return testing::uniform_floats(n, seed); }
 
 Weight f32_weight(std::vector<float>& data, int64_t rows, int64_t cols) {
   Weight w;

@@ -20,18 +20,13 @@
 #include "core/quant.h"
 #include "core/thread_pool.h"
 #include "ops/backend.h"
+#include "test_util.h"
 #include "unit/mxfp4_matrix.h"
 
 namespace turbospark {
 namespace {
 
-std::vector<float> randoms(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(-2.f, 2.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
+std::vector<float> randoms(size_t n, uint32_t seed) { return testing::uniform_floats(n, seed); }
 
 float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
