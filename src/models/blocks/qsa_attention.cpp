@@ -8,14 +8,14 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
                const int64_t* positions, std::span<const StateRows<const QsaState>> runs, QsaScratch& s) {
   const int64_t rows = x.rows;
   const int id = qp.head_dim;
-  // Queries normed and rotated at their positions; keys stored raw (pooled, normed and
-  // rotated per complete block inside qsa_select).
   // The indexer's and the attention's projections of x in one call (one launch at decode);
   // qsa_attention reads q_gate, k and v from the scratch.
   Mat iqk = s.index_qk.rows_slice(0, rows);
   const Weight* proj[] = {&w.index_qk, &w.q_gate, &w.k, &w.v};
   const Mat proj_out[] = {iqk, s.q_gate.rows_slice(0, rows), s.k.rows_slice(0, rows), s.v.rows_slice(0, rows)};
   be.matmul_shared_input(proj, x, proj_out);
+  // Queries normed and rotated at their positions; keys stored raw (pooled, normed and
+  // rotated per complete block inside qsa_select).
   Mat iq = iqk.cols_slice(0, int64_t(qp.n_heads) * id);
   Mat ik = iqk.cols_slice(int64_t(qp.n_heads) * id, id);
   Mat iq_rows = s.index_q.rows_slice(0, rows);
