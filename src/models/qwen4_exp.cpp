@@ -661,10 +661,8 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     Mat shared = ws.shared_out.rows_slice(0, n), gate = ws.shared_gate.rows_slice(0, n);
     dense_mlp(be, L.shared, mixed, ws.ffn, shared);
     be.matmul(L.shared_gate, mixed, gate);
-    be.mul_act(shared, gate, Act::kSigmoid);
-    be.add(branch, shared);
+    be.hc_inject_gated(streams, branch, shared, gate, inject, C);  // branch += shared * sigmoid(gate), injected
     trace("moe", i, branch);
-    be.hc_inject(streams, branch, inject, C);
     trace("hyper_connection", i, streams);
   }
   Mat last_streams = b.all_logits ? streams : streams.rows_slice(n - 1, 1);

@@ -354,6 +354,24 @@ class Backend {
     for (int g = 0; g < groups; ++g)
       rmsnorm(x.cols_slice(g * w, w), weight + g * w, eps, y.cols_slice(g * w, w), weight_offset);
   }
+  // y = rmsnorm(x) * act(gate) over each of a row's `groups` equal column ranges, one weight
+  // [x.cols / groups] for every range (GatedDeltaNet's gated norm per value head); y may alias
+  // x. The default: rmsnorm over the ranges (offset 0), then mul_act; one launch on a GPU.
+  virtual void rmsnorm_gated(const Mat& x, const float* weight, int groups, float eps, const Mat& gate, Act act,
+                             const Mat& y) {
+    TS_CHECK(groups > 0 && x.cols % groups == 0 && y.cols == x.cols && y.rows == x.rows && gate.cols == x.cols &&
+                 gate.rows == x.rows,
+             "rmsnorm_gated: x [{}, {}] in {} groups, gate [{}, {}], y [{}, {}]", x.rows, x.cols, groups, gate.rows,
+             gate.cols, y.rows, y.cols);
+    const int64_t w = x.cols / groups;
+    // The ranges as rows of their own: one view when the rows are contiguous, else one per row.
+    const bool dense = x.stride == x.cols && y.stride == y.cols;
+    for (int64_t r = 0; r < (dense ? 1 : x.rows); ++r) {
+      const int64_t n = (dense ? x.rows : 1) * groups;
+      rmsnorm(Mat(x.data + r * x.stride, n, w), weight, eps, Mat(y.data + r * y.stride, n, w));
+    }
+    mul_act(y, gate, act);
+  }
   // x += residual, then y = rmsnorm(x): a decoder's residual add and the next norm, one launch on
   // a GPU backend. The default runs add then rmsnorm.
   virtual void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y,
@@ -455,6 +473,15 @@ class Backend {
   // `hidden` each, and streams[t, c] += inject[t, c] * branch[t].
   virtual void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) = 0;
   virtual void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams) = 0;
+  // A MoE's gated shared expert joined to its routed output, then injected: shared *=
+  // sigmoid(shared_gate) ([rows, 1]), branch += shared, hc_inject(streams, branch, inject). The
+  // default runs those three ops; a GPU backend one launch (every Qwen4-Exp layer ends so).
+  virtual void hc_inject_gated(const Mat& streams, const Mat& branch, const Mat& shared, const Mat& shared_gate,
+                               const Mat& inject, int n_streams) {
+    mul_act(shared, shared_gate, Act::kSigmoid);
+    add(branch, shared);
+    hc_inject(streams, branch, inject, n_streams);
+  }
   // PLE gate: g_c = sum(key_c * query_c) / sqrt(hidden), s = sign(g) sqrt(max(|g|, 1e-6)),
   // out_c = sigmoid(s) * value, for each of the C streams.
   virtual void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out) = 0;

@@ -178,6 +178,15 @@ TEST(CudaHybridOps, HyperConnectionMixInjectAndPleGate) {
         cuda::hc_inject(streams.d(), branch.d(), inject.d(), C, stream());
         EXPECT_LT(normalized_error(streams.dev_dense(), streams.host_dense()), 1e-6) << "hc_inject";
 
+        // hc_inject_gated: the shared expert scaled in place, added to branch, the sum injected;
+        // all three outputs against the CPU's mul_act, add and hc_inject.
+        Strided shared(rows, H, 1, 41), sgate(rows, 1, 2, 42, -4.f, 4.f);
+        cpu().hc_inject_gated(streams.h(), branch.h(), shared.h(), sgate.h(), inject.h(), C);
+        cuda::hc_inject_gated(streams.d(), branch.d(), shared.d(), sgate.d(), inject.d(), C, stream());
+        EXPECT_LT(normalized_error(shared.dev_dense(), shared.host_dense()), 1e-6) << "hc_inject_gated shared";
+        EXPECT_LT(normalized_error(branch.dev_dense(), branch.host_dense()), 1e-6) << "hc_inject_gated branch";
+        EXPECT_LT(normalized_error(streams.dev_dense(), streams.host_dense()), 1e-6) << "hc_inject_gated streams";
+
         // Scaled keys: some gates near 0 (the sqrt(max(|g|, 1e-6)) floor), some large.
         Strided key(rows, C * H, 1, 37, -3.f, 3.f), query(rows, C * H, 0, 38, -3.f, 3.f), value(rows, H, 2, 39);
         Strided out(rows, C * H, 3, 40);

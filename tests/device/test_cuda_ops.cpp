@@ -110,6 +110,37 @@ TEST(CudaOps, RmsNormGroups) {
         }
 }
 
+// rmsnorm_gated (GatedDeltaNet's gated norm per value head): one weight for every range, times
+// act(gate), against the CPU's rmsnorm over the ranges then mul_act; both activations the
+// family uses, strided and dense rows (the CPU default takes one view or one per row), in place.
+TEST(CudaOps, RmsNormGated) {
+  REQUIRE_GPU();
+  for (int64_t rows : {int64_t(1), int64_t(3), int64_t(17)})
+    for (int groups : {1, 4, 32})
+      for (int64_t cols : {int64_t(7), int64_t(128), int64_t(1030)})
+        for (int64_t pad : kPads)
+          for (Act act : {Act::kSigmoid, Act::kSilu}) {
+            const int64_t width = cols * groups;
+            SCOPED_TRACE(shape(rows, width, pad) + " groups " + std::to_string(groups) + " act " +
+                         std::to_string(int(act)));
+            Strided x(rows, width, pad, 8 + uint32_t(width), -2.f, 2.f);
+            Strided gate(rows, width, pad ? pad + 1 : 0, 9, -4.f, 4.f);
+            Strided y(rows, width, pad, 10);
+            const std::vector<float> w = random_floats(size_t(cols), 11, -0.5f, 1.5f);
+            DeviceBuffer<float> dw(w);
+            cpu().rmsnorm_gated(x.h(), w.data(), groups, 1e-6f, gate.h(), act, y.h());
+            y.poison();
+            cuda::rmsnorm_gated(x.d(), dw.get(), groups, 1e-6f, gate.d(), act, y.d(), stream());
+            EXPECT_LT(normalized_error(y.dev_dense(), y.host_dense()), 1e-6);
+            if (pad) {
+              EXPECT_TRUE(y.dev_pads_poisoned());
+            }
+            cpu().rmsnorm_gated(x.h(), w.data(), groups, 1e-6f, gate.h(), act, x.h());
+            cuda::rmsnorm_gated(x.d(), dw.get(), groups, 1e-6f, gate.d(), act, x.d(), stream());
+            EXPECT_LT(normalized_error(x.dev_dense(), x.host_dense()), 1e-6);
+          }
+}
+
 // ---------------- elementwise ----------------
 
 TEST(CudaOps, AddAndBias) {

@@ -75,5 +75,52 @@ TEST(BackendDefaults, RmsnormGroupsNormsEachRangeWithItsWeights) {
   EXPECT_THROW(be->rmsnorm_groups(Mat(x.data(), rows, 7), w.data(), 3, 1e-6f, Mat(y.data(), rows, 7)), Error);
 }
 
+TEST(BackendDefaults, RmsnormGatedIsRangeNormsTimesTheActivatedGate) {
+  auto be = make_cpu_backend(1);
+  const int64_t rows = 2, cols = 5, groups = 3, width = cols * groups;
+  for (int64_t stride : {width, width + 3}) {  // one view of all ranges, or one per row
+    std::vector<float> x = randoms(size_t(rows * stride), 7), g = randoms(size_t(rows * stride), 8),
+                       w = randoms(size_t(cols), 9);
+    std::vector<float> y(x.size(), -7.f);
+    be->rmsnorm_gated(Mat(x.data(), rows, width, stride), w.data(), int(groups), 1e-6f, Mat(g.data(), rows, width, stride),
+                      Act::kSigmoid, Mat(y.data(), rows, width, stride));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < groups; ++k) {
+        const float* xr = x.data() + r * stride + k * cols;
+        double ss = 0;
+        for (int64_t c = 0; c < cols; ++c) ss += double(xr[c]) * xr[c];
+        const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+        for (int64_t c = 0; c < cols; ++c) {
+          const size_t at = size_t(r * stride + k * cols + c);
+          const double want = xr[c] * inv * w[size_t(c)] / (1.0 + std::exp(-double(g[at])));
+          EXPECT_NEAR(y[at], want, 1e-5 * (1.0 + std::fabs(want))) << r << " " << k << " " << c;
+        }
+      }
+    for (int64_t r = 0; r < rows; ++r)  // the padding untouched
+      for (int64_t c = width; c < stride; ++c) EXPECT_EQ(y[size_t(r * stride + c)], -7.f);
+  }
+}
+
+TEST(BackendDefaults, HcInjectGatedJoinsTheSharedExpertThenInjects) {
+  auto be = make_cpu_backend(1);
+  const int64_t rows = 2, H = 6, C = 3;
+  std::vector<float> streams = randoms(size_t(rows * C * H), 10), branch = randoms(size_t(rows * H), 11),
+                     shared = randoms(size_t(rows * H), 12), gate = randoms(size_t(rows), 13),
+                     inject = randoms(size_t(rows * C), 14);
+  std::vector<float> want_streams = streams;
+  std::vector<float> want_branch(branch.size());
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < H; ++i) {
+      const float s = shared[size_t(t * H + i)] * (1.f / (1.f + std::exp(-gate[size_t(t)])));
+      const float b = branch[size_t(t * H + i)] + s;
+      want_branch[size_t(t * H + i)] = b;
+      for (int64_t c = 0; c < C; ++c) want_streams[size_t(t * C * H + c * H + i)] += b * inject[size_t(t * C + c)];
+    }
+  be->hc_inject_gated(Mat(streams.data(), rows, C * H), Mat(branch.data(), rows, H), Mat(shared.data(), rows, H),
+                      Mat(gate.data(), rows, 1), Mat(inject.data(), rows, C), int(C));
+  for (size_t i = 0; i < branch.size(); ++i) EXPECT_NEAR(branch[i], want_branch[i], 1e-5f) << i;
+  for (size_t i = 0; i < streams.size(); ++i) EXPECT_NEAR(streams[i], want_streams[i], 1e-5f) << i;
+}
+
 }  // namespace
 }  // namespace turbospark

@@ -403,6 +403,10 @@ class CudaBackend final : public Backend {
   void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float weight_offset) override {
     cuda::rmsnorm(x, weight, eps, y, weight_offset, stream_);
   }
+  void rmsnorm_gated(const Mat& x, const float* weight, int groups, float eps, const Mat& gate, Act act,
+                     const Mat& y) override {
+    cuda::rmsnorm_gated(x, weight, groups, eps, gate, act, y, stream_);
+  }
   void rmsnorm_groups(const Mat& x, const float* weight, int groups, float eps, const Mat& y,
                       float weight_offset = 0.f) override {
     cuda::rmsnorm_groups(x, weight, groups, eps, y, weight_offset, stream_);
@@ -488,6 +492,10 @@ class CudaBackend final : public Backend {
   }
   void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed) override {
     cuda::hc_mix(weight, normed, n_streams, mixed, stream_);
+  }
+  void hc_inject_gated(const Mat& streams, const Mat& branch, const Mat& shared, const Mat& shared_gate,
+                       const Mat& inject, int n_streams) override {
+    cuda::hc_inject_gated(streams, branch, shared, shared_gate, inject, n_streams, stream_);
   }
   void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams) override {
     cuda::hc_inject(streams, branch, inject, n_streams, stream_);

@@ -42,6 +42,26 @@ __global__ void __launch_bounds__(kThreads)
   streams[t * s_stride + col] += branch[t * b_stride + i] * inject[t * i_stride + c];
 }
 
+// s = shared[t, i] * sigmoid(gate[t]); b = branch[t, i] + s; streams[t, c*H + i] += b * inject[t, c]
+// for every c; shared and branch keep s and b (Backend::hc_inject_gated: mul_act, add and
+// hc_inject in that order, each product and sum rounded as those kernels round it). A thread
+// owns column i of a row, so nothing it reads is written by another thread.
+__global__ void __launch_bounds__(kThreads)
+    hc_inject_gated_kernel(float* streams, int64_t s_stride, float* branch, int64_t b_stride, float* shared,
+                           int64_t sh_stride, const float* __restrict__ gate, int64_t g_stride,
+                           const float* __restrict__ inject, int64_t i_stride, int n_streams, int hidden) {
+  pdl_begin();
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i >= hidden) return;
+  const int64_t t = blockIdx.y;
+  const float g = gate[t * g_stride];
+  const float sh = __fmul_rn(shared[t * sh_stride + i], 1.f / (1.f + expf(-g)));
+  const float b = __fadd_rn(branch[t * b_stride + i], sh);
+  shared[t * sh_stride + i] = sh;
+  branch[t * b_stride + i] = b;
+  for (int c = 0; c < n_streams; ++c) streams[t * s_stride + int64_t(c) * hidden + i] += b * inject[t * i_stride + c];
+}
+
 // g = dot(key_c, query_c) / sqrt(H); s = sign(g) sqrt(max(|g|, 1e-6)); out_c = sigmoid(s) value
 __global__ void __launch_bounds__(kThreads)
     ple_gate_kernel(const float* __restrict__ key, int64_t k_stride, const float* __restrict__ query,
@@ -94,6 +114,24 @@ void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_s
          stream, streams.data, streams.stride, branch.data, branch.stride, inject.data, inject.stride, n_streams,
          int(H));
   TS_CUDA_LAUNCH_CHECK("hc_inject [{}, {}] streams {}", streams.rows, H, n_streams);
+}
+
+void hc_inject_gated(const Mat& streams, const Mat& branch, const Mat& shared, const Mat& shared_gate,
+                     const Mat& inject, int n_streams, cudaStream_t stream) {
+  const int64_t H = branch.cols;
+  TS_CHECK(n_streams >= 1 && streams.cols >= n_streams * H && inject.cols >= n_streams && shared.cols == H &&
+               shared_gate.cols == 1 && branch.rows >= streams.rows && inject.rows >= streams.rows &&
+               shared.rows >= streams.rows && shared_gate.rows >= streams.rows,
+           "hc_inject_gated: streams [{}, {}], branch [{}, {}], shared [{}, {}], gate [{}, {}], inject [{}, {}], {} "
+           "streams",
+           streams.rows, streams.cols, branch.rows, H, shared.rows, shared.cols, shared_gate.rows, shared_gate.cols,
+           inject.rows, inject.cols, n_streams);
+  check_rows("hc_inject_gated", streams.rows);
+  if (streams.rows == 0 || H == 0) return;
+  launch(hc_inject_gated_kernel, dim3(unsigned(ceil_div(H, kThreads)), unsigned(streams.rows)), kThreads, 0, stream,
+         streams.data, streams.stride, branch.data, branch.stride, shared.data, shared.stride, shared_gate.data,
+         shared_gate.stride, inject.data, inject.stride, n_streams, int(H));
+  TS_CUDA_LAUNCH_CHECK("hc_inject_gated [{}, {}] streams {}", streams.rows, H, n_streams);
 }
 
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out, cudaStream_t stream) {

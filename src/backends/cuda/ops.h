@@ -28,6 +28,10 @@ void rmsnorm(const Mat& x, const float* weight, float eps, const Mat& y, float w
 // (one launch; Backend::rmsnorm_groups).
 void rmsnorm_groups(const Mat& x, const float* weight, int groups, float eps, const Mat& y, float weight_offset,
                     cudaStream_t stream);
+// rmsnorm of each of `groups` column ranges with one weight, times act(gate) (one launch;
+// Backend::rmsnorm_gated).
+void rmsnorm_gated(const Mat& x, const float* weight, int groups, float eps, const Mat& gate, Act act, const Mat& y,
+                   cudaStream_t stream);
 // x += residual, then y = rmsnorm(x) (one launch; Backend::add_rmsnorm).
 void add_rmsnorm(const Mat& x, const Mat& residual, const float* weight, float eps, const Mat& y, float weight_offset,
                  cudaStream_t stream);
@@ -89,6 +93,9 @@ void gated_delta_rule(const Mat& qkv, const Mat& a, const Mat& b, const float* a
                       const Mat& out, cudaStream_t stream, GdnForm form = GdnForm::kAuto);
 void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed, cudaStream_t stream);
 void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams, cudaStream_t stream);
+// Backend::hc_inject_gated in one launch.
+void hc_inject_gated(const Mat& streams, const Mat& branch, const Mat& shared, const Mat& shared_gate,
+                     const Mat& inject, int n_streams, cudaStream_t stream);
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out, cudaStream_t stream);
 // Where qsa_select keeps a row's block scores: shared memory when max_context / ratio blocks fit
 // (kAuto), else global memory from `spill`; kShared / kGlobal insist (for tests).

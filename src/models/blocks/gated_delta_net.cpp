@@ -40,10 +40,8 @@ void gated_delta_net(Backend& be, const GatedDeltaNetParams& p, const GatedDelta
                         w.dt_bias.data(), p.n_k_heads, p.n_v_heads, p.dk, p.dv, p.v_heads_tiled, r.state->recurrent,
                         core.rows_slice(r.first, r.rows));
   }
-  // Gated norm per value head: view [rows, nv*dv] as [rows*nv, dv] (rows are contiguous).
-  Mat heads(core.data, rows * p.n_v_heads, p.dv);
-  be.rmsnorm(heads, w.norm.data(), p.eps, heads);
-  be.mul_act(core, z, p.gate_act);
+  // Gated norm per value head.
+  be.rmsnorm_gated(core, w.norm.data(), p.n_v_heads, p.eps, z, p.gate_act, core);
   be.matmul(w.out, core, out);
 }
 

@@ -54,11 +54,19 @@ void qsa_attention(Backend& be, const AttentionParams& p, const QsaParams& qp, c
   Mat qg = s.q_gate.rows_slice(0, rows), q = s.q.rows_slice(0, rows), gate = s.gate.rows_slice(0, rows);
   Mat k = s.k.rows_slice(0, rows), v = s.v.rows_slice(0, rows), attn = s.attn.rows_slice(0, rows);
   be.split_heads(qg, p.n_heads, hd, q, gate);  // qg, k and v: projected by qsa_index
-  be.rmsnorm(Mat(q.data, rows * p.n_heads, hd), w.q_norm.data(), p.norm_eps, Mat(q.data, rows * p.n_heads, hd), 1.f);
-  be.rmsnorm(Mat(k.data, rows * p.n_kv_heads, hd), w.k_norm.data(), p.norm_eps, Mat(k.data, rows * p.n_kv_heads, hd), 1.f);
-  be.rope(q, p.n_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
-  be.rope(k, p.n_kv_heads, hd, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
-  be.kv_write(kv, k, v, positions);
+  // q and k normed per head (1 + w) and rotated, k and v written to the cache: one launch on a GPU.
+  AttentionPrep prep;
+  prep.n_heads = p.n_heads;
+  prep.n_kv_heads = p.n_kv_heads;
+  prep.head_dim = hd;
+  prep.rotary_dim = p.rotary_dim;
+  prep.q_norm = w.q_norm.data();
+  prep.k_norm = w.k_norm.data();
+  prep.norm_eps = p.norm_eps;
+  prep.norm_offset = 1.f;
+  prep.inv_freq = p.inv_freq.data();
+  prep.attention_factor = p.attention_factor;
+  be.attention_prep(q, k, v, prep, positions, kv);
 
   const int max_sel = qp.max_selected();
   be.attention_selected(q, kv, p.n_heads, p.scale, s.selected.data(), s.counts.data(), max_sel, attn);
