@@ -1,7 +1,8 @@
 // Weight products on the CUDA backend: matmul (GEMV for decode rows, dequantize + cuBLASLt
 // GEMM for prefill), embedding lookups and routed-expert FFNs, for every weight format
 // (backends/cuda/quant.cuh). The CUDA backend owns one WeightMatmul and calls these; kernels
-// and launchers live in gemv.cu, gemm.cu, embedding.cu and moe.cu.
+// and launchers live in gemv.cu, gemm.cu, embedding.cu and moe*.cu (moe.cu dispatches to
+// moe_decode.cu and moe_prefill.cu).
 //
 // Every pointer is device memory: activations (Mat), weight planes (WeightView made resident:
 // same byte layout and strides as the checkpoint), token ids, routing indices and weights.
@@ -92,11 +93,11 @@ bool gemv_int8_activations(const WeightView& w, int64_t rows, int num_sms);
 // else the decode path keeps them f32.
 bool moe_int8_activations(const ExpertWeights& e0, int64_t rows, int k);
 // Whether a grouped (more than kMoeDecodeMaxRows rows) MoE call of n_pairs (row, expert) pairs
-// takes the few-rows-per-expert kernel (moe.cu moe_grouped_small_kernel) instead of the 128-row
+// takes the few-rows-per-expert kernel (moe_prefill.cu moe_grouped_small_kernel) instead of the 128-row
 // tiles: by default while pairs average at most 8 an expert; TURBOSPARK_CUDA_MOE_SMALL=0|1
 // forces it, where the shapes allow (tests run both).
 bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_t inter);
-// moe.cu, the int8 decode kernels: inter rows a warp of the gate/up pass (2 or 4; the
+// moe.cu, the int8 decode kernels (moe_decode.cu): inter rows a warp of the gate/up pass (2 or 4; the
 // TURBOSPARK_CUDA_MOE_WIDE_WARPS override is read at every call), and whether the down pass
 // splits each token's experts over a block's warps (TURBOSPARK_CUDA_MOE_DOWN_SPLIT likewise).
 int moe_gate_up_rows_per_warp(int64_t n_pairs, int64_t inter);
@@ -156,7 +157,7 @@ class WeightMatmul {
   struct GemmPlan;  // gemm.cu: cuBLASLt descriptors and the chosen algorithm for one shape
   using GemmKey = std::array<int64_t, 10>;
   struct MoeTable {
-    void* device = nullptr;            // [n_experts] moe.cu MoeExpertDesc
+    void* device = nullptr;            // [n_experts] moe_common.cuh MoeExpertDesc
     std::vector<unsigned char> host;   // the bytes uploaded, to notice a changed vector
   };
 

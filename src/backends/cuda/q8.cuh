@@ -113,7 +113,7 @@ __device__ __forceinline__ float q8_unit_dot(int32_t c0, int32_t c1, float a, fl
 }
 
 // ---- whole 32-element blocks against BlockQ8x32-shaped activations --------------------------
-// The decode kernels of Q4_0 (both layouts; gemv.cu, moe.cu) give each lane whole 32-element
+// The decode kernels of Q4_0 (both layouts; gemv.cu, moe_decode.cu) give each lane whole 32-element
 // blocks: one block of weight codes (16 bytes) meets one block of activation codes (32 bytes)
 // in eight dp4a, and the scales once:
 //   sum_i d (c_i - 8) dx q_i = d (dx sum_i c_i q_i - 8 s),  s = dx sum_i q_i (BlockQ8x32's s).

@@ -1,5 +1,5 @@
 // Device-side dequantization of every weight format, shared by the matmul, embedding and MoE
-// kernels (gemv.cu, gemm.cu, embedding.cu, moe.cu). Byte layouts are those of core/quant.h
+// kernels (gemv.cu, gemm.cu, embedding.cu, moe_decode.cu, moe_prefill.cu). Byte layouts are those of core/quant.h
 // (ggml blocks) and core/quant_grouped.h (MXFP4, INT4_AFFINE); the scalar dequantizers there
 // are the ground truth these are tested against (tests/device/test_cuda_matmul.cpp).
 //
@@ -490,7 +490,7 @@ struct FmtMXFP4 {
   }
   // Group b's 16 code bytes (byte j: element 2j low nibble, 2j + 1 high, so nibble n of each
   // word is element 8 (word) + n) and half its scale (the codes stand for twice e2m1), for the
-  // int8-activation MoE decode kernels (moe.cu, q8.cuh mxfp4_dot_q8x32). One 16-byte load where
+  // int8-activation MoE decode kernels (moe_decode.cu, q8.cuh mxfp4_dot_q8x32). One 16-byte load where
   // the group is 16-byte aligned (every view the loaders make), four 4-byte loads otherwise.
   static __device__ __forceinline__ void codes32(const WeightRow& w, int64_t b, uint4& c, float& d) {
     const uint8_t* p = w.data + 16 * b;
@@ -523,7 +523,7 @@ struct FmtInt4Affine {
 // ---- 32-element blocks in one 16-byte load ----------------------------------------------------
 // Formats with F::load32(row, b) (block b of 32 elements in a register-sized F::Block32) and
 // F::dot32(block, x) let decode kernels give each lane whole 32-element blocks (gemv.cu,
-// moe.cu): one 16-byte code load and one scale load per block instead of four unit decodes.
+// moe_decode.cu): one 16-byte code load and one scale load per block instead of four unit decodes.
 template <class F>
 constexpr bool kBlock32 = requires(const WeightRow& w) { F::load32(w, int64_t(0)); };
 
