@@ -72,10 +72,12 @@ std::vector<float> product(Backend& be, const WeightView& w, std::vector<float> 
 TEST(CpuPrecision, GemmInputsAreRoundedPastTheRowBoundOnly) {
   auto exact = make_cpu_backend(1);
   auto gpu_like = make_cpu_backend(1, CpuPrecision{.bf16_kv = false, .gemm_above_rows = 8});
+  // 40 columns: f32 rows of 160 bytes, which cuBLASLt reads in place (tf32); unaligned ones go
+  // through the bf16 dequantize pass (GemmsOverDequantizedWeightsReadBf16Values).
   for (DType dtype : {DType::BF16, DType::F32}) {
-    const Matrix w = make_matrix(dtype, 5, 37, 1);
+    const Matrix w = make_matrix(dtype, 5, 40, 1);
     for (int64_t rows : {1, 8, 9, 40}) {
-      const std::vector<float> x = randoms(size_t(rows * 37), 2 + uint32_t(rows));
+      const std::vector<float> x = randoms(size_t(rows * 40), 2 + uint32_t(rows));
       std::vector<float> rounded = x;
       for (float& v : rounded) v = dtype == DType::F32 ? round_tf32(v) : round_bf16(v);
       const std::vector<float> got = product(*gpu_like, w.view, x, rows);
@@ -83,6 +85,51 @@ TEST(CpuPrecision, GemmInputsAreRoundedPastTheRowBoundOnly) {
       EXPECT_EQ(got, want) << dtype_name(dtype) << " rows " << rows;
       // And the rounding changes something where it applies (the inputs are not representable).
       if (rows > 8) EXPECT_NE(got, product(*exact, w.view, x, rows)) << dtype_name(dtype) << " rows " << rows;
+    }
+  }
+}
+
+// Past the row bound CUDA's GEMM dequantizes every weight that is neither bf16 nor aligned f32
+// to bf16 (gemm.cu) and reads bf16 activations: the CPU at CUDA's precision computes that
+// product in f32 over both roundings (bit for bit the bf16-rounded values widened to F32 with an
+// exact backend). At the bound a Q8_0 matmul keeps the CPU's int8 path, as CUDA's GEMV does.
+TEST(CpuPrecision, GemmsOverDequantizedWeightsReadBf16Values) {
+  auto exact = make_cpu_backend(1);
+  auto gpu_like = make_cpu_backend(1, CpuPrecision{.bf16_kv = false, .gemm_above_rows = 8});
+  for (DType dtype : {DType::Q8_0, DType::Q4_K, DType::F16, DType::F32}) {
+    const int64_t out = 6, in = dtype == DType::F32 ? 257 : 256;  // f32: unaligned rows (1028 bytes)
+    const std::vector<float> src = randoms(size_t(out * in), 90);
+    std::vector<uint8_t> bytes(size_t(out * row_bytes(dtype, in)));
+    std::vector<float> widened(size_t(out * in));
+    for (int64_t r = 0; r < out; ++r) {
+      quantize_row(dtype, src.data() + r * in, bytes.data() + r * row_bytes(dtype, in), in);
+      dequantize_row(dtype, bytes.data() + r * row_bytes(dtype, in), widened.data() + r * in, in);
+    }
+    WeightView w;
+    w.dtype = dtype;
+    w.data = bytes.data();
+    w.rows = out;
+    w.cols = in;
+    w.row_bytes = row_bytes(dtype, in);
+    std::vector<float> rounded_w = widened;
+    for (float& v : rounded_w) v = round_bf16(v);
+    WeightView wf;
+    wf.dtype = DType::F32;
+    wf.data = rounded_w.data();
+    wf.rows = out;
+    wf.cols = in;
+    wf.row_bytes = in * 4;
+    for (int64_t rows : {8, 9, 33}) {
+      const std::vector<float> x = randoms(size_t(rows * in), 91 + uint32_t(rows));
+      std::vector<float> rounded_x = x;
+      for (float& v : rounded_x) v = round_bf16(v);
+      const std::vector<float> got = product(*gpu_like, w, x, rows);
+      if (rows > 8) {
+        EXPECT_EQ(got, product(*exact, wf, rounded_x, rows)) << dtype_name(dtype) << " rows " << rows;
+        EXPECT_NE(got, product(*exact, w, rounded_x, rows)) << dtype_name(dtype) << " rows " << rows;
+      } else {
+        EXPECT_EQ(got, product(*exact, w, x, rows)) << dtype_name(dtype) << " rows " << rows;
+      }
     }
   }
 }

@@ -339,10 +339,13 @@ class CpuBackend final : public Backend {
   }
 
   // y = x W^T in f32 with W's values dequantized: a quantized matmul as CUDA's f32-activation
-  // decode kernels compute it (CpuPrecision; tests only, so the whole weight is widened).
-  void float_matmul(const WeightView& w, const Mat& x, const Mat& y) {
+  // decode kernels compute it, or (bf16_weights) as its tensor-core GEMMs do, on W's values
+  // dequantized and rounded to bf16 (CpuPrecision; tests only, so the whole weight is widened).
+  void float_matmul(const WeightView& w, const Mat& x, const Mat& y, bool bf16_weights = false) {
     float_weight_.resize(size_t(w.rows * w.cols));
     for (int64_t r = 0; r < w.rows; ++r) dequantize_row(w.dtype, w.row(r), float_weight_.data() + r * w.cols, w.cols);
+    if (bf16_weights)
+      for (float& v : float_weight_) v = bf16_to_f32(f32_to_bf16(v));
     WeightView f;
     f.dtype = DType::F32;
     f.data = float_weight_.data();
@@ -352,13 +355,27 @@ class CpuBackend final : public Backend {
     cpu::matmul(pool_, f, x, y);
   }
 
+  // How CUDA's tensor cores read a matmul's operands (CpuPrecision::gemm_above_rows): not at all
+  // (a GEMV or a MoE decode kernel), tf32 for aligned f32 dense weights (cuBLASLt on the stored
+  // rows), bf16 activations against bf16 weights as stored, or bf16 activations against the
+  // weights dequantized and rounded to bf16 (gemm.cu's dequantize pass for every other dense
+  // weight; the grouped MoE tiles for every expert format but bf16).
+  enum class GemmRead { kNone, kTf32, kBf16, kBf16Dequantized };
+  GemmRead gemm_read(const WeightView& w, const Mat& x) const {
+    if (!(precision_.gemm_above_rows > 0 && (x.rows > precision_.gemm_above_rows || moe_gemm_rounding())))
+      return GemmRead::kNone;
+    if (w.dtype == DType::BF16) return GemmRead::kBf16;
+    if (w.dtype == DType::F32 && moe_rows_ == 0 && w.row_bytes % 16 == 0) return GemmRead::kTf32;
+    return GemmRead::kBf16Dequantized;
+  }
+
   // CpuPrecision::gemm_above_rows: x as a tensor-core GEMM reads it (bf16, or tf32 for f32
   // weights: 10 mantissa bits), round to nearest even.
   Mat gemm_input(const WeightView& w, const Mat& x) {
-    const bool round = precision_.gemm_above_rows > 0 && (x.rows > precision_.gemm_above_rows || moe_gemm_rounding());
-    if (!round) return x;
+    const GemmRead read = gemm_read(w, x);
+    if (read == GemmRead::kNone) return x;
     rounded_x_.resize(size_t(x.rows * x.cols));
-    const bool tf32 = w.dtype == DType::F32;
+    const bool tf32 = read == GemmRead::kTf32;
     for (int64_t r = 0; r < x.rows; ++r) {
       const float* src = x.row(r);
       float* dst = rounded_x_.data() + r * x.cols;
@@ -480,8 +497,14 @@ class CpuBackend final : public Backend {
   // Quantized formats have their own kernels; models never see the difference.
   void matmul_view(const WeightView& w, const Mat& x_in, const Mat& y) {
     const Mat x = gemm_input(w, x_in);
-    if (moe_decode() && !moe_int8_formats_ && is_quantized(w.dtype) && w.dtype != DType::INT4_AFFINE &&
-        w.dtype != DType::MXFP4) {
+    // Dequantized to bf16 on the device: every format dequantize_row widens (INT4-affine's planes
+    // are not modelled; MXFP4's values are exact in bf16, so its exact path below is that GEMM).
+    const bool bf16_dequantized = gemm_read(w, x_in) == GemmRead::kBf16Dequantized && w.dtype != DType::INT4_AFFINE &&
+                                  w.dtype != DType::MXFP4;
+    if (bf16_dequantized) {
+      float_matmul(w, x, y, /*bf16_weights=*/true);
+    } else if (moe_decode() && !moe_int8_formats_ && is_quantized(w.dtype) && w.dtype != DType::INT4_AFFINE &&
+               w.dtype != DType::MXFP4) {
       float_matmul(w, x, y);
     } else if (w.dtype == DType::MXFP4) {
       if (precision_.float_mxfp4 && moe_decode() && moe_int8_formats_) {
