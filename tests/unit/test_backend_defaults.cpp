@@ -17,6 +17,13 @@ namespace {
 
 std::vector<float> randoms(size_t n, uint32_t seed) { return testing::uniform_floats(n, seed); }
 
+// 1 / sqrt(mean(x^2) + 1e-6) over n values, in double.
+double inv_rms(const float* x, int64_t n) {
+  double ss = 0;
+  for (int64_t c = 0; c < n; ++c) ss += double(x[c]) * x[c];
+  return 1.0 / std::sqrt(ss / double(n) + 1e-6);
+}
+
 Weight f32_weight(std::vector<float>& data, int64_t rows, int64_t cols) {
   Weight w;
   w.view.dtype = DType::F32;
@@ -66,9 +73,7 @@ TEST(BackendDefaults, RmsnormGroupsNormsEachRangeWithItsWeights) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       const float* xr = x.data() + r * stride + g * cols;
-      double ss = 0;
-      for (int64_t c = 0; c < cols; ++c) ss += double(xr[c]) * xr[c];
-      const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+      const double inv = inv_rms(xr, cols);
       for (int64_t c = 0; c < cols; ++c) want[size_t(r * stride + g * cols + c)] = float(xr[c] * inv * (w[size_t(g * cols + c)] + 1.0));
     }
   for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], want[i], 1e-5f * (1.f + std::fabs(want[i]))) << i;
@@ -87,9 +92,7 @@ TEST(BackendDefaults, RmsnormGatedIsRangeNormsTimesTheActivatedGate) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t k = 0; k < groups; ++k) {
         const float* xr = x.data() + r * stride + k * cols;
-        double ss = 0;
-        for (int64_t c = 0; c < cols; ++c) ss += double(xr[c]) * xr[c];
-        const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+        const double inv = inv_rms(xr, cols);
         for (int64_t c = 0; c < cols; ++c) {
           const size_t at = size_t(r * stride + k * cols + c);
           const double want = xr[c] * inv * w[size_t(c)] / (1.0 + std::exp(-double(g[at])));

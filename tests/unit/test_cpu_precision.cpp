@@ -69,6 +69,47 @@ std::vector<float> product(Backend& be, const WeightView& w, std::vector<float> 
   return y;
 }
 
+// A [rows, cols] f32 view of values.
+WeightView f32_view(const float* values, int64_t rows, int64_t cols) {
+  WeightView v;
+  v.dtype = DType::F32;
+  v.data = values;
+  v.rows = rows;
+  v.cols = cols;
+  v.row_bytes = cols * 4;
+  return v;
+}
+
+// Random weights stored in a format, with their stored values widened to f32.
+struct Stored {
+  DType dtype;
+  int64_t rows, cols;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+  WeightView view() const {
+    WeightView v;
+    v.dtype = dtype;
+    v.data = bytes.data();
+    v.rows = rows;
+    v.cols = cols;
+    v.row_bytes = row_bytes(dtype, cols);
+    return v;
+  }
+  WeightView widened() const { return f32_view(values.data(), rows, cols); }
+};
+
+Stored store(DType t, int64_t r, int64_t c, uint32_t seed) {
+  Stored s{t, r, c, {}, {}};
+  const std::vector<float> w = randoms(size_t(r * c), seed);
+  s.bytes.resize(size_t(r * row_bytes(t, c)));
+  s.values.resize(size_t(r * c));
+  for (int64_t i = 0; i < r; ++i) {
+    quantize_row(t, w.data() + i * c, s.bytes.data() + i * row_bytes(t, c), c);
+    dequantize_row(t, s.bytes.data() + i * row_bytes(t, c), s.values.data() + i * c, c);
+  }
+  return s;
+}
+
 TEST(CpuPrecision, GemmInputsAreRoundedPastTheRowBoundOnly) {
   auto exact = make_cpu_backend(1);
   auto gpu_like = make_cpu_backend(1, CpuPrecision{.bf16_kv = false, .gemm_above_rows = 8});
@@ -98,27 +139,11 @@ TEST(CpuPrecision, GemmsOverDequantizedWeightsReadBf16Values) {
   auto gpu_like = make_cpu_backend(1, CpuPrecision{.bf16_kv = false, .gemm_above_rows = 8});
   for (DType dtype : {DType::Q8_0, DType::Q4_K, DType::F16, DType::F32}) {
     const int64_t out = 6, in = dtype == DType::F32 ? 257 : 256;  // f32: unaligned rows (1028 bytes)
-    const std::vector<float> src = randoms(size_t(out * in), 90);
-    std::vector<uint8_t> bytes(size_t(out * row_bytes(dtype, in)));
-    std::vector<float> widened(size_t(out * in));
-    for (int64_t r = 0; r < out; ++r) {
-      quantize_row(dtype, src.data() + r * in, bytes.data() + r * row_bytes(dtype, in), in);
-      dequantize_row(dtype, bytes.data() + r * row_bytes(dtype, in), widened.data() + r * in, in);
-    }
-    WeightView w;
-    w.dtype = dtype;
-    w.data = bytes.data();
-    w.rows = out;
-    w.cols = in;
-    w.row_bytes = row_bytes(dtype, in);
-    std::vector<float> rounded_w = widened;
+    const Stored stored = store(dtype, out, in, 90);
+    const WeightView w = stored.view();
+    std::vector<float> rounded_w = stored.values;
     for (float& v : rounded_w) v = round_bf16(v);
-    WeightView wf;
-    wf.dtype = DType::F32;
-    wf.data = rounded_w.data();
-    wf.rows = out;
-    wf.cols = in;
-    wf.row_bytes = in * 4;
+    const WeightView wf = f32_view(rounded_w.data(), out, in);
     for (int64_t rows : {8, 9, 33}) {
       const std::vector<float> x = randoms(size_t(rows * in), 91 + uint32_t(rows));
       std::vector<float> rounded_x = x;
@@ -348,30 +373,6 @@ TEST(CpuPrecision, Mxfp4MoeDecodeReadsInt8ActivationsAsCudaDoes) {
 TEST(CpuPrecision, MoeDecodeOfMixedFormatsReadsF32ActivationsAsCudaDoes) {
   const int64_t hidden = 64, inter = 32;
   const int n_experts = 4, k = 2, rows = 3;
-  struct Stored {
-    std::vector<uint8_t> bytes;
-    std::vector<float> values;  // the stored weights, widened
-    WeightView view(DType t, int64_t r, int64_t c) const {
-      WeightView v;
-      v.dtype = t;
-      v.data = bytes.data();
-      v.rows = r;
-      v.cols = c;
-      v.row_bytes = row_bytes(t, c);
-      return v;
-    }
-  };
-  auto store = [](DType t, int64_t r, int64_t c, uint32_t seed) {
-    Stored s;
-    const std::vector<float> w = randoms(size_t(r * c), seed);
-    s.bytes.resize(size_t(r * row_bytes(t, c)));
-    s.values.resize(size_t(r * c));
-    for (int64_t i = 0; i < r; ++i) {
-      quantize_row(t, w.data() + i * c, s.bytes.data() + i * row_bytes(t, c), c);
-      dequantize_row(t, s.bytes.data() + i * row_bytes(t, c), s.values.data() + i * c, c);
-    }
-    return s;
-  };
   std::vector<Stored> mats;
   for (int e = 0; e < n_experts; ++e) {
     mats.push_back(store(DType::Q8_0, inter, hidden, 50 + 3 * e));
@@ -383,19 +384,10 @@ TEST(CpuPrecision, MoeDecodeOfMixedFormatsReadsF32ActivationsAsCudaDoes) {
     std::vector<ExpertWeights> ex(n_experts);
     for (int e = 0; e < n_experts; ++e) {
       const Stored* m = &mats[size_t(4 * e)];
-      auto as = [&](const Stored& st, DType t, int64_t r, int64_t c) {
-        if (!widened) return st.view(t, r, c);
-        WeightView v;
-        v.dtype = DType::F32;
-        v.data = st.values.data();
-        v.rows = r;
-        v.cols = c;
-        v.row_bytes = c * 4;
-        return v;
-      };
-      ex[size_t(e)].gate.view = as(m[0], DType::Q8_0, inter, hidden);
-      ex[size_t(e)].up.view = as(m[1], DType::Q8_0, inter, hidden);
-      ex[size_t(e)].down.view = mixed ? as(m[2], DType::F16, hidden, inter) : as(m[3], DType::Q8_0, hidden, inter);
+      auto as = [&](const Stored& st) { return widened ? st.widened() : st.view(); };
+      ex[size_t(e)].gate.view = as(m[0]);
+      ex[size_t(e)].up.view = as(m[1]);
+      ex[size_t(e)].down.view = mixed ? as(m[2]) : as(m[3]);
     }
     return ex;
   };
