@@ -659,8 +659,7 @@ void Qwen4Exp::forward(Backend& be, const ForwardBatch& b) const {
     const MoeWeights* next = i + 1 < hp_.n_layers ? &layers_[size_t(i) + 1].moe : nullptr;  // streaming's guess
     moe_ffn(be, L.moe, mixed, ws.ffn, branch, probs, next);
     Mat shared = ws.shared_out.rows_slice(0, n), gate = ws.shared_gate.rows_slice(0, n);
-    dense_mlp(be, L.shared, mixed, ws.ffn, shared);
-    be.matmul(L.shared_gate, mixed, gate);
+    dense_mlp(be, L.shared, mixed, ws.ffn, shared, &L.shared_gate, &gate);  // its gate in gate | up's launch
     be.hc_inject_gated(streams, branch, shared, gate, inject, C);  // branch += shared * sigmoid(gate), injected
     trace("moe", i, branch);
     trace("hyper_connection", i, streams);

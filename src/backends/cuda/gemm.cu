@@ -282,30 +282,38 @@ void WeightMatmul::matmul_shared_input(std::span<const WeightView* const> ws, co
                                        std::span<const MatmulAct> acts, cudaStream_t stream) {
   TS_CHECK(ws.size() == ys.size() && (acts.empty() || acts.size() == ws.size()),
            "matmul_shared_input: {} weights, {} outputs, {} activations", ws.size(), ys.size(), acts.size());
-  bool fused_acts = false;
-  for (const MatmulAct& a : acts) fused_acts = fused_acts || !a.is_identity();
-  size_t done = 0;
-  if (x.rows >= 1 && x.rows <= kGemvMaxRows && (ws.size() > 1 || fused_acts)) {
-    bool shapes = true;
-    for (size_t i = 0; i < ws.size(); ++i) {
-      check_weight(*ws[i], "matmul");
-      shapes = shapes && x.cols == ws[i]->cols && ys[i].cols == ws[i]->rows && ys[i].rows == x.rows;
+  auto act_of = [&](size_t i) { return acts.empty() ? MatmulAct{} : acts[i]; };
+  auto one_by_one = [&](size_t first, size_t n) {
+    for (size_t i = first; i < first + n; ++i) {
+      matmul(*ws[i], x, ys[i], stream);
+      const MatmulAct a = act_of(i);
+      if (!a.is_identity()) unary(ys[i], a.act, a.pre, a.post, ys[i], stream);
     }
-    if (shapes) {
-      int64_t stride = 0;
-      const float* xa = aligned_rows(x, &stride, stream);
-      // Launches of up to max_gemv_jobs() weights each, in order, while they can share one.
-      while (done < ws.size()) {
-        const size_t n = std::min(ws.size() - done, size_t(max_gemv_jobs()));
-        const std::span<const MatmulAct> a = acts.empty() ? acts : acts.subspan(done, n);
-        if (!launch_gemv_shared_input(ws.subspan(done, n), xa, stride, ys.subspan(done, n), a, num_sms_, stream)) break;
-        done += n;
-      }
-    }
+  };
+  bool shapes = x.rows >= 1 && x.rows <= kGemvMaxRows;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_weight(*ws[i], "matmul");
+    shapes = shapes && x.cols == ws[i]->cols && ys[i].cols == ws[i]->rows && ys[i].rows == x.rows;
   }
-  for (size_t i = done; i < ws.size(); ++i) {
-    matmul(*ws[i], x, ys[i], stream);
-    if (!acts.empty() && !acts[i].is_identity()) unary(ys[i], acts[i].act, acts[i].pre, acts[i].post, ys[i], stream);
+  if (!shapes) return one_by_one(0, ws.size());
+  int64_t stride = 0;
+  const float* xa = nullptr;
+  // Launches of up to max_gemv_jobs() consecutive weights of one format each, in order (a
+  // different format starts the next launch: Qwen4-Exp's f32 shared-expert gate after its
+  // quantized gate | up); a lone weight with no activation is a plain matmul.
+  for (size_t done = 0; done < ws.size();) {
+    size_t n = 1;
+    while (done + n < ws.size() && n < size_t(max_gemv_jobs()) && ws[done + n]->dtype == ws[done]->dtype &&
+           is_q4_0_planes(*ws[done + n]) == is_q4_0_planes(*ws[done]))
+      ++n;
+    bool launched = false;
+    if (n > 1 || !act_of(done).is_identity()) {
+      if (!xa) xa = aligned_rows(x, &stride, stream);
+      const std::span<const MatmulAct> a = acts.empty() ? acts : acts.subspan(done, n);
+      launched = launch_gemv_shared_input(ws.subspan(done, n), xa, stride, ys.subspan(done, n), a, num_sms_, stream);
+    }
+    if (!launched) one_by_one(done, n);
+    done += n;
   }
 }
 

@@ -4,18 +4,22 @@
 
 namespace turbospark {
 
-void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out) {
+void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out, const Weight* side,
+               const Mat* side_out) {
+  TS_CHECK((side == nullptr) == (side_out == nullptr), "dense_mlp: a side weight needs its output, and the reverse");
   const int64_t rows = x.rows;
   Mat gate = s.gate.rows_slice(0, rows), up = s.up.rows_slice(0, rows);
-  // gate and up in one launch at decode on a GPU, with act(gate) in its store unless SwiGLU.
-  const Weight* in[] = {&w.gate, &w.up};
-  const Mat in_out[] = {gate, up};
+  // gate, up (and the side projection) in one launch at decode on a GPU, with act(gate) in its
+  // store unless SwiGLU.
+  const Weight* in[] = {&w.gate, &w.up, side};
+  const Mat in_out[] = {gate, up, side ? *side_out : Mat{}};
+  const size_t n = side ? 3 : 2;
   if (w.act == Act::kSilu) {
-    be.matmul_shared_input(in, x, in_out);
+    be.matmul_shared_input(std::span(in, n), x, std::span(in_out, n));
     be.swiglu(gate, up, gate);
   } else {
-    const MatmulAct acts[] = {{w.act, 1.f, 1.f}, {}};
-    be.matmul_shared_input(in, x, in_out, acts);
+    const MatmulAct acts[] = {{w.act, 1.f, 1.f}, {}, {}};
+    be.matmul_shared_input(std::span(in, n), x, std::span(in_out, n), std::span(acts, n));
     be.mul_act(gate, up, Act::kIdentity);
   }
   be.matmul(w.down, gate, out);

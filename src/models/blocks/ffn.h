@@ -37,7 +37,10 @@ struct FfnScratch {
   }
 };
 
-void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out);
+// out = down(act(x gate^T) * x up^T). With `side` (a weight reading the same x, e.g. Qwen4-Exp's
+// shared-expert gate [1, hidden]) side_out = x side^T too, in gate and up's launch.
+void dense_mlp(Backend& be, const DenseMlpWeights& w, const Mat& x, FfnScratch& s, const Mat& out,
+               const Weight* side = nullptr, const Mat* side_out = nullptr);
 
 // Routing from router logits [rows, n_experts]: the top_k experts of each row and their
 // softmax weights (renormalized over the k when asked, then scaled per expert when
