@@ -117,16 +117,17 @@ void ple_layer(Backend& be, const PleWeights& w, const Mat& emb, const Mat& stre
   TS_CHECK(emb.rows == rows, "ple_layer: {} gathered rows for {} streams rows", emb.rows, rows);
   Mat key = s.key.rows_slice(0, rows), query = s.query.rows_slice(0, rows), value = s.value.rows_slice(0, rows);
   Mat gated = s.gated.rows_slice(0, rows), normed = s.normed.rows_slice(0, rows), conv = s.conv.rows_slice(0, rows);
-  be.matmul(w.key, emb, key);
-  be.matmul(w.value, emb, value);
-  for (int c = 0; c < w.n_streams; ++c) {
-    be.rmsnorm(key.cols_slice(c * H, H), w.norm_key.data() + c * H, w.eps, key.cols_slice(c * H, H), 1.f);
-    be.rmsnorm(streams.cols_slice(c * H, H), w.norm_query.data() + c * H, w.eps, query.cols_slice(c * H, H), 1.f);
-  }
-  be.ple_gate(key, query, value, w.n_streams, gated);
-  for (int c = 0; c < w.n_streams; ++c) {
-    be.rmsnorm(gated.cols_slice(c * H, H), w.norm_conv.data() + c * H, w.eps, normed.cols_slice(c * H, H), 1.f);
-  }
+  const int C = w.n_streams;
+  // key | value in one launch, each stream's norms in one launch (rmsnorm_groups: the same
+  // values as a norm per stream).
+  const Weight* on_emb[] = {&w.key, &w.value};
+  const Mat kv_out[] = {key, value};
+  be.matmul_shared_input(on_emb, emb, kv_out);
+  const Mat key_c = key.cols_slice(0, C * H);
+  be.rmsnorm_groups(key_c, w.norm_key.data(), C, w.eps, key_c, 1.f);
+  be.rmsnorm_groups(streams.cols_slice(0, C * H), w.norm_query.data(), C, w.eps, query.cols_slice(0, C * H), 1.f);
+  be.ple_gate(key, query, value, C, gated);
+  be.rmsnorm_groups(gated.cols_slice(0, C * H), w.norm_conv.data(), C, w.eps, normed.cols_slice(0, C * H), 1.f);
   for (const auto& r : runs) {
     be.causal_conv1d(normed.rows_slice(r.first, r.rows), w.conv.data(), w.conv_kernel, w.spec.ngram_size,
                      r.state->conv, Act::kSilu, conv.rows_slice(r.first, r.rows));
