@@ -549,7 +549,7 @@ std::unique_ptr<ModelWorkspace> Qwen4Exp::new_workspace(Backend& be, int64_t R) 
       {&ws->hc.gate, CH}, {&ws->gdn.qkv, conv_dim}, {&ws->gdn.qkv_conv, conv_dim}, {&ws->gdn.z, vdim},
       {&ws->gdn.core, vdim}, {&ws->gdn.a, nv}, {&ws->gdn.b, nv}, {&ws->qsa.q_gate, 2 * qw}, {&ws->qsa.q, qw},
       {&ws->qsa.gate, qw}, {&ws->qsa.k, kvw}, {&ws->qsa.v, kvw}, {&ws->qsa.attn, qw}, {&ws->qsa.index_qk, iw},
-      {&ws->qsa.index_q, iw - hp_.qsa.head_dim}, {&ws->qsa.index_k, hp_.qsa.head_dim}, {&ws->ffn.gate, inter}, {&ws->ffn.up, inter},
+      {&ws->qsa.index_q, iw - hp_.qsa.head_dim}, {&ws->ffn.gate, inter}, {&ws->ffn.up, inter},
       {&ws->ffn.router_logits, hp_.n_experts}, {&ws->ple.key, CH}, {&ws->ple.query, CH}, {&ws->ple.gated, CH}, {&ws->ple.normed, CH}, {&ws->ple.conv, CH},
       {&ws->ple.value, H}});
   ws->ffn.allocate_routing(be, R, hp_.top_k);

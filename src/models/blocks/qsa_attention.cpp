@@ -15,7 +15,7 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
   const Mat proj_out[] = {iqk, s.q_gate.rows_slice(0, rows), s.k.rows_slice(0, rows), s.v.rows_slice(0, rows)};
   be.matmul_shared_input(proj, x, proj_out);
   // Queries normed and rotated at their positions; keys stored raw (pooled, normed and
-  // rotated per complete block inside qsa_select).
+  // rotated per complete block inside qsa_select, which reads them from the projection).
   Mat iq = iqk.cols_slice(0, int64_t(qp.n_heads) * id);
   Mat ik = iqk.cols_slice(int64_t(qp.n_heads) * id, id);
   Mat iq_rows = s.index_q.rows_slice(0, rows);
@@ -23,8 +23,6 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
   be.rmsnorm(Mat(iq_rows.data, rows * qp.n_heads, id), w.index_q_norm.data(), p.norm_eps,
              Mat(iq_rows.data, rows * qp.n_heads, id), 1.f);
   be.rope(iq_rows, qp.n_heads, id, p.rotary_dim, positions, p.inv_freq.data(), p.attention_factor);
-  Mat ik_rows = s.index_k.rows_slice(0, rows);
-  be.copy(ik, ik_rows);
 
   QsaView view;
   view.k_norm = w.index_k_norm.data();
@@ -42,7 +40,7 @@ void qsa_index(Backend& be, const AttentionParams& p, const QsaParams& qp, const
     view.raw_keys = r.state->raw_keys;
     view.block_keys = r.state->block_keys;
     view.nan_score = r.state->nan_score;
-    be.qsa_select(view, iq_rows.rows_slice(r.first, r.rows), ik_rows.rows_slice(r.first, r.rows), positions + r.first,
+    be.qsa_select(view, iq_rows.rows_slice(r.first, r.rows), ik.rows_slice(r.first, r.rows), positions + r.first,
                   s.selected.data() + r.first * max_sel, s.counts.data() + r.first, max_sel);
   }
 }

@@ -39,7 +39,7 @@ struct QsaState {
 struct QsaScratch {
   Mat q_gate;            // [rows, n_heads * 2 * hd]
   Mat q, gate, k, v, attn;
-  Mat index_qk, index_q, index_k;
+  Mat index_qk, index_q;
   BackendArray<int32_t> selected;  // [rows, max_selected] positions each query row attends to
   BackendArray<int32_t> counts;    // [rows]
 };
