@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <ostream>
 #include <string>
@@ -124,6 +125,50 @@ INSTANTIATE_TEST_SUITE_P(
       return testing::param_name(info.param.fixture, info.param.file);
     });
 
+// Banks (expert_slots.h): a prompt micro-batch's pooled loads go bank by bank on the copy
+// stream and each bank's grouped projections wait only for its experts. The kernels compute
+// what one launch over every expert computes, so the logits equal the one-bank run's bit for
+// bit at any bank count, on both grouped kernels (tiles, and few rows per expert), cold and
+// warm; the summary says the banks ran.
+TEST(CudaExpertStreamingBanks, LogitsEqualOneBankBitForBit) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  for (const StreamCase& c : {StreamCase{"qwen3_moe_gguf_tiny", "qwen3_moe_gguf_tiny-q4_0.gguf"},
+                              StreamCase{"qwen3_moe_tiny", ""}, StreamCase{"gpt_oss_mxfp4_tiny", ""},
+                              StreamCase{"qwen4_exp_tiny", ""}}) {
+    const std::string path = model_path(c);
+    const std::vector<int32_t> tokens = testing::load_golden(c.fixture).tokens;
+    for (const char* small : {"0", "1"}) {
+      setenv("TURBOSPARK_CUDA_MOE_SMALL", small, 1);
+      std::vector<float> one_bank;
+      for (const char* banks : {"1", "2", "3", "8"}) {
+        SCOPED_TRACE(c.fixture + " " + c.file + " small kernel " + small + " banks " + banks);
+        setenv("TURBOSPARK_CUDA_EXPERT_BANKS", banks, 1);
+        auto be = make_cuda_backend(0);
+        be->keep_experts_on_host();
+        LoadedModel m = load_model(path, *be);
+        // Every expert of a layer fits, and layers evict each other: every prompt layer misses.
+        be->set_expert_cache(m.model->n_experts(), m.model->experts_per_token(), EvictionPolicy::kLru,
+                             m.model->first_expert_of_each_layer());
+        for (int run = 0; run < 2; ++run) {
+          Session s(*m.model, *be);
+          const std::vector<float> got = s.feed(tokens, 0, true);
+          if (one_bank.empty()) one_bank = got;
+          ASSERT_EQ(got.size(), one_bank.size());
+          size_t differ = 0;
+          for (size_t i = 0; i < got.size(); ++i) differ += std::memcmp(&got[i], &one_bank[i], sizeof(float)) != 0;
+          EXPECT_EQ(differ, 0u) << "run " << run << ": logits differ from one bank's";
+        }
+        const std::string summary = be->expert_cache_summary();
+        const bool banked = summary.find("banks each under their compute") != std::string::npos;
+        EXPECT_EQ(banked, std::string(banks) != "1") << summary;
+        std::printf("[ measured ] %s banks %s small %s: %s\n", c.fixture.c_str(), banks, small, summary.c_str());
+      }
+    }
+  }
+  unsetenv("TURBOSPARK_CUDA_MOE_SMALL");
+  unsetenv("TURBOSPARK_CUDA_EXPERT_BANKS");
+}
+
 // TURBOSPARK_CUDA_EXPERT_HOST_COMPUTE=1: decode-sized micro-batches run the experts the slots
 // hold on the GPU and the rest on the host's cores (moe_split). Logits stay the resident run's
 // within what the CPU's kernels differ by (f32 for bf16 experts, the same int8 rounding for Q4_0:
@@ -197,6 +242,18 @@ TEST(CudaExpertStreamingRefusals, FewerSlotsThanTopK) {
     }
   }
   unsetenv("TURBOSPARK_CUDA_EXPERT_LINK_SHARE");
+  // So is a bank count outside 1..64.
+  for (const char* bad : {"0", "65", "many"}) {
+    setenv("TURBOSPARK_CUDA_EXPERT_BANKS", bad, 1);
+    try {
+      be->set_expert_cache(m.model->experts_per_token(), m.model->experts_per_token(), EvictionPolicy::kLru,
+                           m.model->first_expert_of_each_layer());
+      ADD_FAILURE() << "bank count '" << bad << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("TURBOSPARK_CUDA_EXPERT_BANKS"), std::string::npos) << e.what();
+    }
+  }
+  unsetenv("TURBOSPARK_CUDA_EXPERT_BANKS");
   // A cache larger than the device: refused by name before anything runs.
   try {
     be->set_expert_cache(int64_t(1) << 40, m.model->experts_per_token(), EvictionPolicy::kLru,

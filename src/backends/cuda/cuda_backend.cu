@@ -529,7 +529,9 @@ class CudaBackend final : public Backend {
   // A micro-batch naming more distinct experts than there are slots (a long prompt through a
   // small cache) runs in passes of at most `slots` experts: each pass keeps the pairs routed to
   // its experts, gives the others weight 0 (they point at a loaded expert, and add nothing),
-  // and the passes' outputs are summed.
+  // and the passes' outputs are summed. Otherwise a prompt micro-batch's pooled loads arrive in
+  // banks on the slots' copy stream, each bank's grouped projections waiting only for it
+  // (expert_slots.h).
   void moe_streamed(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
                     int k, const Mat& out) {
     TS_CHECK(expert_slots_, "cuda: routed experts are in host memory but no expert cache was set (set_expert_cache)");
@@ -554,8 +556,11 @@ class CudaBackend final : public Backend {
     if (host_compute_ && x.rows <= cuda::kMoeDecodeMaxRows) return moe_split(experts, x, weight, k, out);
     const int64_t slots = expert_slots_->slots();
     if (int64_t(distinct.size()) <= slots) {
-      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, routed_ids_, upload);
-      return matmul_->moe_experts(placed, x, idx, weight, k, out, stream_);
+      // A prompt micro-batch's loads come in banks its grouped projections wait for one by one.
+      std::vector<cuda::MoeBank>* banks = x.rows > cuda::kMoeDecodeMaxRows ? &moe_banks_ : nullptr;
+      const std::vector<ExpertWeights>& placed = expert_slots_->place(experts, routed_ids_, upload, banks);
+      return matmul_->moe_experts(placed, x, idx, weight, k, out, stream_,
+                                  banks ? std::span<const cuda::MoeBank>(*banks) : std::span<const cuda::MoeBank>());
     }
     routed_weights_.resize(size_t(pairs));
     download_bytes(routed_weights_.data(), weight, pairs * 4);
@@ -835,6 +840,7 @@ class CudaBackend final : public Backend {
   // Expert streaming: routed experts in host memory, streamed through device slots.
   bool experts_on_host_ = false;
   std::unique_ptr<cuda::DeviceExpertSlots> expert_slots_;
+  std::vector<cuda::MoeBank> moe_banks_;
   std::vector<int32_t> routed_ids_;
   std::vector<float> routed_weights_;
   std::vector<int32_t> distinct_;     // moe_streamed: the layer's distinct routed experts

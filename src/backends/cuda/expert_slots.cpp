@@ -36,6 +36,17 @@ int64_t pool_limit() {
   return host_memory_available() / 2;
 }
 
+// TURBOSPARK_CUDA_EXPERT_BANKS: the most banks a layer's pooled loads are split into (1: every
+// load before any compute, as one bank).
+int max_banks() {
+  const char* v = std::getenv("TURBOSPARK_CUDA_EXPERT_BANKS");
+  if (!v) return 8;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  TS_CHECK(end != v && *end == 0 && n >= 1 && n <= 64, "TURBOSPARK_CUDA_EXPERT_BANKS={}: want a count from 1 to 64", v);
+  return int(n);
+}
+
 }  // namespace
 
 DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy policy,
@@ -43,6 +54,9 @@ DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy po
                                      cudaStream_t stream)
     : stream_(stream) {
   TS_CHECK(!layer_experts.empty(), "expert cache: no routed experts to lay out");
+  // The environment's settings first: a bad one is refused before anything is allocated.
+  pool_limit_ = pool_limit();
+  max_banks_ = max_banks();
   TS_CHECK(slots >= top_k && top_k >= 1, "expert cache: {} slots for top-{} routing: at least {} are needed", slots, top_k,
            top_k);
   for (const ExpertWeights* e : layer_experts) {
@@ -67,24 +81,37 @@ DeviceExpertSlots::DeviceExpertSlots(int64_t slots, int top_k, EvictionPolicy po
          slots, double(slot_bytes_) / (1 << 20), double(total) / (1 << 30), double(available) / (1 << 30));
   }
   cache_ = std::make_unique<ExpertCache>(slots, top_k, policy);
-  pool_limit_ = pool_limit();
-  if (cudaEventCreate(&load_start_) != cudaSuccess || cudaEventCreate(&load_end_) != cudaSuccess) {
+  bank_events_.assign(size_t(max_banks_), nullptr);
+  bool ok = cudaEventCreate(&load_start_) == cudaSuccess && cudaEventCreate(&load_end_) == cudaSuccess &&
+            cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming) == cudaSuccess &&
+            cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking) == cudaSuccess;
+  for (cudaEvent_t& e : bank_events_) ok = ok && cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess;
+  if (!ok) {
     cudaGetLastError();
-    cudaFree(memory_);
-    if (load_start_) cudaEventDestroy(load_start_);
-    fail("cuda: expert cache timing events could not be created");
+    release();
+    fail("cuda: the expert cache's copy stream and events could not be created");
   }
 }
 
-DeviceExpertSlots::~DeviceExpertSlots() {
-  // The owner synchronizes its stream before dropping the cache: no DMA still reads the pool.
+void DeviceExpertSlots::release() {
+  // The owner synchronized its stream; the copy stream's DMAs may still read the pool.
+  if (copy_) cudaStreamSynchronize(copy_);
   for (PoolLayer& p : pool_) {
     if (p.memory) cudaFreeHost(p.memory);
+    p.memory = nullptr;
   }
   if (memory_) cudaFree(memory_);
-  cudaEventDestroy(load_start_);
-  cudaEventDestroy(load_end_);
+  memory_ = nullptr;
+  for (cudaEvent_t& e : bank_events_)
+    if (e) cudaEventDestroy(e), e = nullptr;
+  for (cudaEvent_t* e : {&load_start_, &load_end_, &queued_})
+    if (*e) cudaEventDestroy(*e), *e = nullptr;
+  if (copy_) cudaStreamDestroy(copy_);
+  copy_ = nullptr;
+  cudaGetLastError();
 }
+
+DeviceExpertSlots::~DeviceExpertSlots() { release(); }
 
 // Adds the last place()'s load time once its copies have completed (the routing download that
 // precedes every place() waited for the whole queue, so this does not block in practice).
@@ -99,12 +126,14 @@ void DeviceExpertSlots::settle_timing() const {
 }
 
 const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<ExpertWeights>& experts,
-                                                           std::span<const int32_t> ids, const Upload& upload) {
+                                                           std::span<const int32_t> ids, const Upload& upload,
+                                                           std::vector<MoeBank>* banks) {
   TS_CHECK(!experts.empty() && !ids.empty(), "expert cache: {} experts, {} routed rows", experts.size(), ids.size());
   const int32_t layer = experts[0].gate.layer;
   const int64_t n_experts = int64_t(experts.size());
   TS_CHECK(layer >= 0 && size_t(layer) < layouts_.size() && laid_out_[size_t(layer)],
            "expert cache: layer {} was not laid out (set_expert_cache with one expert of every MoE layer)", layer);
+  if (banks) banks->clear();
   const ExpertSlotLayout& layout = layouts_[size_t(layer)];
   // The distinct experts in order of first use (the order the kernels meet them).
   unique_.clear();
@@ -135,8 +164,23 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
       }
     }
   }
-  if (plan.misses > 0) cuda_ok(cudaEventRecord(load_start_, stream_), "expert load timing");
-  for (size_t i = 0; i < unique_.size(); ++i) {
+  // Load order: the kernels' order. Banked, ascending expert id on the copy stream (a grouped
+  // projection takes experts in id order); else first use, on the compute stream.
+  const bool banked = banks && pool.memory && plan.misses > 1 && max_banks_ > 1;
+  order_.resize(unique_.size());
+  for (size_t i = 0; i < order_.size(); ++i) order_[i] = i;
+  if (banked) std::sort(order_.begin(), order_.end(), [&](size_t a, size_t b) { return unique_[a] < unique_[b]; });
+  const cudaStream_t to = banked ? copy_ : stream_;
+  if (banked) {
+    // Slots this plan rewrites were read by kernels queued before now: the copies wait for them.
+    cuda_ok(cudaEventRecord(queued_, stream_), "expert loads: marking the compute queue");
+    cuda_ok(cudaStreamWaitEvent(copy_, queued_, 0), "expert loads: ordering after the compute queue");
+  }
+  const int64_t n_banks = banked ? std::min<int64_t>(max_banks_, plan.misses) : 1;
+  int64_t loaded = 0;  // misses enqueued so far
+  if (plan.misses > 0) cuda_ok(cudaEventRecord(load_start_, to), "expert load timing");
+  for (size_t n = 0; n < order_.size(); ++n) {
+    const size_t i = order_[n];
     if (!plan.load[i]) continue;
     const int32_t e = unique_[i];
     try {
@@ -150,8 +194,8 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
           });
           pool.filled[size_t(e)] = 1;
         }
-        cuda_ok(cudaMemcpyAsync(base, held, size_t(entry), cudaMemcpyHostToDevice, stream_),
-                      "expert {} of layer {} from the pinned pool", e, layer);
+        cuda_ok(cudaMemcpyAsync(base, held, size_t(entry), cudaMemcpyHostToDevice, to),
+                "expert {} of layer {} from the pinned pool", e, layer);
         bytes_loaded_ += entry;
         pool_dma_bytes_ += entry;
       } else {
@@ -160,17 +204,34 @@ const std::vector<ExpertWeights>& DeviceExpertSlots::place(const std::vector<Exp
           bytes_loaded_ += bytes;
         });
       }
+      ++loaded;
+      // A bank ends after its share of the misses: its experts are those below the next id.
+      const int64_t b = int64_t(banks ? banks->size() : 0);
+      if (banked && loaded == (b + 1) * plan.misses / n_banks) {
+        const bool last = loaded == plan.misses;
+        const int32_t end = last ? int32_t(n_experts) : e + 1;
+        cuda_ok(cudaEventRecord(bank_events_[size_t(b)], copy_), "expert bank {} of layer {}", b, layer);
+        int64_t pairs = 0;
+        const int32_t begin = b ? banks->back().expert_end : 0;
+        for (int32_t id : ids) pairs += id >= begin && id < end;
+        banks->push_back({end, pairs, bank_events_[size_t(b)]});
+      }
     } catch (...) {
       // This load and every later one in the plan never happened: those slots hold no expert.
-      for (size_t j = i; j < unique_.size(); ++j) {
-        if (plan.load[j]) cache_->invalidate(plan.slot[j]);
+      for (size_t m = n; m < order_.size(); ++m) {
+        if (plan.load[order_[m]]) cache_->invalidate(plan.slot[order_[m]]);
       }
+      if (banks) banks->clear();
       throw;
     }
   }
   if (plan.misses > 0) {
-    cuda_ok(cudaEventRecord(load_end_, stream_), "expert load timing");
+    cuda_ok(cudaEventRecord(load_end_, to), "expert load timing");
     timing_pending_ = true;
+  }
+  if (banked) {
+    ++banked_calls_;
+    banks_used_ += int64_t(banks->size());
   }
 
   if (placed_.size() <= size_t(layer)) placed_.resize(size_t(layer) + 1);
@@ -201,6 +262,9 @@ std::string DeviceExpertSlots::summary() const {
                      load_seconds_ > 0 ? double(bytes_loaded_) / 1e9 / load_seconds_ : 0.0,
                      double(pool_used_) / (1 << 30),
                      bytes_loaded_ > 0 ? 100.0 * double(pool_dma_bytes_) / double(bytes_loaded_) : 0.0) +
+         (banked_calls_ > 0 ? fmt::format("; {} prompt layers loaded in {:.1f} banks each under their compute",
+                                          banked_calls_, double(banks_used_) / double(banked_calls_))
+                            : "") +
          host;
 }
 

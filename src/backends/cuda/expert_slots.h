@@ -16,12 +16,18 @@
 // up to a limit (TURBOSPARK_CUDA_EXPERT_POOL_GB, default: half of the host's available memory
 // when the cache is set; 0 turns the pool off); layers past the limit stream through staging.
 //
-// Protocol (one bank, synchronous): the backend downloads the layer's routing (the deliberate
-// sync after the router), place() plans and enqueues the loads on the compute stream, and the
-// MoE kernels queued after them read the slots. Nothing queued still reads a slot when the next
-// place() plans (the download before it waited for the whole queue), so no protect set is
-// needed; overlapping the next layer's loads with this layer's compute (two banks on a copy
-// stream) is the next step.
+// Protocol: the backend downloads the layer's routing (the deliberate sync after the router),
+// place() plans the loads, and the MoE kernels queued after them read the slots. Nothing queued
+// still reads a slot when the next place() plans (the download before it waited for the whole
+// queue), so no protect set is needed.
+//
+// Banks (prompt micro-batches, whose grouped kernels take experts in id order): where the
+// layer's misses come from the pinned pool, place() issues their DMAs on a copy stream of its
+// own in ascending expert id, in up to `banks` groups, each ending with an event (MoeBank); the
+// grouped projections of one bank wait only for its event, so the copy engine loads later banks
+// while the SMs multiply earlier ones. The copy stream first waits for everything queued on the
+// compute stream, so a slot is never rewritten under a kernel still reading it. Decode-sized
+// calls, passes and layers streamed through staging load on the compute stream as one bank.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +40,7 @@
 #include <vector>
 
 #include "experts/expert_cache.h"
+#include "backends/cuda/matmul.h"
 #include "experts/slot_layout.h"
 #include "ops/backend.h"
 
@@ -58,8 +65,11 @@ class DeviceExpertSlots {
   // the layer's experts with their views in device slots; experts no id names point at a loaded
   // slot (the kernels read only the named ones). Valid until the next place(). Loads go through
   // the pinned pool where the layer has one (DMAs on the stream), else through `upload`.
+  // With `banks` (a prompt micro-batch; ids: every routed pair's expert, to count a bank's
+  // pairs), pooled misses load bank by bank on the copy stream and *banks receives the banks
+  // to hand to moe_experts; left empty where the loads went on the compute stream.
   const std::vector<ExpertWeights>& place(const std::vector<ExpertWeights>& experts, std::span<const int32_t> ids,
-                                          const Upload& upload);
+                                          const Upload& upload, std::vector<MoeBank>* banks = nullptr);
 
   // "N slots x M MiB, hits H% (h of n), X GiB loaded at Y GB/s", and the pinned pool's use.
   std::string summary() const;
@@ -87,6 +97,7 @@ class DeviceExpertSlots {
   void* memory_ = nullptr;
   std::vector<std::vector<ExpertWeights>> placed_;  // per layer: stable storage the MoE table is keyed by
   std::vector<int32_t> unique_, slot_of_;
+  std::vector<size_t> order_;  // place()'s load order over unique_
   int64_t bytes_loaded_ = 0;
   mutable double load_seconds_ = 0;  // device time from a place()'s first load to its last, summed
 
@@ -102,9 +113,17 @@ class DeviceExpertSlots {
   int64_t host_computed_ = 0, host_linked_ = 0, host_used_ = 0;
   double link_share_ = -1;  // moe_split's, once set
   cudaStream_t stream_;
+  // Banked loads: the copy stream, the event it waits on (the compute stream's queue), the
+  // banks' events; TURBOSPARK_CUDA_EXPERT_BANKS (default 8, 1 = no overlap) caps their number.
+  cudaStream_t copy_ = nullptr;
+  cudaEvent_t queued_ = nullptr;
+  std::vector<cudaEvent_t> bank_events_;
+  int max_banks_ = 8;
+  int64_t banked_calls_ = 0, banks_used_ = 0;
   cudaEvent_t load_start_ = nullptr, load_end_ = nullptr;
   mutable bool timing_pending_ = false;
   void settle_timing() const;
+  void release();  // frees what the constructor made (after the copy stream's DMAs)
 };
 
 }  // namespace turbospark::cuda

@@ -45,6 +45,18 @@ constexpr int64_t kGemvMaxRows = 8;
 // device and each expert's rows multiplied as bf16 tensor-core tiles.
 constexpr int64_t kMoeDecodeMaxRows = 8;
 
+// One bank of a layer's streamed experts (expert_slots.h): the experts with ids from the
+// previous bank's expert_end (0 for the first) up to expert_end are in their device slots once
+// `ready` has fired (an event on the slots' copy stream; null: already). `pairs`: how many of
+// the call's (row, expert) pairs name them (the host knows the routing while streaming). The
+// grouped prefill projections of a bank wait for its event only, so later banks' loads overlap
+// earlier banks' compute; the results are those of one launch over every expert, bit for bit.
+struct MoeBank {
+  int32_t expert_end = 0;
+  int64_t pairs = 0;
+  cudaEvent_t ready = nullptr;
+};
+
 // Device memory of at least a requested size, grown (never shrunk) on demand.
 class DeviceScratch {
  public:
@@ -147,9 +159,11 @@ class WeightMatmul {
   // out[t] = sum_j weight[t, j] * expert_{idx[t, j]}(x[t]); idx/weight [x.rows, k] in device
   // memory, never read on the host. `experts` is the layer's host-side list of device views;
   // its descriptor table is uploaded at the first call for that vector (address and size)
-  // and reused, re-uploaded only when a view changed (outside capture).
+  // and reused, re-uploaded only when a view changed (outside capture). `banks` (ascending
+  // expert_end, the last = experts.size()): the experts arrive bank by bank (MoeBank); calls
+  // that take the decode kernels wait for every bank first.
   void moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx, const float* weight,
-                   int k, const Mat& out, cudaStream_t stream);
+                   int k, const Mat& out, cudaStream_t stream, std::span<const MoeBank> banks = {});
 
   int num_sms() const { return num_sms_; }
 

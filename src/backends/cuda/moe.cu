@@ -140,7 +140,8 @@ bool moe_small_groups(int64_t n_pairs, int64_t n_experts, int64_t hidden, int64_
 }
 
 void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const Mat& x, const int32_t* idx,
-                               const float* weight, int k, const Mat& out, cudaStream_t stream) {
+                               const float* weight, int k, const Mat& out, cudaStream_t stream,
+                               std::span<const MoeBank> banks) {
   TS_CHECK(!experts.empty() && k >= 1, "moe_experts: {} experts, top-k {}", experts.size(), k);
   const ExpertWeights& e0 = experts[0];
   const int64_t hidden = e0.gate.view.cols, inter = e0.gate.view.rows;
@@ -164,6 +165,11 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
     check_weight(w.up.view, "moe_experts up");
     check_weight(w.down.view, "moe_experts down");
   }
+  for (size_t b = 0; b < banks.size(); ++b)
+    TS_CHECK(banks[b].expert_end > (b ? banks[b - 1].expert_end : 0) && banks[b].pairs >= 0 &&
+                 (b + 1 < banks.size() || size_t(banks[b].expert_end) == experts.size()),
+             "moe_experts: bank {} ends at expert {} (of {}, after {})", b, banks[b].expert_end, experts.size(),
+             b ? banks[b - 1].expert_end : 0);
   if (x.rows == 0) return;
   bool gate_up_vec = true, down_vec = true;
   for (const ExpertWeights& w : experts) {
@@ -184,12 +190,18 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
   const int64_t rows = x.rows, n_pairs = rows * k;
   const MoeCall call{.experts = experts, .e0 = e0, .descs = descs, .p = p, .x = x, .idx = idx, .weight = weight,
                      .k = k, .hidden = hidden, .inter = inter, .rows = rows, .n_pairs = n_pairs, .out = out,
-                     .gate_up_vec = gate_up_vec, .down_vec = down_vec, .stream = stream};
+                     .gate_up_vec = gate_up_vec, .down_vec = down_vec, .stream = stream, .banks = banks};
+  // The decode kernels read any expert from their first block: every bank first.
+  auto await_banks = [&] {
+    for (const MoeBank& b : banks)
+      if (b.ready) TS_CUDA_CHECK(cudaStreamWaitEvent(stream, b.ready, 0), "moe_experts: waiting for a bank of experts");
+  };
 
   if (moe_int8_activations(e0, rows, k)) {
     void* hq = moe_hidden_.get(size_t(q8x32_bytes(n_pairs, inter)), stream, "moe hidden (int8)");
     int64_t xs = 0;
     const float* xa = aligned_rows(x, &xs, stream);
+    await_banks();
     call.decode_int8(xa, xs, hq);
     return;
   }
@@ -198,6 +210,7 @@ void WeightMatmul::moe_experts(const std::vector<ExpertWeights>& experts, const 
     auto* h = static_cast<float*>(moe_hidden_.get(size_t(n_pairs * ldh) * 4, stream, "moe hidden"));
     int64_t xs = 0;
     const float* xa = aligned_rows(x, &xs, stream);
+    await_banks();
     call.decode_f32(xa, xs, h, ldh);
     return;
   }

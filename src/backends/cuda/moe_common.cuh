@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "backends/cuda/matmul.h"
@@ -96,6 +97,7 @@ struct MoeCall {
   const Mat& out;                             // [rows, hidden] f32
   bool gate_up_vec, down_vec;                 // every expert's gate and up (down) views 16-byte aligned
   cudaStream_t stream;
+  std::span<const MoeBank> banks;             // empty: every expert is in place now
 
   // Every expert's views must suit the format variant chosen from expert 0's.
   void check_all(auto fmt, bool gate_up) const {
@@ -116,7 +118,8 @@ struct MoeCall {
   // moe_decode.cu, the f32-activation kernels (the other calls of up to kMoeDecodeMaxRows
   // rows): x as above, h [n_pairs, ldh] f32 (ldh % 4 == 0).
   void decode_f32(const float* xa, int64_t xs, float* h, int64_t ldh) const;
-  // moe_prefill.cu, more rows: pairs grouped by expert, grouped projections, the weighted sum;
+  // moe_prefill.cu, more rows: pairs grouped by expert, grouped projections (bank by bank,
+  // each waiting for its experts, when `banks` is set), the weighted sum;
   // its buffers grow in WeightMatmul's moe_index_, moe_x_bf16_, moe_hidden_ and moe_out_,
   // passed in that order.
   void prefill(DeviceScratch& index_scratch, DeviceScratch& x_bf16_scratch, DeviceScratch& hidden_scratch,

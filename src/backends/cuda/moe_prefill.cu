@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "backends/cuda/mma.cuh"
 #include "backends/cuda/moe_common.cuh"
@@ -146,16 +147,16 @@ template <class F, bool kGateUp>
 __global__ void __launch_bounds__(kGroupedThreads, 2)  // 2 blocks (16 warps) per SM: <= 128 registers
     moe_grouped_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p, const __nv_bfloat16* __restrict__ a_src,
                        int64_t lda, const int32_t* __restrict__ offsets, const int32_t* __restrict__ tile_offsets,
-                       void* __restrict__ dst_ptr, int64_t ld_dst) {
+                       void* __restrict__ dst_ptr, int64_t ld_dst, int e_lo, int e_hi) {
   using namespace nvcuda;
   using S = GroupedSmem<kGateUp>;
   constexpr int kMats = S::kMats;
-  const int mt = blockIdx.x;
-  const int n_experts = p.n_experts;
-  if (mt >= tile_offsets[n_experts]) return;
+  // The tiles of experts [e_lo, e_hi) (every expert, or one bank of streamed ones).
+  const int mt = tile_offsets[e_lo] + int(blockIdx.x);
+  if (mt >= tile_offsets[e_hi]) return;
   // The expert owning tile mt: the largest e with tile_offsets[e] <= mt (experts without rows
   // share their successor's offset, so the largest is the one with tiles).
-  int lo = 0, hi = n_experts - 1;
+  int lo = e_lo, hi = e_hi - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (tile_offsets[mid] <= mt) lo = mid;
@@ -323,9 +324,9 @@ template <class F, bool kGateUp>
 __global__ void __launch_bounds__(kSmallThreads)
     moe_grouped_small_kernel(const MoeExpertDesc* __restrict__ experts, MoeParams p,
                              const __nv_bfloat16* __restrict__ a_src, int64_t lda, const int32_t* __restrict__ offsets,
-                             void* __restrict__ dst_ptr, int64_t ld_dst) {
+                             void* __restrict__ dst_ptr, int64_t ld_dst, int e_lo) {
   constexpr int kMats = kGateUp ? 2 : 1;
-  const int e = blockIdx.x;
+  const int e = e_lo + int(blockIdx.x);  // the grid covers experts [e_lo, e_lo + gridDim.x)
   const int begin = offsets[e], end = offsets[e + 1];
   if (begin >= end) return;
   const int64_t n_out = kGateUp ? p.inter : p.hidden;
@@ -459,9 +460,31 @@ void MoeCall::prefill(DeviceScratch& index_scratch, DeviceScratch& x_bf16_scratc
   auto* h16 = static_cast<__nv_bfloat16*>(hidden_scratch.get(size_t(n_pairs * ldh16) * 2, stream, "moe hidden"));
   const int64_t ldy = round_up(hidden, 4);
   auto* y = static_cast<float*>(out_scratch.get(size_t(n_pairs * ldy) * 4, stream, "moe expert outputs"));
+  // The experts in ranges: every expert at once, or bank by bank as streamed experts arrive
+  // (each range waits for its bank's loads; tiles and blocks compute what one launch over every
+  // expert would, so the results do not depend on the banks).
+  struct Range {
+    int e_lo, e_hi;
+    int64_t max_tiles;
+    cudaEvent_t ready;
+  };
+  std::vector<Range> ranges;
+  if (banks.empty()) {
+    ranges.push_back({0, int(n_experts), max_tiles, nullptr});
+  } else {
+    int lo = 0;
+    for (const MoeBank& b : banks) {
+      if (b.pairs > 0)
+        ranges.push_back({lo, b.expert_end, b.pairs / kBM + std::min<int64_t>(b.expert_end - lo, b.pairs) + 1, b.ready});
+      lo = b.expert_end;
+    }
+  }
+  auto await = [&](const Range& r) {
+    if (r.ready) TS_CUDA_CHECK(cudaStreamWaitEvent(stream, r.ready, 0), "moe_experts: waiting for experts {}..{}", r.e_lo, r.e_hi - 1);
+  };
   if (moe_small_groups(n_pairs, n_experts, hidden, inter)) {
-    // One projection: gate/up (xs -> h16) or down (h16 -> y).
-    auto project = [&](auto gate_up) {
+    // One projection over a range of experts: gate/up (xs -> h16) or down (h16 -> y).
+    auto project = [&](auto gate_up, const Range& r) {
       constexpr bool kGateUp = decltype(gate_up)::value;
       const int64_t depth = kGateUp ? hidden : inter, n_out = kGateUp ? inter : hidden;
       dispatch_weight_format(
@@ -475,56 +498,60 @@ void MoeCall::prefill(DeviceScratch& index_scratch, DeviceScratch& x_bf16_scratc
                           "moe grouped small: {} bytes of shared memory", bytes);
             // An expert holds at most one pair of each row: ceil(rows / kSmallCols) passes at most.
             const int64_t passes = std::min<int64_t>((rows + kSmallCols - 1) / kSmallCols, 65535);
-            const dim3 grid(unsigned(n_experts), unsigned((n_out + kSmallFeatures - 1) / kSmallFeatures),
+            const dim3 grid(unsigned(r.e_hi - r.e_lo), unsigned((n_out + kSmallFeatures - 1) / kSmallFeatures),
                             unsigned(passes));
             if constexpr (kGateUp) {
-              kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, xs, lda, offsets, h16, ldh16);
+              kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, xs, lda, offsets, h16, ldh16, r.e_lo);
             } else {
-              kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, h16, ldh16, offsets, y, ldy);
+              kernel<<<grid, kSmallThreads, size_t(bytes), stream>>>(descs, p, h16, ldh16, offsets, y, ldy, r.e_lo);
             }
             TS_CUDA_LAUNCH_CHECK("moe grouped small {} {} [{}, {}] x {} rows x top-{}", kGateUp ? "gate_up" : "down",
                                  dtype_name(kGateUp ? e0.gate.view.dtype : e0.down.view.dtype), n_out, depth, rows, k);
           },
           kGateUp ? gate_up_vec : down_vec);
     };
-    project(std::true_type{});
-    project(std::false_type{});
-    moe_combine_kernel<<<unsigned(rows), 256, 0, stream>>>(y, ldy, pair_pos, weight, k, hidden, out.data, out.stride);
-    TS_CUDA_LAUNCH_CHECK("moe combine [{}, {}] top-{}", rows, hidden, k);
-    return;
+    for (const Range& r : ranges) {
+      await(r);
+      project(std::true_type{}, r);
+      project(std::false_type{}, r);
+    }
+  } else {
+    for (const Range& r : ranges) {
+      await(r);
+      dispatch_weight_format(
+          e0.gate.view, "moe_experts gate/up",
+          [&](auto fmt) {
+            using F = decltype(fmt);
+            check_all(fmt, true);
+            constexpr size_t bytes = GroupedSmem<true>::kBytes;
+            TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, true>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                          "moe grouped gate_up: {} bytes of shared memory", bytes);
+            const dim3 grid(unsigned(r.max_tiles), unsigned((inter + kBN - 1) / kBN));
+            moe_grouped_kernel<F, true><<<grid, kGroupedThreads, bytes, stream>>>(
+                descs, p, xs, lda, offsets, tile_offsets, h16, ldh16, r.e_lo, r.e_hi);
+            TS_CUDA_LAUNCH_CHECK("moe grouped gate_up {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
+                                 inter, hidden, rows, k);
+          },
+          gate_up_vec);
+      dispatch_weight_format(
+          e0.down.view, "moe_experts down",
+          [&](auto fmt) {
+            using F = decltype(fmt);
+            check_all(fmt, false);
+            constexpr size_t bytes = GroupedSmem<false>::kBytes;
+            TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, false>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                          "moe grouped down: {} bytes of shared memory", bytes);
+            const dim3 grid(unsigned(r.max_tiles), unsigned((hidden + kBN - 1) / kBN));
+            moe_grouped_kernel<F, false><<<grid, kGroupedThreads, bytes, stream>>>(
+                descs, p, h16, ldh16, offsets, tile_offsets, y, ldy, r.e_lo, r.e_hi);
+            TS_CUDA_LAUNCH_CHECK("moe grouped down {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype),
+                                 hidden, inter, rows, k);
+          },
+          down_vec);
+    }
   }
-  dispatch_weight_format(
-      e0.gate.view, "moe_experts gate/up",
-      [&](auto fmt) {
-        using F = decltype(fmt);
-        check_all(fmt, true);
-        constexpr size_t bytes = GroupedSmem<true>::kBytes;
-        TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(bytes)),
-                      "moe grouped gate_up: {} bytes of shared memory", bytes);
-        const dim3 grid(unsigned(max_tiles), unsigned((inter + kBN - 1) / kBN));
-        moe_grouped_kernel<F, true><<<grid, kGroupedThreads, bytes, stream>>>(descs, p, xs, lda, offsets, tile_offsets,
-                                                                              h16, ldh16);
-        TS_CUDA_LAUNCH_CHECK("moe grouped gate_up {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
-                             inter, hidden, rows, k);
-      },
-      gate_up_vec);
-  dispatch_weight_format(
-      e0.down.view, "moe_experts down",
-      [&](auto fmt) {
-        using F = decltype(fmt);
-        check_all(fmt, false);
-        constexpr size_t bytes = GroupedSmem<false>::kBytes;
-        TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(bytes)),
-                      "moe grouped down: {} bytes of shared memory", bytes);
-        const dim3 grid(unsigned(max_tiles), unsigned((hidden + kBN - 1) / kBN));
-        moe_grouped_kernel<F, false><<<grid, kGroupedThreads, bytes, stream>>>(descs, p, h16, ldh16, offsets,
-                                                                               tile_offsets, y, ldy);
-        TS_CUDA_LAUNCH_CHECK("moe grouped down {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype), hidden,
-                             inter, rows, k);
-      },
-      down_vec);
   moe_combine_kernel<<<unsigned(rows), 256, 0, stream>>>(y, ldy, pair_pos, weight, k, hidden, out.data, out.stride);
   TS_CUDA_LAUNCH_CHECK("moe combine [{}, {}] top-{}", rows, hidden, k);
 }
