@@ -178,20 +178,17 @@ __global__ void __launch_bounds__(kRouterThreads)
 }
 
 // ---- router GEMV + top-k in one launch (decode) -----------------------------------------------
-// A warp per router row (expert e), its lanes over the row in 8-element chunks (chunk c of lane
-// c % 32), the first kRouterPre chunks a lane reads loaded before pdl_begin() (weights are never
-// written by a step's kernels: a 2048-wide f32 row is loaded whole before the wait); every
-// activation row's sum (<= kRouterMaxRows) reduced across the warp and written to logits. Then
-// the block takes a ticket; the last block of the grid to finish reads every logit back (past
-// L1: other SMs wrote them) and routes each row with block_route, as router_topk_kernel does,
-// then resets the ticket for the next launch (graph replays reuse the counter). One launch
-// instead of a GEMV and a top-k kernel. (A block per expert row before: 512 blocks and tickets
-// for Flash-Next's router, whose 4 MB of f32 took 15-29 us a decode layer under ncu.)
-// Summation order differs from the GEMV's (a lane's chunks in order, then a warp tree).
+// Block e computes router row e's logit for every activation row (<= kRouterMaxRows): its
+// threads take 8-column chunks, the first loaded before pdl_begin() (weights are never written
+// by a step's kernels), sums reduced in shared memory, written to logits. Then the block takes
+// a ticket; the last block of the grid to finish reads every logit back (past L1: other SMs
+// wrote them) and routes each row with block_route, as router_topk_kernel does, then resets
+// the ticket for the next launch (graph replays reuse the counter). One launch instead of a
+// GEMV and a top-k kernel (4.3 + 5.2 us a decode layer under ncu, mostly ramp and drain).
+// Summation order differs from the GEMV's (8-column chunks per thread, then a block tree).
 constexpr int kRouterGemvThreads = 256;
 static_assert(kRouterGemvThreads >= kRouteMinThreads && kRouterGemvThreads <= kRouteMaxThreads);
 constexpr int kRouterMaxRows = 8;
-constexpr int kRouterPre = 8;
 
 template <bool kBf16>
 __device__ __forceinline__ void load_router_chunk(const uint8_t* __restrict__ row, int64_t c, float (&w)[8]) {
@@ -207,62 +204,64 @@ __device__ __forceinline__ void load_router_chunk(const uint8_t* __restrict__ ro
   }
 }
 
-// acc[r] += w . x[r, c .. c + 8) for every activation row r < rows.
-__device__ __forceinline__ void router_accumulate(float (&acc)[kRouterMaxRows], const float (&wv)[8],
-                                                  const float* __restrict__ x, int64_t x_stride, int rows, int64_t c) {
-#pragma unroll
-  for (int r = 0; r < kRouterMaxRows; ++r) {
-    if (r < rows) {
-      const float4 a = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c));
-      const float4 b = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c) + 1);
-      float v = acc[r];
-      v = fmaf(wv[0], a.x, v), v = fmaf(wv[1], a.y, v), v = fmaf(wv[2], a.z, v), v = fmaf(wv[3], a.w, v);
-      v = fmaf(wv[4], b.x, v), v = fmaf(wv[5], b.y, v), v = fmaf(wv[6], b.z, v), v = fmaf(wv[7], b.w, v);
-      acc[r] = v;
-    }
-  }
-}
-
 template <bool kBf16>
 __global__ void __launch_bounds__(kRouterGemvThreads)
-    router_gemv_topk_kernel(const uint8_t* __restrict__ w, int64_t w_row_bytes, int64_t cols, int n_experts,
+    router_gemv_topk_kernel(const uint8_t* __restrict__ w, int64_t w_row_bytes, int64_t cols,
                             const float* __restrict__ x, int64_t x_stride, int rows, float* __restrict__ logits,
                             int64_t l_stride, int k, bool renormalize, const float* __restrict__ expert_scale,
                             const float* __restrict__ bias, int32_t* __restrict__ idx, float* __restrict__ weight,
                             unsigned* __restrict__ ticket) {
+  __shared__ float partial[kRouterGemvThreads / kWarp][kRouterMaxRows];
   __shared__ float row_logits[kRouteMaxExperts];
   __shared__ RouteSmem route;
   __shared__ bool last;
-  const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
-  const int e = blockIdx.x * warps + threadIdx.x / kWarp;  // past the last expert: no row
-  const int64_t n_chunks = e < n_experts ? cols / 8 : 0;
-  const uint8_t* wr = w + int64_t(e < n_experts ? e : 0) * w_row_bytes;
-  float pre[kRouterPre][8];
-#pragma unroll
-  for (int p = 0; p < kRouterPre; ++p)
-    if (lane + p * kWarp < n_chunks) load_router_chunk<kBf16>(wr, int64_t(lane + p * kWarp) * 8, pre[p]);
+  const int e = blockIdx.x, n_experts = gridDim.x;
+  const uint8_t* wr = w + int64_t(e) * w_row_bytes;
+  const int64_t c0 = int64_t(threadIdx.x) * 8, step = int64_t(kRouterGemvThreads) * 8;
+  float first[8] = {};
+  if (c0 < cols) load_router_chunk<kBf16>(wr, c0, first);
   pdl_begin();
   float acc[kRouterMaxRows] = {};
+  auto accumulate = [&](int64_t c, const float (&wv)[8]) {
 #pragma unroll
-  for (int p = 0; p < kRouterPre; ++p)
-    if (lane + p * kWarp < n_chunks) router_accumulate(acc, pre[p], x, x_stride, rows, int64_t(lane + p * kWarp) * 8);
-  for (int64_t c = lane + kRouterPre * kWarp; c < n_chunks; c += kWarp) {
+    for (int r = 0; r < kRouterMaxRows; ++r) {
+      if (r < rows) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(x + r * x_stride + c) + 1);
+        float v = acc[r];
+        v = fmaf(wv[0], a.x, v), v = fmaf(wv[1], a.y, v), v = fmaf(wv[2], a.z, v), v = fmaf(wv[3], a.w, v);
+        v = fmaf(wv[4], b.x, v), v = fmaf(wv[5], b.y, v), v = fmaf(wv[6], b.z, v), v = fmaf(wv[7], b.w, v);
+        acc[r] = v;
+      }
+    }
+  };
+  if (c0 < cols) accumulate(c0, first);
+  for (int64_t c = c0 + step; c < cols; c += step) {
     float wv[8];
-    load_router_chunk<kBf16>(wr, c * 8, wv);
-    router_accumulate(acc, wv, x, x_stride, rows, c * 8);
+    load_router_chunk<kBf16>(wr, c, wv);
+    accumulate(c, wv);
   }
-  for (int r = 0; r < rows; ++r) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int r = 0; r < kRouterMaxRows; ++r) {
     const float v = warp_sum(acc[r]);
-    if (lane == 0 && e < n_experts) logits[r * l_stride + e] = bias ? v + bias[e] : v;  // add_bias's one addition
+    if (lane == 0) partial[warp][r] = v;
   }
-  if (lane == 0) __threadfence();  // the logits are visible device-wide before the ticket says so
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  if (threadIdx.x < rows) {
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRouterGemvThreads / kWarp; ++i) v += partial[i][threadIdx.x];
+    logits[threadIdx.x * l_stride + e] = bias ? v + bias[e] : v;  // add_bias's one addition
+    __threadfence();  // the logit is visible device-wide before the ticket says so
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == unsigned(n_experts - 1);
   __syncthreads();
   if (!last) return;
   __threadfence();
   for (int r = 0; r < rows; ++r) {
-    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) row_logits[i] = __ldcg(logits + r * l_stride + i);
+    for (int i = threadIdx.x; i < n_experts; i += kRouterGemvThreads) row_logits[i] = __ldcg(logits + r * l_stride + i);
     __syncthreads();
     block_route(row_logits, n_experts, k, renormalize, expert_scale, route);
     if (threadIdx.x < k) {
@@ -367,12 +366,9 @@ bool router_gemv_topk(const WeightView& w, const Mat& x, const Mat& logits, int 
       w.row_bytes % 16 != 0 || w.row_bytes < w.cols * elem || !aligned16(x.data) || x.stride % 4 != 0)
     return false;
   auto kernel = bf16 ? router_gemv_topk_kernel<true> : router_gemv_topk_kernel<false>;
-  // 8 warps (expert rows) a block for wide routers, 4 for narrower ones (more SMs reading).
-  const int threads = w.rows >= 256 ? kRouterGemvThreads : kRouteMinThreads;
-  const int64_t blocks = ceil_div(w.rows, threads / kWarp);
-  launch(kernel, unsigned(blocks), threads, 0, stream, static_cast<const uint8_t*>(w.data), w.row_bytes, w.cols,
-         int(w.rows), static_cast<const float*>(x.data), x.stride, int(x.rows), logits.data, logits.stride, k,
-         renormalize, expert_scale, bias, idx, weight, ticket);
+  launch(kernel, unsigned(w.rows), kRouterGemvThreads, 0, stream, static_cast<const uint8_t*>(w.data), w.row_bytes,
+         w.cols, static_cast<const float*>(x.data), x.stride, int(x.rows), logits.data, logits.stride, k, renormalize,
+         expert_scale, bias, idx, weight, ticket);
   TS_CUDA_LAUNCH_CHECK("router gemv + top-{} {} [{}, {}] x {} rows", k, dtype_name(w.dtype), w.rows, w.cols, x.rows);
   return true;
 }
