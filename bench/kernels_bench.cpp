@@ -1,6 +1,7 @@
 // Microbenchmarks of the CPU matmuls: BF16 at Qwen3-0.6B shapes, the ggml formats at
-// Qwen2.5-1.5B Q4_K_M shapes (the default model) and the grouped 4-bit formats (INT4-affine
-// g64, MXFP4 exact and int8) at gpt-oss-20b expert shapes, decode GEMV (reported as weight GB/s
+// Qwen2.5-1.5B Q4_K_M shapes (the default model), the grouped 4-bit formats (INT4-affine
+// g64, MXFP4 exact and int8) at gpt-oss-20b expert shapes and a MoE decode layer at
+// Qwen3-30B-A3B's, decode GEMV (reported as weight GB/s
 // next to this machine's measured DRAM read bandwidth) and prefill GEMM (GFLOP/s; 64 tokens
 // is one prefill micro-batch). Not built by CMake; from the repository root, after a build:
 //
@@ -28,6 +29,7 @@
 #include "backends/cpu/membw.h"
 #include "backends/cpu/mxfp4.h"
 #include "backends/cpu/quant_matmul.h"
+#include "ops/backend.h"
 #include "core/quant.h"
 #include "core/quant_grouped.h"
 
@@ -232,6 +234,43 @@ void grouped_matmul_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"shape", "format", "tokens"})->UseRealTime();
 }
 BENCHMARK(bm_grouped_matmul)->Apply(grouped_matmul_args);
+
+// A decode step's MoE layer on the CPU backend (Backend::moe_experts, one token, top-8 of 128
+// Qwen3-30B-A3B-shaped Q4_0 experts: gate/up [768, 2048], down [2048, 768]), the experts drawn
+// at random from enough copies to span 512 MiB, as a streamed or host-computed layer reads
+// them. Compare `TURBOSPARK_CPU_MOE_JOBS=0` (three dispatches per expert) with the default
+// (two per layer). Bytes processed = the eight experts' weights.
+void bm_moe_decode(benchmark::State& state) {
+  constexpr int64_t kHidden = 2048, kInter = 768, kTopK = 8;
+  const int64_t expert_bytes = 3 * kInter * row_bytes(DType::Q4_0, kHidden);
+  const int n_experts = int(std::max<int64_t>(kTopK, (int64_t(512) << 20) / expert_bytes));
+  QuantMatrices gates(DType::Q4_0, kInter, kHidden, n_experts), ups(DType::Q4_0, kInter, kHidden, n_experts),
+      downs(DType::Q4_0, kHidden, kInter, n_experts);
+  std::vector<ExpertWeights> experts(static_cast<size_t>(n_experts));
+  for (int e = 0; e < n_experts; ++e) {
+    experts[size_t(e)].gate.view = gates.views[size_t(e)];
+    experts[size_t(e)].up.view = ups.views[size_t(e)];
+    experts[size_t(e)].down.view = downs.views[size_t(e)];
+  }
+  static std::unique_ptr<Backend> backend = make_cpu_backend(0);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(kHidden)), y(static_cast<size_t>(kHidden));
+  for (auto& v : x) v = normal(rng);
+  std::vector<int32_t> idx(static_cast<size_t>(kTopK));
+  std::vector<float> weight(static_cast<size_t>(kTopK), 1.f / float(kTopK));
+  std::vector<int32_t> all(static_cast<size_t>(n_experts));
+  for (int32_t e = 0; e < n_experts; ++e) all[size_t(e)] = e;
+  for (auto _ : state) {
+    for (int64_t j = 0; j < kTopK; ++j) std::swap(all[size_t(j)], all[size_t(j) + rng() % size_t(n_experts - j)]);
+    std::copy(all.begin(), all.begin() + kTopK, idx.begin());
+    backend->moe_experts(experts, Mat(x.data(), 1, kHidden), idx.data(), weight.data(), int(kTopK),
+                         Mat(y.data(), 1, kHidden));
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.SetBytesProcessed(int64_t(state.iterations()) * kTopK * expert_bytes);
+}
+BENCHMARK(bm_moe_decode)->UseRealTime();
 
 }  // namespace
 }  // namespace turbospark::cpu

@@ -19,6 +19,7 @@
 #include "backends/cpu/quant_matmul.h"
 #include "core/error.h"
 #include "core/quant.h"
+#include "core/thread_pool.h"
 
 namespace turbospark {
 namespace {
@@ -139,6 +140,77 @@ TEST(QuantGemm, RefusesFormatsWithoutTiledKernel) {
   std::vector<float> x(32), y(1);
   EXPECT_FALSE(cpu::quant_gemm::has_tiled_kernel(DType::Q8_0));
   EXPECT_THROW(cpu::quant_gemm::matmul(nullptr, w, Mat(x.data(), 1, 32), Mat(y.data(), 1, 1), true), Error);
+}
+
+// quant_matmul_jobs against quant_matmul job by job, bit for bit: mixed formats in one call,
+// ragged row and token counts (one row, rows that do not fill the pool's 8-row grain, jobs past
+// the tiled bound that take quant_matmul's own path), several jobs naming the same x (one
+// quantization shared) and jobs whose x has the same memory but another shape (not shared),
+// strided outputs whose padding must stay untouched, and pools of 1 and 3 threads.
+TEST(QuantMatmulJobs, EveryJobEqualsQuantMatmulBitForBit) {
+  std::mt19937 rng(31);
+  constexpr DType kTypes[] = {DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::Q5_1};
+  struct Case {
+    DType t;
+    int64_t rows, cols, T;
+    int x;  // which activation buffer
+  };
+  for (int threads : {1, 3}) {
+    ThreadPool pool(threads);
+    for (int round = 0; round < 6; ++round) {
+      std::vector<Case> cases;
+      std::uniform_int_distribution<int> pick_t(0, 4), pick_rows(1, 41), pick_T(1, 5), pick_x(0, 2);
+      const int n_jobs = 1 + round * 3;
+      for (int j = 0; j < n_jobs; ++j) cases.push_back({kTypes[pick_t(rng)], pick_rows(rng), 256, pick_T(rng), pick_x(rng)});
+      if (round == 5) cases.push_back({DType::Q4_0, 9, 256, 17, 0});  // tiled: its own call
+      // Three activation buffers of 17 rows; a job reads the first T rows of its buffer.
+      std::vector<std::vector<float>> xs;
+      for (int b = 0; b < 3; ++b) xs.push_back(random_normal(size_t(17 * 256), rng));
+      std::vector<std::vector<uint8_t>> weights;
+      std::vector<WeightView> views;
+      std::vector<std::vector<float>> ys, want;
+      for (const Case& c : cases) {
+        weights.push_back(random_rows(c.t, c.rows, c.cols, rng));
+        views.push_back(WeightView{c.t, weights.back().data(), c.rows, c.cols, row_bytes(c.t, c.cols)});
+        ys.emplace_back(size_t(c.T * (c.rows + 2)), -7.f);
+        want.emplace_back(size_t(c.T * (c.rows + 2)), -7.f);
+      }
+      std::vector<cpu::QuantMatmulJob> jobs;
+      for (size_t j = 0; j < cases.size(); ++j) {
+        const Case& c = cases[j];
+        const Mat x(xs[size_t(c.x)].data(), c.T, c.cols);
+        jobs.push_back({&views[j], x, Mat(ys[j].data(), c.T, c.rows, c.rows + 2)});
+        cpu::quant_matmul(pool, views[j], x, Mat(want[j].data(), c.T, c.rows, c.rows + 2));
+      }
+      cpu::quant_matmul_jobs(pool, jobs);
+      for (size_t j = 0; j < cases.size(); ++j) {
+        const Case& c = cases[j];
+        for (size_t i = 0; i < ys[j].size(); ++i)
+          ASSERT_EQ(bits(ys[j][i]), bits(want[j][i]))
+              << "threads " << threads << " round " << round << " job " << j << " " << dtype_name(c.t) << " [" << c.rows
+              << ", " << c.cols << "] T " << c.T << " x " << c.x << " element " << i;
+      }
+    }
+  }
+}
+
+TEST(QuantMatmulJobs, RefusesWhatQuantMatmulRefuses) {
+  ThreadPool pool(2);
+  std::vector<uint8_t> bytes(size_t(row_bytes(DType::Q4_0, 64) * 2));
+  const WeightView w{DType::Q4_0, bytes.data(), 2, 64, row_bytes(DType::Q4_0, 64)};
+  const WeightView f32{DType::F32, bytes.data(), 2, 16, 64};
+  std::vector<float> x(64), y(2);
+  const cpu::QuantMatmulJob good{&w, Mat(x.data(), 1, 64), Mat(y.data(), 1, 2)};
+  const cpu::QuantMatmulJob wrong_cols{&w, Mat(x.data(), 1, 32), Mat(y.data(), 1, 2)};
+  const cpu::QuantMatmulJob not_quantized{&f32, Mat(x.data(), 1, 16), Mat(y.data(), 1, 2)};
+  const cpu::QuantMatmulJob no_weight{nullptr, Mat(x.data(), 1, 64), Mat(y.data(), 1, 2)};
+  for (const cpu::QuantMatmulJob& bad : {wrong_cols, not_quantized, no_weight}) {
+    const std::vector<cpu::QuantMatmulJob> jobs{good, bad};
+    EXPECT_THROW(cpu::quant_matmul_jobs(pool, jobs), Error);
+  }
+  EXPECT_TRUE(cpu::quant_matmul_takes(DType::Q6_K));
+  EXPECT_FALSE(cpu::quant_matmul_takes(DType::MXFP4));
+  EXPECT_FALSE(cpu::quant_matmul_takes(DType::BF16));
 }
 
 }  // namespace

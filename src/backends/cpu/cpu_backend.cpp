@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <string_view>
 
 #include "backends/cpu/hybrid_ops.h"
 #include "backends/cpu/int4_affine.h"
@@ -230,6 +232,7 @@ class CpuBackend final : public Backend {
     }
     for (int64_t r = 0; r < T; ++r) std::memset(out.row(r), 0, size_t(out.cols) * 4);
     const int64_t inter = experts.empty() ? 0 : experts[0].gate.rows();
+    if (!provider_ && moe_jobs_apply(experts, by_expert)) return moe_experts_as_jobs(experts, x, out);
     ensure_scratch(T * (hidden + 5 * inter + hidden));
     // Streaming: the experts this micro-batch uses, in the order they are computed, so the
     // provider can load the next ones while this one runs (the routing read above is the
@@ -276,25 +279,107 @@ class CpuBackend final : public Backend {
         matmul_view(ew.gate.view, xs, gate);
         matmul_view(ew.up.view, xs, up);
       }
-      if (ew.gate_bias) cpu::add_bias(gate, ew.gate_bias);
-      if (ew.up_bias) cpu::add_bias(up, ew.up_bias);
-      if (ew.glu_limit > 0) {
-        cpu::clamped_swiglu(gate, up, ew.glu_alpha, ew.glu_limit, gate);
-      } else if (ew.act == Act::kSilu) {
-        cpu::swiglu(gate, up, gate);
-      } else {
-        cpu::unary(gate, ew.act, 1.f, 1.f, gate);
-        cpu::mul_act(gate, up, Act::kIdentity);
-      }
+      expert_activation(ew, gate, up);
       matmul_view(ew.down.view, gate, y);
-      if (ew.down_bias) cpu::add_bias(y, ew.down_bias);
-      for (int64_t i = 0; i < n; ++i) {
-        float* dst = out.row(rows[size_t(i)].first);
-        const float* src = y.row(i);
-        const float wgt = rows[size_t(i)].second;
-        for (int64_t c = 0; c < hidden; ++c) dst[c] += wgt * src[c];
-      }
+      expert_combine(ew, rows, y, out);
     }
+  }
+
+  // gate = act(gate + gate_bias) * (up + up_bias), the expert's GLU (h, the down projection's input).
+  static void expert_activation(const ExpertWeights& ew, const Mat& gate, const Mat& up) {
+    if (ew.gate_bias) cpu::add_bias(gate, ew.gate_bias);
+    if (ew.up_bias) cpu::add_bias(up, ew.up_bias);
+    if (ew.glu_limit > 0) {
+      cpu::clamped_swiglu(gate, up, ew.glu_alpha, ew.glu_limit, gate);
+    } else if (ew.act == Act::kSilu) {
+      cpu::swiglu(gate, up, gate);
+    } else {
+      cpu::unary(gate, ew.act, 1.f, 1.f, gate);
+      cpu::mul_act(gate, up, Act::kIdentity);
+    }
+  }
+
+  // out[token] += weight * (y + down_bias) for each of the expert's (token, weight) rows, in order.
+  static void expert_combine(const ExpertWeights& ew, const std::vector<std::pair<int32_t, float>>& rows, const Mat& y,
+                             const Mat& out) {
+    if (ew.down_bias) cpu::add_bias(y, ew.down_bias);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      float* dst = out.row(rows[i].first);
+      const float* src = y.row(int64_t(i));
+      const float wgt = rows[i].second;
+      for (int64_t c = 0; c < y.cols; ++c) dst[c] += wgt * src[c];
+    }
+  }
+
+  // Whether moe_experts_as_jobs takes this micro-batch: every picked expert's gate, up and down
+  // in a ggml block format (quant_matmul's), gate and up separate, few rows each (a decode step
+  // or a small batch; bigger ones take the tiled kernels expert by expert), and the precision
+  // the CPU's own (CpuPrecision modelling CUDA routes matmuls by size and format).
+  bool moe_jobs_apply(const std::vector<ExpertWeights>& experts,
+                      const std::vector<std::vector<std::pair<int32_t, float>>>& by_expert) const {
+    if (!moe_jobs_on_ || precision_.gemm_above_rows > 0 || precision_.nudge_seed != 0 || precision_.float_mxfp4)
+      return false;
+    for (size_t e = 0; e < experts.size(); ++e) {
+      if (by_expert[e].empty()) continue;
+      const ExpertWeights& ew = experts[e];
+      if (by_expert[e].size() > kMoeJobsMaxRows || ew.gate_up_interleaved || !cpu::quant_matmul_takes(ew.gate.view.dtype) ||
+          !cpu::quant_matmul_takes(ew.up.view.dtype) || !cpu::quant_matmul_takes(ew.down.view.dtype))
+        return false;
+    }
+    return true;
+  }
+  static constexpr size_t kMoeJobsMaxRows = 8;
+  // TURBOSPARK_CPU_MOE_JOBS=0: every micro-batch takes the loop over experts (to measure one
+  // against the other; the results are the same bits).
+  const bool moe_jobs_on_ = [] {
+    const char* v = std::getenv("TURBOSPARK_CPU_MOE_JOBS");
+    return !(v && std::string_view(v) == "0");
+  }();
+
+  // moe_experts for a micro-batch moe_jobs_apply takes: every picked expert's gate and up in one
+  // parallel region, their activations, then every down projection in a second one, then the
+  // weighted sums in expert order. The same products, rounding and summation order as the loop
+  // over experts (bit for bit: quant_matmul_jobs keeps quant_matmul's contract), in two
+  // dispatches instead of three per expert. An expert's single row is read in place (the jobs
+  // of a decode step then share one quantized x).
+  void moe_experts_as_jobs(const std::vector<ExpertWeights>& experts, const Mat& x, const Mat& out) {
+    const int64_t hidden = x.cols, inter = experts[0].gate.rows();
+    const auto& by_expert = by_expert_;
+    int64_t pairs = 0;
+    for (size_t e = 0; e < experts.size(); ++e) pairs += int64_t(by_expert[e].size());
+    ensure_scratch(pairs * (2 * hidden + 2 * inter));
+    auto& picked = moe_picked_;
+    picked.clear();
+    float* next = scratch_.data();
+    auto take = [&next](int64_t rows, int64_t cols) {
+      const Mat m(next, rows, cols);
+      next += rows * cols;
+      return m;
+    };
+    for (size_t e = 0; e < experts.size(); ++e) {
+      const auto& rows = by_expert[e];
+      if (rows.empty()) continue;
+      const int64_t n = int64_t(rows.size());
+      Mat xs = n == 1 ? Mat(x.row(rows[0].first), 1, hidden) : take(n, hidden);
+      if (n > 1)
+        for (int64_t i = 0; i < n; ++i) std::memcpy(xs.row(i), x.row(rows[size_t(i)].first), size_t(hidden) * 4);
+      const Mat gate = take(n, inter), up = take(n, inter), y = take(n, hidden);
+      picked.push_back({e, xs, gate, up, y});
+    }
+    auto& jobs = moe_jobs_;
+    jobs.clear();
+    for (const auto& p : picked) {
+      jobs.push_back({&experts[p.e].gate.view, p.xs, p.gate});
+      jobs.push_back({&experts[p.e].up.view, p.xs, p.up});
+    }
+    cpu::quant_matmul_jobs(pool_, jobs);
+    jobs.clear();
+    for (const auto& p : picked) {
+      expert_activation(experts[p.e], p.gate, p.up);
+      jobs.push_back({&experts[p.e].down.view, p.gate, p.y});
+    }
+    cpu::quant_matmul_jobs(pool_, jobs);
+    for (const auto& p : picked) expert_combine(experts[p.e], by_expert[p.e], p.y, out);
   }
 
   void set_expert_provider(ExpertProvider* provider) override { provider_ = provider; }
@@ -544,6 +629,12 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   std::vector<float> scratch_;  // gathered expert inputs and FFN intermediates, grown once
   std::vector<std::vector<std::pair<int32_t, float>>> by_expert_;  // moe_experts: (token, weight) per expert
+  struct MoePicked {
+    size_t e;
+    Mat xs, gate, up, y;
+  };
+  std::vector<MoePicked> moe_picked_;           // moe_experts_as_jobs: per picked expert, its buffers
+  std::vector<cpu::QuantMatmulJob> moe_jobs_;   // moe_experts_as_jobs: one dispatch's products
   uint64_t nudge_calls_ = 0;
 };
 

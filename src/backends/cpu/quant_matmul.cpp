@@ -765,6 +765,74 @@ void quant_matmul(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat
   pool.parallel_for(w.rows, 8, [&](int64_t b, int64_t e) { matmul_rows(f, w, xq_data, xq_stride, x.rows, y, b, e); });
 }
 
+bool quant_matmul_takes(DType dtype) {
+  switch (dtype) {
+    case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1: case DType::Q8_0:
+    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: return true;
+    default: return false;
+  }
+}
+
+void quant_matmul_jobs(ThreadPool& pool, std::span<const QuantMatmulJob> jobs) {
+  // Per fused job: its format, where its quantized x lives, and its first row in the
+  // concatenation of every fused job's output rows.
+  struct Fused {
+    const QuantMatmulJob* job;
+    Format f;
+    int64_t xq_stride, xq_offset, first_row;
+  };
+  thread_local std::vector<Fused> fused;
+  fused.clear();
+  int64_t xq_bytes = 0, total_rows = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const QuantMatmulJob& job = jobs[j];
+    if (!job.w) fail("quant_matmul_jobs: job {} has no weight", j);
+    const Format f = format_of<true>(*job.w, "quant_matmul_jobs");
+    check_shapes(*job.w, job.x, job.y, f, "quant_matmul_jobs");
+    if (job.x.rows == 0 || job.w->rows == 0) continue;
+    if (job.x.rows >= kTiledMinTokens && quant_gemm::has_tiled_kernel(job.w->dtype)) {
+      quant_matmul(pool, *job.w, job.x, job.y);  // a batch: the tiled kernels, on their own
+      continue;
+    }
+    const int64_t stride = act_row_bytes(f, job.w->cols);
+    int64_t offset = -1;
+    for (const Fused& o : fused)  // the same activation rows, quantized the same way
+      if (o.job->x.data == job.x.data && o.job->x.rows == job.x.rows && o.job->x.cols == job.x.cols &&
+          o.job->x.stride == job.x.stride && o.f.act == f.act)
+        offset = o.xq_offset;
+    if (offset < 0) offset = xq_bytes, xq_bytes += stride * job.x.rows;
+    fused.push_back({&job, f, stride, offset, total_rows});
+    total_rows += job.w->rows;
+  }
+  if (fused.empty()) return;
+  std::vector<uint8_t>& xq = activation_scratch();
+  if (int64_t(xq.size()) < xq_bytes) xq.resize(size_t(xq_bytes));
+  uint8_t* xq_data = xq.data();
+  for (size_t j = 0; j < fused.size(); ++j) {
+    const Fused& u = fused[j];
+    bool first = true;  // the first job to name this x quantizes it
+    for (size_t i = 0; i < j; ++i) first &= fused[i].xq_offset != u.xq_offset;
+    if (!first) continue;
+    for (int64_t t = 0; t < u.job->x.rows; ++t)
+      quantize_act_row<true>(u.f, u.job->x.row(t), xq_data + u.xq_offset + t * u.xq_stride, u.job->w->cols);
+  }
+  const Fused* list = fused.data();
+  const size_t n_fused = fused.size();
+  pool.parallel_for(total_rows, 8, [&](int64_t b, int64_t e) {
+    // The last job starting at or before b, then each job the range [b, e) crosses.
+    size_t j = size_t(std::upper_bound(list, list + n_fused, b,
+                                       [](int64_t row, const Fused& u) { return row < u.first_row; }) -
+                      list) - 1;
+    for (; j < n_fused && list[j].first_row < e; ++j) {
+      const Fused& u = list[j];
+      const int64_t lo = std::max(b, u.first_row) - u.first_row;
+      const int64_t hi = std::min(e, u.first_row + u.job->w->rows) - u.first_row;
+      if (lo < hi)
+        matmul_rows(u.f, *u.job->w, xq_data + u.xq_offset, u.xq_stride, u.job->x.rows, u.job->y, lo, hi);
+    }
+  });
+}
+
 void ref::quant_matmul(const WeightView& w, const Mat& x, const Mat& y) {
   const Format f = format_of<false>(w, "ref::quant_matmul");
   check_shapes(w, x, y, f, "ref::quant_matmul");

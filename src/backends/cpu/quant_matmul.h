@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
@@ -35,6 +36,25 @@ namespace turbospark::cpu {
 // block size), y.cols == w.rows, y.rows == x.rows, rows of x and y may be strided. Throws
 // Error naming the dtype or the shapes when they do not fit.
 void quant_matmul(ThreadPool& pool, const WeightView& w, const Mat& x, const Mat& y);
+
+// One product of quant_matmul_jobs: y = x w^T with quant_matmul's contract for each.
+struct QuantMatmulJob {
+  const WeightView* w = nullptr;
+  Mat x, y;
+};
+
+// Every job's product, each output equal to quant_matmul's bit for bit (the accumulation
+// contract), in one parallel region: the rows of all the jobs are split across the pool
+// together, and activation rows are quantized once per distinct x (jobs whose x is the same
+// memory, shape and activation format share it). For the small products of a MoE decode step
+// (a few rows through each of k experts' gate, up, then down), one dispatch instead of one per
+// product: each of those is a few microseconds of work per thread, about what a dispatch costs.
+// Jobs of kTiledMinTokens (16) rows or more take quant_matmul's tiled kernels, one call each.
+// Outputs must not overlap inputs or each other. Throws as quant_matmul does.
+void quant_matmul_jobs(ThreadPool& pool, std::span<const QuantMatmulJob> jobs);
+
+// Whether quant_matmul takes weights of this dtype (the ggml block formats above).
+bool quant_matmul_takes(DType dtype);
 
 // out[t, :] = dequantized row ids[t] of `table` ([vocab, dim], any quantized or float
 // dtype), times `scale`. Throws Error naming an id outside [0, vocab).
