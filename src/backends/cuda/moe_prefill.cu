@@ -516,40 +516,38 @@ void MoeCall::prefill(DeviceScratch& index_scratch, DeviceScratch& x_bf16_scratc
       project(std::false_type{}, r);
     }
   } else {
+    // One projection's tiles over a range of experts: gate/up (xs -> h16) or down (h16 -> y).
+    auto tiles = [&](auto gate_up, const Range& r) {
+      constexpr bool kGateUp = decltype(gate_up)::value;
+      const char* what = kGateUp ? "gate_up" : "down";
+      const WeightView& view = kGateUp ? e0.gate.view : e0.down.view;
+      dispatch_weight_format(
+          view, kGateUp ? "moe_experts gate/up" : "moe_experts down",
+          [&](auto fmt) {
+            using F = decltype(fmt);
+            check_all(fmt, kGateUp);
+            constexpr size_t bytes = GroupedSmem<kGateUp>::kBytes;
+            auto* kernel = moe_grouped_kernel<F, kGateUp>;
+            TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                          "moe grouped {}: {} bytes of shared memory", what, bytes);
+            const int64_t n_out = kGateUp ? inter : hidden;
+            const dim3 grid(unsigned(r.max_tiles), unsigned((n_out + kBN - 1) / kBN));
+            if constexpr (kGateUp) {
+              kernel<<<grid, kGroupedThreads, bytes, stream>>>(descs, p, xs, lda, offsets, tile_offsets, h16, ldh16,
+                                                               r.e_lo, r.e_hi);
+            } else {
+              kernel<<<grid, kGroupedThreads, bytes, stream>>>(descs, p, h16, ldh16, offsets, tile_offsets, y, ldy,
+                                                               r.e_lo, r.e_hi);
+            }
+            TS_CUDA_LAUNCH_CHECK("moe grouped {} {} [{}, {}] x {} rows x top-{}", what, dtype_name(view.dtype), n_out,
+                                 kGateUp ? hidden : inter, rows, k);
+          },
+          kGateUp ? gate_up_vec : down_vec);
+    };
     for (const Range& r : ranges) {
       await(r);
-      dispatch_weight_format(
-          e0.gate.view, "moe_experts gate/up",
-          [&](auto fmt) {
-            using F = decltype(fmt);
-            check_all(fmt, true);
-            constexpr size_t bytes = GroupedSmem<true>::kBytes;
-            TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, true>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                          "moe grouped gate_up: {} bytes of shared memory", bytes);
-            const dim3 grid(unsigned(r.max_tiles), unsigned((inter + kBN - 1) / kBN));
-            moe_grouped_kernel<F, true><<<grid, kGroupedThreads, bytes, stream>>>(
-                descs, p, xs, lda, offsets, tile_offsets, h16, ldh16, r.e_lo, r.e_hi);
-            TS_CUDA_LAUNCH_CHECK("moe grouped gate_up {} [{}, {}] x {} rows x top-{}", dtype_name(e0.gate.view.dtype),
-                                 inter, hidden, rows, k);
-          },
-          gate_up_vec);
-      dispatch_weight_format(
-          e0.down.view, "moe_experts down",
-          [&](auto fmt) {
-            using F = decltype(fmt);
-            check_all(fmt, false);
-            constexpr size_t bytes = GroupedSmem<false>::kBytes;
-            TS_CUDA_CHECK(cudaFuncSetAttribute(moe_grouped_kernel<F, false>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                          "moe grouped down: {} bytes of shared memory", bytes);
-            const dim3 grid(unsigned(r.max_tiles), unsigned((hidden + kBN - 1) / kBN));
-            moe_grouped_kernel<F, false><<<grid, kGroupedThreads, bytes, stream>>>(
-                descs, p, h16, ldh16, offsets, tile_offsets, y, ldy, r.e_lo, r.e_hi);
-            TS_CUDA_LAUNCH_CHECK("moe grouped down {} [{}, {}] x {} rows x top-{}", dtype_name(e0.down.view.dtype),
-                                 hidden, inter, rows, k);
-          },
-          down_vec);
+      tiles(std::true_type{}, r);
+      tiles(std::false_type{}, r);
     }
   }
   moe_combine_kernel<<<unsigned(rows), 256, 0, stream>>>(y, ldy, pair_pos, weight, k, hidden, out.data, out.stride);
