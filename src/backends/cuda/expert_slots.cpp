@@ -102,10 +102,14 @@ void DeviceExpertSlots::release() {
   }
   if (memory_) cudaFree(memory_);
   memory_ = nullptr;
-  for (cudaEvent_t& e : bank_events_)
-    if (e) cudaEventDestroy(e), e = nullptr;
-  for (cudaEvent_t* e : {&load_start_, &load_end_, &queued_})
-    if (*e) cudaEventDestroy(*e), *e = nullptr;
+  auto destroy = [](cudaEvent_t& e) {
+    if (e) cudaEventDestroy(e);
+    e = nullptr;
+  };
+  for (cudaEvent_t& e : bank_events_) destroy(e);
+  destroy(load_start_);
+  destroy(load_end_);
+  destroy(queued_);
   if (copy_) cudaStreamDestroy(copy_);
   copy_ = nullptr;
   cudaGetLastError();
