@@ -259,10 +259,15 @@ inline __m256i unpack_nibbles16(const uint8_t* qs) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Sum of u8 * s8 products, in 8 int32 lanes. |u8| <= 128 and s8 in [-127, 127] keep the
-// pairwise int16 sums of maddubs from saturating (2 * 128 * 127 < 32768).
+// Sum of u8 * s8 products, in 8 int32 lanes (lane i: bytes 4i .. 4i + 3). |u8| <= 128 and s8
+// in [-127, 127] keep the pairwise int16 sums of maddubs from saturating (2 * 128 * 127 <
+// 32768), so AVX-512 VNNI's one-instruction form (no int16 step) gives the same lanes.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // The 32-element formats share one loop, dot_block32; Block32<format> says how to get a
