@@ -537,8 +537,10 @@ class CudaBackend final : public Backend {
     TS_CHECK(expert_slots_, "cuda: routed experts are in host memory but no expert cache was set (set_expert_cache)");
     if (x.rows == 0) return;
     const int64_t pairs = x.rows * k;
+    const bool split = host_compute_ && x.rows <= cuda::kMoeDecodeMaxRows;
     routed_ids_.resize(size_t(pairs));
-    download_bytes(routed_ids_.data(), idx, pairs * 4);
+    if (split) download_for_split(idx, weight, x, pairs);  // moe_split's inputs too, in one wait
+    else download_bytes(routed_ids_.data(), idx, pairs * 4);
     auto upload = [this](void* dst, const void* src, int64_t bytes) { stage_copy(dst, src, bytes, "routed expert"); };
     // The distinct experts in first-use order.
     std::vector<int32_t>& distinct = distinct_;
@@ -553,7 +555,7 @@ class CudaBackend final : public Backend {
         distinct.push_back(id);
       }
     }
-    if (host_compute_ && x.rows <= cuda::kMoeDecodeMaxRows) return moe_split(experts, x, weight, k, out);
+    if (split) return moe_split(experts, x, k, out);
     const int64_t slots = expert_slots_->slots();
     if (int64_t(distinct.size()) <= slots) {
       // A prompt micro-batch's loads come in banks its grouped projections wait for one by one.
@@ -592,11 +594,10 @@ class CudaBackend final : public Backend {
   // is uploaded and added. The link's share of the misses
   // (TURBOSPARK_CUDA_EXPERT_LINK_SHARE, a fraction; default auto) balances itself: after the
   // host's share, a GPU still busy lowers it a step, an idle one raises it.
-  void moe_split(const std::vector<ExpertWeights>& experts, const Mat& x, const float* weight, int k, const Mat& out) {
+  // Its routing weights and x came down with the expert ids (download_for_split).
+  void moe_split(const std::vector<ExpertWeights>& experts, const Mat& x, int k, const Mat& out) {
     const int32_t layer = experts[0].gate.layer;
     const int64_t rows = x.rows, hidden = out.cols, pairs = rows * k;
-    routed_weights_.resize(size_t(pairs));
-    download_bytes(routed_weights_.data(), weight, pairs * 4);
     // expert_flag_: whether the GPU computes the expert (held in a slot, or loaded now), for
     // the distinct ones.
     int32_t on_gpu = -1;
@@ -637,10 +638,7 @@ class CudaBackend final : public Backend {
       return;
     }
     // The host's share: one row per (row, expert) pair it computes, so each expert's weights
-    // are read once for all its pairs; then summed into the rows. x comes down before the
-    // GPU's share is queued (a download waits for the stream).
-    host_x_.resize(size_t(rows * hidden));
-    download(x, host_x_.data());
+    // are read once for all its pairs; then summed into the rows (x is in host_x_ already).
     host_pair_row_.clear();
     host_pair_id_.clear();
     host_pair_w_.clear();
@@ -671,17 +669,56 @@ class CudaBackend final : public Backend {
       const float* src = &host_pair_y_[size_t(i * hidden)];
       for (int64_t c = 0; c < hidden; ++c) dst[c] += src[c];
     }
+    // The host's share goes up from pinned memory without a wait: the next split's download
+    // waits for the stream, so the copy has finished before this memory is written again.
+    float* share = split_pinned_.upload;
+    std::memcpy(share, host_x_.data(), size_t(rows * hidden) * 4);
+    auto upload_share = [&](const Mat& dst) {
+      TS_CUDA_CHECK(cudaMemcpy2DAsync(dst.data, size_t(dst.stride) * 4, share, size_t(hidden) * 4, size_t(hidden) * 4,
+                                      size_t(rows), cudaMemcpyHostToDevice, stream_),
+                    "MoE split: the host's share [{}, {}]", rows, hidden);
+    };
     if (on_gpu < 0) {
       adjust_link_share(+1);  // the GPU sat idle
-      return upload(out, host_x_.data());  // the host's share is the whole output
+      return upload_share(out);  // the host's share is the whole output
     }
     // The GPU still busy once the host is done: the link took too much; idle: too little.
     const cudaError_t q = cudaEventQuery(split_done_);
     TS_CHECK(q == cudaSuccess || q == cudaErrorNotReady, "cuda: MoE split: {}", cudaGetErrorString(q));
     adjust_link_share(q == cudaSuccess ? +1 : -1);
     const Mat part = pass_part(rows, hidden);
-    upload(part, host_x_.data());
+    upload_share(part);
     cuda::add(out, part, stream_);
+  }
+
+  // moe_split's inputs from the device in one wait: the routing's ids (routed_ids_) and
+  // weights (routed_weights_) and x (host_x_), through pinned memory (split_pinned_, which
+  // also holds the host's share on its way up).
+  void download_for_split(const int32_t* idx, const float* weight, const Mat& x, int64_t pairs) {
+    const int64_t values = x.rows * x.cols;
+    if (split_pinned_.pairs < pairs || split_pinned_.values < values) {
+      split_pinned_.release();
+      split_pinned_.pairs = std::max(split_pinned_.pairs, pairs);
+      split_pinned_.values = std::max(split_pinned_.values, values);
+      void* p = nullptr;
+      const int64_t bytes = 8 * split_pinned_.pairs + 8 * split_pinned_.values;
+      TS_CUDA_CHECK(cudaMallocHost(&p, size_t(bytes)), "pinned MoE split buffers of {} bytes", bytes);
+      split_pinned_.ids = static_cast<int32_t*>(p);
+      split_pinned_.weights = reinterpret_cast<float*>(split_pinned_.ids + split_pinned_.pairs);
+      split_pinned_.x = split_pinned_.weights + split_pinned_.pairs;
+      split_pinned_.upload = split_pinned_.x + split_pinned_.values;
+    }
+    TS_CUDA_CHECK(cudaMemcpyAsync(split_pinned_.ids, idx, size_t(pairs) * 4, cudaMemcpyDeviceToHost, stream_),
+                  "MoE split: routing ids");
+    TS_CUDA_CHECK(cudaMemcpyAsync(split_pinned_.weights, weight, size_t(pairs) * 4, cudaMemcpyDeviceToHost, stream_),
+                  "MoE split: routing weights");
+    TS_CUDA_CHECK(cudaMemcpy2DAsync(split_pinned_.x, size_t(x.cols) * 4, x.data, size_t(x.stride) * 4,
+                                    size_t(x.cols) * 4, size_t(x.rows), cudaMemcpyDeviceToHost, stream_),
+                  "MoE split: x [{}, {}]", x.rows, x.cols);
+    TS_CUDA_CHECK(cudaStreamSynchronize(stream_), "the step before a MoE split's routing");
+    routed_ids_.assign(split_pinned_.ids, split_pinned_.ids + pairs);
+    routed_weights_.assign(split_pinned_.weights, split_pinned_.weights + pairs);
+    host_x_.assign(split_pinned_.x, split_pinned_.x + values);
   }
 
   // The routing restricted to the experts `keep` flags: other pairs point at `fallback` (a kept
@@ -850,6 +887,17 @@ class CudaBackend final : public Backend {
   // moe_split's host side: the micro-batch's rows (then the host's share per row) and one row
   // per (row, expert) pair the host computes.
   std::vector<float> host_x_, host_pair_x_, host_pair_y_, host_pair_w_;
+  // download_for_split's pinned memory: ids and weights [pairs], x and the host's share [values].
+  struct SplitPinned {
+    int64_t pairs = 0, values = 0;
+    int32_t* ids = nullptr;
+    float *weights = nullptr, *x = nullptr, *upload = nullptr;
+    void release() {
+      if (ids) cudaFreeHost(ids);
+      ids = nullptr;
+    }
+    ~SplitPinned() { release(); }
+  } split_pinned_;
   std::vector<int32_t> host_pair_row_, host_pair_id_;
   // Expert streaming: decode's missed experts computed on the host (moe_split), and its backend.
   const bool host_compute_ = [] {
