@@ -756,6 +756,10 @@ TEST(CudaMoe, DecodeAndPrefillAcrossFormatsAndVariants) {
   cases.push_back({f16, q40, 9, 8, 3, 96, 64, GluKind::kSilu, true, false});
   cases.push_back({f16, q40, 9, 8, 33, 96, 64, GluKind::kSilu, true, false});
   cases.push_back({q8, mx, 64, 8, 500, 64, 64, GluKind::kGelu, false, true});
+  // The Qwen4-Exp Q8_0 fixture's experts as llama.cpp's converter writes them (Q8_0 gate/up, F16
+  // down; hidden 32, inter 16: one Q8_0 block a row, fewer inter rows than a tile), top-10 of
+  // 16, at decode, few-rows and whole-prompt sizes.
+  for (int64_t rows : {1, 5, 9, 40}) cases.push_back({q8, f16, 16, 10, rows, 32, 16, GluKind::kSilu, false, false});
   // Grouped sizes (more than kMoeDecodeMaxRows rows) run through both grouped kernels: the
   // 128-row tiles and the few-rows-per-expert one (moe_grouped_small_kernel), whichever the
   // default would pick.
