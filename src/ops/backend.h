@@ -548,6 +548,17 @@ struct RouteReplay {
 std::shared_ptr<RouteReplay> route_replay_from_probs(const std::vector<float>& probs, int64_t n_layers, int64_t tokens,
                                                      int64_t n_experts, int top_k);
 
+// Filled by the CPU backend's qsa_select when CpuPrecision::qsa_margins is set: for every query
+// row of every call, in call order, its position and how near its selection came to another:
+// (the last kept block's score - the best dropped one's) / the best score, +inf where no block
+// was dropped or both are 0 (relu zeroed every head: a tie both backends break by the same rule,
+// whatever the rounding). A margin within rounding noise is a selection another backend's
+// roundings may make differently: tests exempt such rows as they do near-tied routings.
+struct QsaMargins {
+  std::vector<int64_t> positions;
+  std::vector<float> margins;
+};
+
 // The CUDA backend's rounding on the CPU backend, as a reference for the device tests: they
 // compare the GPU with a CPU that rounds where the GPU path does, which tells a kernel's error
 // from the precision that path runs at (random-weight fixtures amplify a bf16 step in a KV row or
@@ -578,6 +589,8 @@ struct CpuPrecision {
   uint32_t nudge_seed = 0;
   // Non-null: routing taken from another run (RouteReplay) instead of the CPU's own top-k.
   std::shared_ptr<RouteReplay> route_replay;
+  // Non-null: QSA selection margins recorded here (QsaMargins).
+  std::shared_ptr<QsaMargins> qsa_margins;
 
   // The CUDA backend's: bf16 KV, GEMMs past its 8-row GEMV and MoE-decode bound, tensor-core
   // attention past 16 rows, f32 activations into MXFP4 (int8 into MoE decode micro-batches'

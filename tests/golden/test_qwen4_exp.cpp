@@ -266,7 +266,9 @@ TEST(Qwen4ExpBlocks, QsaSelectsTopBlocksPlusTail) {
   for (int t = 0; t < 9; ++t) std::memcpy(&qrows[t * d], q.data(), 8);
   const int max_sel = 2 * r + r - 1;
   std::vector<int32_t> sel(9 * max_sel), cnt(9);
-  cpu::qsa_select(v, Mat(qrows.data(), 9, d), Mat(keys.data(), 9, d), pos.data(), sel.data(), cnt.data(), max_sel);
+  QsaMargins margins;
+  cpu::qsa_select(v, Mat(qrows.data(), 9, d), Mat(keys.data(), 9, d), pos.data(), sel.data(), cnt.data(), max_sel,
+                  &margins);
   // normalized block keys: +x, -x, +y, +x -> scores relu(1), relu(-1)=0, relu(.5), relu(1)
   std::vector<int32_t> last(sel.begin() + 8 * max_sel, sel.begin() + 8 * max_sel + cnt[8]);
   std::sort(last.begin(), last.end());
@@ -275,6 +277,20 @@ TEST(Qwen4ExpBlocks, QsaSelectsTopBlocksPlusTail) {
   EXPECT_EQ(cnt[1], 2);
   // position 2: one block + tail {2}
   EXPECT_EQ(cnt[2], 3);
+  // Margins, (last kept - best dropped) / best: positions 0-4 drop nothing (at most 2 blocks);
+  // 5 and 6 keep blocks 0 and 2 (1 and 0.5) over block 1 (0); 7 and 8 keep 0 and 3 (1, 1) over 2.
+  ASSERT_EQ(margins.positions, pos);
+  for (int t = 0; t < 5; ++t) EXPECT_TRUE(std::isinf(margins.margins[size_t(t)])) << "position " << t;
+  for (int t = 5; t < 9; ++t) EXPECT_NEAR(margins.margins[size_t(t)], 0.5f, 1e-6f) << "position " << t;
+  // Every block at relu 0 for a query along -x... except block 1: two zero scores tie at the cut.
+  const std::vector<float> q_neg = {-1, 0};
+  for (int t = 0; t < 9; ++t) std::memcpy(&qrows[t * d], q_neg.data(), 8);
+  QsaMargins zeros;
+  const std::vector<int64_t> last_pos = {8};
+  cpu::qsa_select(v, Mat(qrows.data() + 8 * d, 1, d), Mat(keys.data() + 8 * d, 1, d), last_pos.data(), sel.data(),
+                  cnt.data(), max_sel, &zeros);
+  ASSERT_EQ(zeros.margins.size(), 1u);
+  EXPECT_TRUE(std::isinf(zeros.margins[0])) << "a tie of two relu-zeroed blocks is not a near tie";
 }
 
 // A NaN in layer 1's indexer weights makes every block score NaN there while the attention

@@ -197,7 +197,7 @@ class CpuBackend final : public Backend {
   }
   void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
                   int32_t* selected, int32_t* counts, int max_selected) override {
-    cpu::qsa_select(qsa, index_q, raw_keys, positions, selected, counts, max_selected);
+    cpu::qsa_select(qsa, index_q, raw_keys, positions, selected, counts, max_selected, precision_.qsa_margins.get());
   }
   void attention_selected(const Mat& q, const KvLayerView& kv, int n_heads, float scale, const int32_t* selected,
                           const int32_t* counts, int max_selected, const Mat& out) override {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -282,7 +283,7 @@ static void select_top_k_like_torch(std::vector<std::pair<float, int64_t>>& scor
 }
 
 void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
-                int32_t* selected, int32_t* counts, int max_selected) {
+                int32_t* selected, int32_t* counts, int max_selected, QsaMargins* margins) {
   const int d = qsa.head_dim, r = qsa.ratio;
   const int64_t n = index_q.rows;
   // 1. Store this micro-batch's raw keys at their positions.
@@ -327,6 +328,17 @@ void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, con
     }
     const size_t keep = std::min<size_t>(size_t(qsa.block_topk), scores.size());
     select_top_k_like_torch(scores, keep);
+    if (margins) {
+      float margin = std::numeric_limits<float>::infinity();
+      if (keep > 0 && keep < scores.size()) {
+        float dropped = scores[keep].first;
+        for (size_t i = keep + 1; i < scores.size(); ++i) dropped = std::max(dropped, scores[i].first);
+        const float last = scores[keep - 1].first, top = scores[0].first;
+        if (last != 0.f || dropped != 0.f) margin = (last - dropped) / std::max(std::fabs(top), 1e-30f);
+      }
+      margins->positions.push_back(p);
+      margins->margins.push_back(margin);
+    }
     for (size_t i = 0; i < keep; ++i) {
       for (int j = 0; j < r; ++j) sel[count++] = int32_t(scores[i].second * r + j);
     }

@@ -33,8 +33,9 @@ void gated_delta_rule_chunked(ThreadPool& pool, const Mat& qkv, const Mat& a, co
 void hc_mix(const Mat& weight, const Mat& normed, int n_streams, const Mat& mixed);
 void hc_inject(const Mat& streams, const Mat& branch, const Mat& inject, int n_streams);
 void ple_gate(const Mat& key, const Mat& query, const Mat& value, int n_streams, const Mat& out);
+// margins: when non-null, each row's position and selection margin appended (QsaMargins).
 void qsa_select(const QsaView& qsa, const Mat& index_q, const Mat& raw_keys, const int64_t* positions,
-                int32_t* selected, int32_t* counts, int max_selected);
+                int32_t* selected, int32_t* counts, int max_selected, QsaMargins* margins = nullptr);
 void attention_selected(ThreadPool& pool, const Mat& q, const KvLayerView& kv, int n_heads, float scale,
                         const int32_t* selected, const int32_t* counts, int max_selected, const Mat& out);
 
