@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "core/quant.h"
 #include "ops/backend.h"
 #include "test_util.h"
 
@@ -61,6 +62,45 @@ TEST(BackendDefaults, SharedInputActivationsAreMatmulThenUnary) {
   std::vector<float> plain(y[0].size());
   be->matmul(ws[0], xm, Mat(plain.data(), rows, 9));
   EXPECT_NE(plain, y[0]);
+}
+
+// The CPU backend runs ggml-format weights over up to 8 rows in one dispatch
+// (cpu::quant_matmul_jobs): the same bits as one matmul each, then unary, at decode and
+// small-batch row counts, for a mix of formats; past 8 rows it takes the default.
+TEST(BackendDefaults, QuantizedSharedInputEqualsMatmulThenUnaryBitForBit) {
+  auto be = make_cpu_backend(3);
+  const int64_t in = 256;
+  const DType types[] = {DType::Q4_0, DType::Q8_0, DType::Q6_K, DType::Q4_K};
+  const int64_t outs[] = {33, 8, 17, 64};
+  std::vector<std::vector<uint8_t>> bytes(4);
+  Weight ws[4];
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<float> w = randoms(size_t(outs[i] * in), 10 + uint32_t(i));
+    const int64_t rb = row_bytes(types[i], in);
+    bytes[size_t(i)].resize(size_t(outs[i] * rb));
+    for (int64_t r = 0; r < outs[i]; ++r) quantize_row(types[i], &w[size_t(r * in)], bytes[size_t(i)].data() + r * rb, in);
+    ws[i].view = WeightView{types[i], bytes[size_t(i)].data(), outs[i], in, rb};
+  }
+  const Weight* wp[] = {&ws[0], &ws[1], &ws[2], &ws[3]};
+  const MatmulAct acts[] = {{}, {Act::kSilu, 1.f, 1.f}, {}, {Act::kSigmoid, 0.5f, 2.f}};
+  for (int64_t rows : {1, 2, 5, 8, 9}) {
+    std::vector<float> x = randoms(size_t(rows * in), 20 + uint32_t(rows));
+    const Mat xm(x.data(), rows, in);
+    std::vector<float> y[4], want[4];
+    Mat ys[4];
+    for (int i = 0; i < 4; ++i) {
+      y[i].assign(size_t(rows * outs[i]), -7.f);
+      want[i] = y[i];
+      ys[i] = Mat(y[i].data(), rows, outs[i]);
+    }
+    be->matmul_shared_input(wp, xm, ys, acts);
+    for (int i = 0; i < 4; ++i) {
+      const Mat wm(want[i].data(), rows, outs[i]);
+      be->matmul(ws[i], xm, wm);
+      if (!acts[i].is_identity()) be->unary(wm, acts[i].act, acts[i].pre, acts[i].post, wm);
+      EXPECT_EQ(y[i], want[i]) << dtype_name(types[i]) << " rows " << rows;
+    }
+  }
 }
 
 TEST(BackendDefaults, RmsnormGroupsNormsEachRangeWithItsWeights) {

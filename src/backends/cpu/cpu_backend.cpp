@@ -68,6 +68,22 @@ class CpuBackend final : public Backend {
 
   void matmul(const Weight& w, const Mat& x, const Mat& y) override { matmul_view(w.view, x, y); }
 
+  // Weights in ggml block formats over a few rows (decode: an attention layer's q | k | v, a
+  // GatedDeltaNet layer's four input projections) in one thread-pool dispatch
+  // (quant_matmul_jobs, the same bits as one matmul each); anything else as the default does.
+  void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys,
+                           std::span<const MatmulAct> acts) override {
+    bool jobs = moe_jobs_on_ && x.rows <= kJobsMaxRows && ws.size() > 1 && precision_.gemm_above_rows == 0 &&
+                precision_.nudge_seed == 0;
+    for (const Weight* w : ws) jobs = jobs && cpu::quant_matmul_takes(w->view.dtype);
+    if (!jobs) return Backend::matmul_shared_input(ws, x, ys, acts);
+    shared_jobs_.clear();
+    for (size_t i = 0; i < ws.size(); ++i) shared_jobs_.push_back({&ws[i]->view, x, ys[i]});
+    cpu::quant_matmul_jobs(pool_, shared_jobs_);
+    for (size_t i = 0; i < acts.size(); ++i)
+      if (!acts[i].is_identity()) unary(ys[i], acts[i].act, acts[i].pre, acts[i].post, ys[i]);
+  }
+
   void add_bias(const Mat& y, const float* bias) override {
     for (int64_t r = 0; r < y.rows; ++r) {
       float* row = y.row(r);
@@ -322,15 +338,18 @@ class CpuBackend final : public Backend {
     for (size_t e = 0; e < experts.size(); ++e) {
       if (by_expert[e].empty()) continue;
       const ExpertWeights& ew = experts[e];
-      if (by_expert[e].size() > kMoeJobsMaxRows || ew.gate_up_interleaved || !cpu::quant_matmul_takes(ew.gate.view.dtype) ||
+      if (int64_t(by_expert[e].size()) > kJobsMaxRows || ew.gate_up_interleaved || !cpu::quant_matmul_takes(ew.gate.view.dtype) ||
           !cpu::quant_matmul_takes(ew.up.view.dtype) || !cpu::quant_matmul_takes(ew.down.view.dtype))
         return false;
     }
     return true;
   }
-  static constexpr size_t kMoeJobsMaxRows = 8;
-  // TURBOSPARK_CPU_MOE_JOBS=0: every micro-batch takes the loop over experts (to measure one
-  // against the other; the results are the same bits).
+  // Rows per expert (moe_experts) or per call (matmul_shared_input) up to which several products
+  // share a dispatch: decode and small batches (prefill micro-batches take the tiled kernels).
+  static constexpr int64_t kJobsMaxRows = 8;
+  // TURBOSPARK_CPU_MOE_JOBS=0: every micro-batch takes the loop over experts and every
+  // shared-input matmul one dispatch per weight (to measure one against the other; the results
+  // are the same bits).
   const bool moe_jobs_on_ = [] {
     const char* v = std::getenv("TURBOSPARK_CPU_MOE_JOBS");
     return !(v && std::string_view(v) == "0");
@@ -635,6 +654,7 @@ class CpuBackend final : public Backend {
   };
   std::vector<MoePicked> moe_picked_;           // moe_experts_as_jobs: per picked expert, its buffers
   std::vector<cpu::QuantMatmulJob> moe_jobs_;   // moe_experts_as_jobs: one dispatch's products
+  std::vector<cpu::QuantMatmulJob> shared_jobs_;  // matmul_shared_input's products
   uint64_t nudge_calls_ = 0;
 };
 
