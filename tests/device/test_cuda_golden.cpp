@@ -659,13 +659,13 @@ TEST(CudaGgufGolden, Qwen4ExpTiledFileMatchesTheCpuAtCudaPrecision) {
 
 // The same model as llama.cpp's converter writes it in Q8_0 (the layout of the Flash-Next
 // benchmark file, tools/make_random_gguf.py --preset qwen4exp-flash-next): its Q8_0 GEMVs,
-// hyper-connection mixers and experts on CUDA. Fed in decode-sized pieces (chunks 1 and 5: the
-// GEMV and MoE decode kernels, activations quantized per 32 as the CPU's Q8_0 path does) it is
-// held to the CPU at CUDA's precision within its noise bound. Fed whole, its GEMMs read Q8_0
-// weights dequantized to bf16 against bf16 activations; CpuPrecision models that rounding, yet
-// the whole prompt still differs by 0.17 of the largest logit on this fixture (H100, 2026-12-06,
-// the same with and without the modelling: the cause is elsewhere and not yet found), so there
-// the greedy tokens must agree but two, and the error is printed.
+// hyper-connection mixers and experts on CUDA, held to the CPU at CUDA's precision within its
+// noise bound at chunks 1, 5 and whole, except rows whose QSA selection is a near tie in the
+// reference (QsaMargins). Fed whole, position 27 keeps its second block by 6.830 against 6.828
+// (a margin of 2.7e-4 of the best score) in the CPU reference, and CUDA's roundings take the
+// other: that row alone moved by 0.21 of the largest logit, every other row stayed within
+// 0.005 (H100, 2026-12-06; it had read as a 0.17 whole-prompt gap). QSA is this fixture's last
+// layer, so a selection moves only its own row; such rows are counted and must be few.
 TEST(CudaGgufGolden, Qwen4ExpQ8FileMatchesTheCpuAtCudaPrecision) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string path = fixture("qwen4_exp_mm_tiny") + "/qwen4_exp_mm_tiny-q8_0.gguf";
@@ -679,17 +679,39 @@ TEST(CudaGgufGolden, Qwen4ExpQ8FileMatchesTheCpuAtCudaPrecision) {
     const std::vector<float> logits = s.feed(g.tokens, chunk, true);
     const CpuReference ref = cpu_reference(path, g.tokens, {{0, T, chunk}}, cuda->preferred_prefill_batch(), 0, nullptr);
     ASSERT_EQ(logits.size(), ref.logits.size());
-    const double err = max_rel_error(logits.data(), ref.logits.data(), ref.logits.size());
-    std::printf("[ measured ] qwen4_exp_mm_tiny q8_0 chunk %lld: CUDA vs the CPU at CUDA's precision %.3g (its noise %.3g)\n",
-                static_cast<long long>(chunk), err, ref.noise);
-    if (chunk > 0) {
-      EXPECT_LT(err, cuda_vs_cpu_bound(ref)) << "chunk " << chunk << " (reference noise " << ref.noise << ")";
-    } else {
-      int agree = 0;
-      for (int64_t t = 0; t < T; ++t)
-        agree += argmax(&logits[size_t(t * V)], V) == argmax(&ref.logits[size_t(t * V)], V);
-      EXPECT_GE(agree, T - 2) << "whole prompt: greedy tokens equal to the CPU's";
+    // The reference's QSA margins (the same run as its un-nudged logits, which are deterministic).
+    CpuPrecision p = CpuPrecision::like_cuda();
+    p.qsa_margins = std::make_shared<QsaMargins>();
+    auto cpu = make_cpu_backend(4, p);
+    LoadedModel mc = load_model(path, *cpu);
+    SessionOptions so;
+    so.max_prefill_batch = cuda->preferred_prefill_batch();
+    Session sc(*mc.model, *cpu, so);
+    ASSERT_EQ(sc.feed(g.tokens, chunk, true), ref.logits) << "chunk " << chunk;
+    std::vector<uint8_t> near(size_t(T), 0);
+    for (size_t i = 0; i < p.qsa_margins->margins.size(); ++i)
+      if (p.qsa_margins->margins[i] < kNearTieMargin) near[size_t(p.qsa_margins->positions[i])] = 1;
+    double err = 0, err_near = 0;
+    int n_near = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const double e = max_rel_error(&logits[size_t(t * V)], &ref.logits[size_t(t * V)], size_t(V));
+      if (near[size_t(t)]) {
+        err_near = std::max(err_near, e);
+        ++n_near;
+      } else {
+        err = std::max(err, e);
+      }
     }
+    std::printf("[ measured ] qwen4_exp_mm_tiny q8_0 chunk %lld: CUDA vs the CPU at CUDA's precision %.3g (its noise "
+                "%.3g) over %lld rows; %d rows with a near-tied QSA selection, at most %.3g\n",
+                static_cast<long long>(chunk), err, ref.noise, static_cast<long long>(T) - n_near, n_near, err_near);
+    // Whole, the other rows reached 0.0049 (rows 9 and 10; the bf16 GGUF's whole prompt 0.0032),
+    // a hair under kCudaVsCpuAtItsPrecisionTol on an H100, where cuBLASLt's algorithm choice may
+    // differ by card: twice the bound there. A wrong kernel moves logits by 0.1 and more.
+    const double bound = chunk == 0 ? std::max(cuda_vs_cpu_bound(ref), 2 * kCudaVsCpuAtItsPrecisionTol)
+                                    : cuda_vs_cpu_bound(ref);
+    EXPECT_LT(err, bound) << "chunk " << chunk << " (reference noise " << ref.noise << ")";
+    EXPECT_LE(n_near, 2) << "chunk " << chunk << ": rows whose QSA selection is a near tie";
   }
 }
 
