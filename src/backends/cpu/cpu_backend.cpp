@@ -291,6 +291,10 @@ class CpuBackend final : public Backend {
           float* u = up.row(i);
           for (int64_t c = 0; c < inter; ++c) g[c] = src[2 * c], u[c] = src[2 * c + 1];
         }
+      } else if (n <= kJobsMaxRows && plain_quant_pair(ew.gate.view, ew.up.view)) {
+        // Streamed experts come one at a time: gate and up share one dispatch at least.
+        const cpu::QuantMatmulJob pair[] = {{&ew.gate.view, xs, gate}, {&ew.up.view, xs, up}};
+        cpu::quant_matmul_jobs(pool_, pair);
       } else {
         matmul_view(ew.gate.view, xs, gate);
         matmul_view(ew.up.view, xs, up);
@@ -325,6 +329,13 @@ class CpuBackend final : public Backend {
       const float wgt = rows[i].second;
       for (int64_t c = 0; c < y.cols; ++c) dst[c] += wgt * src[c];
     }
+  }
+
+  // Whether two weights may share a quant_matmul_jobs dispatch: ggml block formats, the CPU's
+  // own precision (CpuPrecision modelling CUDA routes matmuls by size and format).
+  bool plain_quant_pair(const WeightView& a, const WeightView& b) const {
+    return moe_jobs_on_ && precision_.gemm_above_rows == 0 && precision_.nudge_seed == 0 &&
+           cpu::quant_matmul_takes(a.dtype) && cpu::quant_matmul_takes(b.dtype);
   }
 
   // Whether moe_experts_as_jobs takes this micro-batch: every picked expert's gate, up and down
