@@ -73,8 +73,7 @@ class CpuBackend final : public Backend {
   // (quant_matmul_jobs, the same bits as one matmul each); anything else as the default does.
   void matmul_shared_input(std::span<const Weight* const> ws, const Mat& x, std::span<const Mat> ys,
                            std::span<const MatmulAct> acts) override {
-    bool jobs = moe_jobs_on_ && x.rows <= kJobsMaxRows && ws.size() > 1 && precision_.gemm_above_rows == 0 &&
-                precision_.nudge_seed == 0;
+    bool jobs = jobs_allowed() && x.rows <= kJobsMaxRows && ws.size() > 1;
     for (const Weight* w : ws) jobs = jobs && cpu::quant_matmul_takes(w->view.dtype);
     if (!jobs) return Backend::matmul_shared_input(ws, x, ys, acts);
     shared_jobs_.clear();
@@ -331,11 +330,12 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // Whether two weights may share a quant_matmul_jobs dispatch: ggml block formats, the CPU's
-  // own precision (CpuPrecision modelling CUDA routes matmuls by size and format).
+  // Whether products may share quant_matmul_jobs dispatches at all: not switched off, and the
+  // CPU's own precision (CpuPrecision modelling CUDA routes matmuls by size and format).
+  bool jobs_allowed() const { return moe_jobs_on_ && precision_.gemm_above_rows == 0 && precision_.nudge_seed == 0; }
+  // Whether two weights may share a quant_matmul_jobs dispatch: both in ggml block formats.
   bool plain_quant_pair(const WeightView& a, const WeightView& b) const {
-    return moe_jobs_on_ && precision_.gemm_above_rows == 0 && precision_.nudge_seed == 0 &&
-           cpu::quant_matmul_takes(a.dtype) && cpu::quant_matmul_takes(b.dtype);
+    return jobs_allowed() && cpu::quant_matmul_takes(a.dtype) && cpu::quant_matmul_takes(b.dtype);
   }
 
   // Whether moe_experts_as_jobs takes this micro-batch: every picked expert's gate, up and down
@@ -344,8 +344,7 @@ class CpuBackend final : public Backend {
   // the CPU's own (CpuPrecision modelling CUDA routes matmuls by size and format).
   bool moe_jobs_apply(const std::vector<ExpertWeights>& experts,
                       const std::vector<std::vector<std::pair<int32_t, float>>>& by_expert) const {
-    if (!moe_jobs_on_ || precision_.gemm_above_rows > 0 || precision_.nudge_seed != 0 || precision_.float_mxfp4)
-      return false;
+    if (!jobs_allowed()) return false;
     for (size_t e = 0; e < experts.size(); ++e) {
       if (by_expert[e].empty()) continue;
       const ExpertWeights& ew = experts[e];

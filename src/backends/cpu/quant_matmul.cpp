@@ -785,6 +785,7 @@ void quant_matmul_jobs(ThreadPool& pool, std::span<const QuantMatmulJob> jobs) {
     const QuantMatmulJob* job;
     Format f;
     int64_t xq_stride, xq_offset, first_row;
+    bool quantizes;  // the first job to name its x quantizes it
   };
   thread_local std::vector<Fused> fused;
   fused.clear();
@@ -805,19 +806,17 @@ void quant_matmul_jobs(ThreadPool& pool, std::span<const QuantMatmulJob> jobs) {
       if (o.job->x.data == job.x.data && o.job->x.rows == job.x.rows && o.job->x.cols == job.x.cols &&
           o.job->x.stride == job.x.stride && o.f.act == f.act)
         offset = o.xq_offset;
-    if (offset < 0) offset = xq_bytes, xq_bytes += stride * job.x.rows;
-    fused.push_back({&job, f, stride, offset, total_rows});
+    const bool quantizes = offset < 0;
+    if (quantizes) offset = xq_bytes, xq_bytes += stride * job.x.rows;
+    fused.push_back({&job, f, stride, offset, total_rows, quantizes});
     total_rows += job.w->rows;
   }
   if (fused.empty()) return;
   std::vector<uint8_t>& xq = activation_scratch();
   if (int64_t(xq.size()) < xq_bytes) xq.resize(size_t(xq_bytes));
   uint8_t* xq_data = xq.data();
-  for (size_t j = 0; j < fused.size(); ++j) {
-    const Fused& u = fused[j];
-    bool first = true;  // the first job to name this x quantizes it
-    for (size_t i = 0; i < j; ++i) first &= fused[i].xq_offset != u.xq_offset;
-    if (!first) continue;
+  for (const Fused& u : fused) {
+    if (!u.quantizes) continue;
     for (int64_t t = 0; t < u.job->x.rows; ++t)
       quantize_act_row<true>(u.f, u.job->x.row(t), xq_data + u.xq_offset + t * u.xq_stride, u.job->w->cols);
   }
